@@ -1,0 +1,219 @@
+"""Shared benchmark plumbing: processes to start, a lean HTTP client, statistics, tables."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from gateway.embedded_redis import EmbeddedRedis, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "out"
+console = Console()
+
+
+# -- processes -----------------------------------------------------------------------------
+
+
+def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def wait_ready(base: str, procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a benchmark process exited early; see bench/out/*.log")
+        try:
+            if httpx.get(base + "/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{base} not ready within {timeout_s} s")
+
+
+@contextmanager
+def stack(
+    engine: str = "echo",
+    workers: int = 1,
+    echo_tokens: int = 16,
+    slots: int = 32,
+    extra_gateway: Sequence[str] = (),
+    model_dir: str | None = None,
+) -> Iterator[tuple[str, str, str]]:
+    """Redis + N workers + one gateway, as separate processes; yields (base_url, redis_url,
+    API key of a tenant whose budget never binds)."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    with EmbeddedRedis() as redis:
+        port = free_port()
+        model = ["--model", model_dir] if model_dir else []
+        procs = [
+            spawn(
+                ["-m", "workers", "--redis-url", redis.url, "--engine", engine, "--echo-tokens", str(echo_tokens),
+                 "--slots", str(slots), "--worker-id", f"bench-{i}", *model],
+                OUT / f"worker-{i}.log",
+            )
+            for i in range(workers)
+        ]
+        procs.append(
+            spawn(
+                ["-m", "gateway.cli", "--log-level", "WARNING", "gateway", "--redis-url", redis.url,
+                 "--port", str(port), "--admin-token", ADMIN_TOKEN, *model, *extra_gateway],
+                OUT / "gateway.log",
+            )
+        )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(base, procs)
+            yield base, redis.url, bench_key(base)
+        finally:
+            stop(procs)
+
+
+ADMIN_TOKEN = "bench-admin-token-0123456789"
+
+
+def bench_key(base: str) -> str:
+    """A key for a tenant with a budget far above any benchmark's load."""
+    admin = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+    body = {"name": "bench", "rate": 1e8, "burst": 10**10, "max_queue_delay_s": 0}
+    httpx.post(base + "/admin/tenants", json=body, headers=admin).raise_for_status()
+    r = httpx.post(base + "/admin/tenants/bench/keys", headers=admin)
+    r.raise_for_status()
+    return str(r.json()["key"])
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+# -- a lean HTTP/1.1 client (so the load generator costs little of the 2 cores) --------------
+
+
+class RawClient:
+    """Keep-alive HTTP/1.1 POSTs over asyncio streams; one request per connection at a time."""
+
+    def __init__(self, host: str, port: int, headers: dict[str, str] | None = None) -> None:
+        self.host, self.port = host, port
+        self.headers = headers or {}
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        while self._idle:
+            conn = self._idle.pop()
+            result = await self._post(conn, path, body, headers)
+            if result is not None:  # None: the server closed this idle connection
+                return result
+        conn = await asyncio.open_connection(self.host, self.port)
+        result = await self._post(conn, path, body, headers)
+        if result is None:
+            raise ConnectionError("the server closed a fresh connection")
+        return result
+
+    async def _post(
+        self,
+        conn: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        path: str,
+        body: bytes,
+        headers: dict[str, str] | None,
+    ) -> tuple[int, bytes] | None:
+        reader, writer = conn
+        head = f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"
+        for k, v in {**self.headers, **(headers or {})}.items():
+            head += f"{k}: {v}\r\n"
+        writer.write(f"{head}content-length: {len(body)}\r\n\r\n".encode() + body)
+        try:
+            status_line = await reader.readline()
+        except ConnectionError:
+            return None
+        if not status_line:
+            writer.close()
+            return None
+        length = 0
+        while True:
+            line = await reader.readline()
+            if line in (b"\r\n", b""):
+                break
+            if line[:15].lower() == b"content-length:":
+                length = int(line[15:])
+        payload = await reader.readexactly(length)
+        self._idle.append(conn)
+        return int(status_line.split()[1]), payload
+
+    async def close(self) -> None:
+        for _, writer in self._idle:
+            writer.close()
+        self._idle.clear()
+
+
+async def open_loop(
+    send: object, rate: float, duration_s: float, seed: int = 0
+) -> tuple[list[float], int, float]:
+    """Poisson arrivals at ``rate``/s for ``duration_s``; returns latencies (s), errors, elapsed."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, size=int(rate * duration_s * 1.5) + 10)
+    latencies: list[float] = []
+    errors = 0
+
+    async def one() -> None:
+        nonlocal errors
+        t0 = time.perf_counter()
+        ok = await send()  # type: ignore[operator]
+        if ok:
+            latencies.append(time.perf_counter() - t0)
+        else:
+            errors += 1
+
+    tasks: list[asyncio.Task[None]] = []
+    start = time.perf_counter()
+    due = start
+    for gap in gaps:
+        due += gap
+        if due - start > duration_s:
+            break
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one()))
+    await asyncio.gather(*tasks)
+    return latencies, errors, time.perf_counter() - start
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(*(f"{x:.3f}" if isinstance(x, float) else str(x) for x in r))
+    console.print(t)

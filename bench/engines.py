@@ -1,0 +1,126 @@
+"""Continuous batching inside one CPU worker: tokengate's engine vs what `transformers` offers.
+
+    python -m bench.engines [--sizes 1,8,32] [--new-tokens 32] [--json]
+
+For each concurrency B, B chat prompts are decoded greedily for exactly --new-tokens
+tokens (end-of-sequence ignored by taking the token budget as given) by:
+  tokengate     workers.hf_engine.HFEngine: iteration-level batching, shared left-padded KV;
+  generate      a plain batched `model.generate` (left padding), the issue's baseline;
+  cb-manager    `model.generate_batch`, transformers' continuous-batching manager.
+Reported: generated tokens/s and the ratio to the same engine at B=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import orjson
+import torch
+
+from bench.common import table
+from bench.model import PROMPTS
+from workers import model_store
+from workers.devices import probe
+from workers.hf_engine import HFEngine
+from workers.protocol import Finished, SamplingParams, SeqJob
+
+
+def _prompts(engine: HFEngine, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        enc = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], add_generation_prompt=True, return_dict=True
+        )
+        out.append(list(enc["input_ids"]))
+    return out
+
+
+def run_tokengate(engine: HFEngine, prompts: list[list[int]], new_tokens: int) -> tuple[int, float]:
+    params = SamplingParams(new_tokens, temperature=0.0)
+    t0 = time.perf_counter()
+    for i, x in enumerate(prompts):
+        engine.add(SeqJob(str(i), tuple(x), params))
+    tokens = 0
+    while engine.busy:
+        tokens += sum(e.completion_tokens for e in engine.step().events if isinstance(e, Finished))
+    return tokens, time.perf_counter() - t0
+
+
+def run_generate(engine: HFEngine, prompts: list[list[int]], new_tokens: int) -> tuple[int, float]:
+    tok = engine.tokenizer
+    tok.padding_side = "left"
+    batch = tok.pad({"input_ids": prompts}, return_tensors="pt")
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = engine.model.generate(**batch, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    elapsed = time.perf_counter() - t0
+    generated = out[:, batch["input_ids"].shape[1]:]
+    eos = set(engine.eos_ids)
+    tokens = 0
+    for row in generated.tolist():  # count up to and including the first end-of-sequence
+        for t in row:
+            tokens += 1
+            if t in eos:
+                break
+    return tokens, elapsed
+
+
+def run_cb_manager(engine: HFEngine, prompts: list[list[int]], new_tokens: int) -> tuple[int, float]:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=list(engine.eos_ids),
+                              pad_token_id=engine.pad_id)
+    t0 = time.perf_counter()
+    # the manager runs its own thread (and its own no-grad handling): no inference_mode here
+    out = engine.model.generate_batch(prompts, generation_config=config, progress_bar=False)
+    elapsed = time.perf_counter() - t0
+    return sum(len(o.generated_tokens) for o in out.values()), elapsed
+
+
+RUNNERS = {"tokengate": run_tokengate, "generate": run_generate, "cb-manager": run_cb_manager}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1,8,32")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--engines", default=",".join(RUNNERS))
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    model_store.offline()
+    spec = model_store.resolve(None, model_store.default_cache_dir())
+    engine = HFEngine(spec.path, probe("cpu"), slots=256)
+    sizes = [int(x) for x in args.sizes.split(",")]
+    rows = []
+    for name in args.engines.split(","):
+        run = RUNNERS[name]
+        try:
+            run(engine, _prompts(engine, 2), 4)  # warm-up
+        except Exception as exc:  # an engine that cannot run here is reported, not hidden
+            rows.append({"engine": name, "concurrency": 0, "error": repr(exc)[:120]})
+            continue
+        base = None
+        for b in sizes:
+            tokens, secs = run(engine, _prompts(engine, b), args.new_tokens)
+            if tokens == 0:
+                rows.append({"engine": name, "concurrency": b, "error": "generated no tokens"})
+                continue
+            tps = tokens / secs
+            base = base or tps
+            rows.append({"engine": name, "concurrency": b, "tokens": tokens, "seconds": secs,
+                         "tokens_per_s": tps, "vs_b1": tps / base})
+    if args.json:
+        for r in rows:
+            print(orjson.dumps(r).decode())
+        return
+    table(
+        f"continuous batching on this CPU ({spec.name}, greedy, {args.new_tokens} new tokens)",
+        ["engine", "concurrency", "tokens", "seconds", "tokens/s", "x its B=1", "error"],
+        [[r["engine"], r["concurrency"], r.get("tokens", ""), r.get("seconds", ""), r.get("tokens_per_s", ""),
+          r.get("vs_b1", ""), r.get("error", "")] for r in rows],
+    )
+
+
+if __name__ == "__main__":
+    main()

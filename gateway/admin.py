@@ -1,0 +1,141 @@
+"""The admin API under ``/admin`` (docs/tenants.md): tenants, API keys, usage, workers and
+the scheduler. ``auth.AdminGuard`` has checked the admin token before any of these runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway import admin_protocol as ap
+from gateway import usage
+from gateway.tenants import to_doc
+from gateway.web import ORJSONResponse, read_json
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+_ADMIN_BODY_LIMIT = 64 * 1024
+
+
+def _gw(request: Request) -> Gateway:
+    gw: Gateway = request.app.state.gateway
+    return gw
+
+
+async def _body(request: Request) -> Any:
+    """The JSON body; an empty body reads as ``{}``."""
+    if request.headers.get("content-length") in (
+        None,
+        "0",
+    ) and "chunked" not in request.headers.get("transfer-encoding", ""):
+        return {}
+    return await read_json(request, _ADMIN_BODY_LIMIT)
+
+
+def _list(data: list[dict[str, Any]], **extra: Any) -> Response:
+    return ORJSONResponse({"object": "list", "data": data, **extra})
+
+
+# -- tenants -------------------------------------------------------------------------------
+
+
+async def create_tenant(request: Request) -> Response:
+    tenant = ap.parse_create(await _body(request))
+    await _gw(request).tenants.create(tenant)
+    return ORJSONResponse(to_doc(tenant), status_code=201)
+
+
+async def list_tenants(request: Request) -> Response:
+    return _list([to_doc(t) for t in await _gw(request).tenants.list_tenants()])
+
+
+async def get_tenant(request: Request) -> Response:
+    gw = _gw(request)
+    tenant = await gw.tenants.get(request.path_params["tenant"])
+    return ORJSONResponse({**to_doc(tenant), "state": await gw.budget.state(tenant)})
+
+
+async def update_tenant(request: Request) -> Response:
+    change = ap.parse_update(await _body(request))
+    gw = _gw(request)
+    tenant = await gw.tenants.update(
+        request.path_params["tenant"], lambda t: ap.apply_update(t, change)
+    )
+    gw.auth.cache.forget(tenant_id=tenant.id)
+    return ORJSONResponse(to_doc(tenant))
+
+
+async def delete_tenant(request: Request) -> Response:
+    gw = _gw(request)
+    tenant = await gw.tenants.delete(request.path_params["tenant"])
+    gw.auth.cache.forget(tenant_id=tenant.id)
+    return ORJSONResponse(
+        {"id": tenant.id, "object": "tenant", "name": tenant.name, "deleted": True}
+    )
+
+
+async def tenant_usage(request: Request) -> Response:
+    gw = _gw(request)
+    tenant = await gw.tenants.get(request.path_params["tenant"])
+    q = request.query_params
+    first, last = usage.window(q.get("since"), q.get("until"), time.time())
+    rows = await usage.series(gw.client, tenant.id, first, last)
+    return _list(
+        rows, tenant=tenant.id, since=first * 60, until=last * 60 + 59, totals=usage.totals(rows)
+    )
+
+
+# -- keys ----------------------------------------------------------------------------------
+
+
+async def issue_key(request: Request) -> Response:
+    name = ap.parse_key_create(await _body(request))
+    key, info = await _gw(request).tenants.issue_key(request.path_params["tenant"], name)
+    return ORJSONResponse({**info.doc(), "key": key}, status_code=201)
+
+
+async def list_keys(request: Request) -> Response:
+    found = await _gw(request).tenants.list_keys(request.path_params["tenant"])
+    return _list([k.doc() for k in found])
+
+
+async def revoke_key(request: Request) -> Response:
+    prefix = request.path_params["prefix"]
+    gw = _gw(request)
+    await gw.tenants.revoke_key(prefix)
+    gw.auth.cache.forget(prefix=prefix)
+    return ORJSONResponse({"prefix": prefix, "object": "api_key", "deleted": True})
+
+
+# -- the machinery -------------------------------------------------------------------------
+
+
+async def workers(request: Request) -> Response:
+    beats = _gw(request).dispatcher.workers
+    return _list([dataclasses.asdict(hb) for hb in beats.values()])
+
+
+async def scheduler(request: Request) -> Response:
+    return ORJSONResponse(_gw(request).scheduler_snapshot())
+
+
+def routes() -> list[Route]:
+    """Mounted at ``/admin``."""
+    return [
+        Route("/tenants", create_tenant, methods=["POST"]),
+        Route("/tenants", list_tenants, methods=["GET"]),
+        Route("/tenants/{tenant}", get_tenant, methods=["GET"]),
+        Route("/tenants/{tenant}", update_tenant, methods=["PATCH"]),
+        Route("/tenants/{tenant}", delete_tenant, methods=["DELETE"]),
+        Route("/tenants/{tenant}/usage", tenant_usage, methods=["GET"]),
+        Route("/tenants/{tenant}/keys", issue_key, methods=["POST"]),
+        Route("/tenants/{tenant}/keys", list_keys, methods=["GET"]),
+        Route("/keys/{prefix}", revoke_key, methods=["DELETE"]),
+        Route("/workers", workers, methods=["GET"]),
+        Route("/scheduler", scheduler, methods=["GET"]),
+    ]

@@ -1,0 +1,182 @@
+"""`tokengate tenants …` and `tokengate keys …`: the admin API from the command line.
+
+Each command is one HTTP call to a running gateway (``--url``, ``--admin-token``, or
+``TOKENGATE_URL``, ``TOKENGATE_ADMIN_TOKEN``); the reply is printed as JSON. An error
+prints the API's message and exits 1 (2 when the gateway cannot be reached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from workers.cli import env_default
+
+_LIMITS = ("max_prompt_tokens", "max_output_tokens", "max_concurrent")
+
+
+def _count_or_none(text: str) -> int | None:
+    if text.lower() in ("none", "null", ""):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number or 'none', got {text!r}"
+        ) from None
+    return value
+
+
+def _models(text: str) -> list[str]:
+    return [m.strip() for m in text.split(",") if m.strip()]
+
+
+def _connection() -> argparse.ArgumentParser:
+    conn = argparse.ArgumentParser(add_help=False)
+    conn.add_argument(
+        "--url",
+        default=env_default("url", "http://127.0.0.1:8000"),
+        help="the gateway (env TOKENGATE_URL)",
+    )
+    conn.add_argument(
+        "--admin-token",
+        default=env_default("admin_token"),
+        help="the gateway's admin token (env TOKENGATE_ADMIN_TOKEN)",
+    )
+    return conn
+
+
+def _tenant_fields(parser: argparse.ArgumentParser, create: bool) -> None:
+    if create:
+        parser.add_argument("name")
+        parser.add_argument("--rate", type=float, required=True, help="budget in tokens/s")
+    else:
+        parser.add_argument("tenant", help="tenant id or name")
+        parser.add_argument("--name", help="a new name")
+        parser.add_argument("--rate", type=float, help="budget in tokens/s")
+    parser.add_argument("--burst", type=int, help="tokens spendable at once (default 10 s of rate)")
+    parser.add_argument("--priority", type=int, help="scheduler class, 0 (most urgent) to 9")
+    parser.add_argument(
+        "--weight", type=float, help="share under overload, tokens/s (default: rate)"
+    )
+    parser.add_argument(
+        "--max-queue-delay",
+        type=float,
+        dest="max_queue_delay_s",
+        help="seconds a request may wait for its budget before a 429",
+    )
+    for limit in _LIMITS:
+        parser.add_argument(
+            "--" + limit.replace("_", "-"),
+            type=_count_or_none,
+            default=argparse.SUPPRESS,
+            help="a whole number, or 'none' for no limit",
+        )
+    parser.add_argument(
+        "--allowed-models",
+        type=_models,
+        default=argparse.SUPPRESS,
+        help="comma-separated model ids; '' allows every model",
+    )
+
+
+def add_commands(sub: Any) -> None:
+    conn = _connection()
+    tenants = sub.add_parser("tenants", help="create, list, read, update, delete tenants; usage")
+    tsub = tenants.add_subparsers(dest="action", required=True)
+    _tenant_fields(tsub.add_parser("create", parents=[conn], help="a new tenant"), create=True)
+    tsub.add_parser("list", parents=[conn], help="every tenant")
+    tsub.add_parser("get", parents=[conn], help="one tenant and its budget now").add_argument(
+        "tenant"
+    )
+    _tenant_fields(
+        tsub.add_parser("update", parents=[conn], help="change some fields"), create=False
+    )
+    tsub.add_parser("delete", parents=[conn], help="a tenant and all its keys").add_argument(
+        "tenant"
+    )
+    usage = tsub.add_parser("usage", parents=[conn], help="per-minute usage")
+    usage.add_argument("tenant")
+    usage.add_argument("--since", help="unix seconds (default: an hour ago)")
+    usage.add_argument("--until", help="unix seconds (default: now)")
+
+    api_keys = sub.add_parser("keys", help="issue, list, revoke API keys")
+    ksub = api_keys.add_subparsers(dest="action", required=True)
+    issue = ksub.add_parser("issue", parents=[conn], help="a new key (printed once)")
+    issue.add_argument("tenant", help="tenant id or name")
+    issue.add_argument("--name", default="", help="a label for the key")
+    ksub.add_parser("list", parents=[conn], help="a tenant's keys, by prefix").add_argument(
+        "tenant"
+    )
+    ksub.add_parser("revoke", parents=[conn], help="revoke a key by its prefix").add_argument(
+        "prefix"
+    )
+
+
+def tenant_body(args: argparse.Namespace) -> dict[str, Any]:
+    """The JSON body of `tenants create|update`: only the options given."""
+    body: dict[str, Any] = {}
+    for name in ("name", "rate", "burst", "priority", "weight", "max_queue_delay_s"):
+        value = getattr(args, name, None)
+        if value is not None:
+            body[name] = value
+    limits = {k: getattr(args, k) for k in (*_LIMITS, "allowed_models") if hasattr(args, k)}
+    if limits:
+        body["limits"] = limits
+    return body
+
+
+def request_for(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
+    """(method, path, body) of a command."""
+    q = urllib.parse.quote
+    if args.command == "keys":
+        if args.action == "issue":
+            return "POST", f"/admin/tenants/{q(args.tenant)}/keys", {"name": args.name}
+        if args.action == "list":
+            return "GET", f"/admin/tenants/{q(args.tenant)}/keys", None
+        return "DELETE", f"/admin/keys/{q(args.prefix)}", None
+    if args.action == "create":
+        return "POST", "/admin/tenants", tenant_body(args)
+    if args.action == "list":
+        return "GET", "/admin/tenants", None
+    path = f"/admin/tenants/{q(args.tenant)}"
+    if args.action == "update":
+        return "PATCH", path, tenant_body(args)
+    if args.action == "usage":
+        query = {k: v for k in ("since", "until") if (v := getattr(args, k)) is not None}
+        return "GET", f"{path}/usage" + (f"?{urllib.parse.urlencode(query)}" if query else ""), None
+    return ("DELETE" if args.action == "delete" else "GET"), path, None
+
+
+def call(url: str, token: str | None, method: str, path: str, body: dict[str, Any] | None) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url.rstrip("/") + path, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+def run(args: argparse.Namespace) -> int:
+    method, path, body = request_for(args)
+    try:
+        result = call(args.url, args.admin_token, method, path, body)
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            message = json.loads(raw)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = raw.decode(errors="replace") or exc.reason
+        print(f"tokengate: {message} (HTTP {exc.code})", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"tokengate: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2))
+    return 0

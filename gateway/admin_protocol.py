@@ -1,0 +1,149 @@
+"""Admin API JSON in, tenants out: the one place that validates what an operator sends.
+
+Unknown fields are refused (a typo in a limit must not pass silently); every error is a
+400 naming the field in ``param``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gateway.errors import InvalidRequest
+from gateway.openai_protocol import validation_error
+from gateway.tenants import (
+    DEFAULT_MAX_QUEUE_DELAY_S,
+    NAME_PATTERN,
+    Limits,
+    Tenant,
+    default_burst,
+    new_id,
+    with_rate,
+)
+
+Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+Rate = Annotated[float, Field(gt=0.0, le=1e9, allow_inf_nan=False)]
+Burst = Annotated[int, Field(ge=1, le=10**12)]
+Priority = Annotated[int, Field(ge=0, le=9)]
+QueueDelay = Annotated[float, Field(ge=0.0, le=300.0, allow_inf_nan=False)]
+Count = Annotated[int, Field(ge=1, le=10**9)]
+Models = Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=64)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+def _not_null(v: Any) -> Any:
+    if v is None:
+        raise ValueError("must not be null")
+    return v
+
+
+class LimitsIn(_Model):
+    """Absent fields keep their value on update; null removes a limit."""
+
+    max_prompt_tokens: Count | None = None
+    max_output_tokens: Count | None = None
+    max_concurrent: Count | None = None
+    allowed_models: Models | None = None
+
+    def apply(self, base: Limits) -> Limits:
+        given = self.model_fields_set
+        models = base.allowed_models
+        if "allowed_models" in given:
+            models = tuple(dict.fromkeys(self.allowed_models or ()))
+        return Limits(
+            max_prompt_tokens=self.max_prompt_tokens
+            if "max_prompt_tokens" in given
+            else base.max_prompt_tokens,
+            max_output_tokens=self.max_output_tokens
+            if "max_output_tokens" in given
+            else base.max_output_tokens,
+            max_concurrent=self.max_concurrent
+            if "max_concurrent" in given
+            else base.max_concurrent,
+            allowed_models=models,
+        )
+
+
+class TenantCreate(_Model):
+    name: Name
+    rate: Rate
+    burst: Burst | None = None  # default: ten seconds of the rate
+    priority: Priority = 0
+    weight: Rate | None = None  # default: the rate
+    max_queue_delay_s: QueueDelay = DEFAULT_MAX_QUEUE_DELAY_S
+    limits: LimitsIn = LimitsIn()
+
+
+class TenantUpdate(_Model):
+    """Every field optional; only the given ones change."""
+
+    name: Name | None = None
+    rate: Rate | None = None
+    burst: Burst | None = None
+    priority: Priority | None = None
+    weight: Rate | None = None
+    max_queue_delay_s: QueueDelay | None = None
+    limits: LimitsIn | None = None
+
+    _given = field_validator(
+        "name", "rate", "burst", "priority", "weight", "max_queue_delay_s", "limits"
+    )(_not_null)
+
+
+class KeyCreate(_Model):
+    name: Annotated[str, Field(max_length=128)] = ""
+
+
+def _parse(model: type[_Model], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def parse_create(body: Any, now: float | None = None) -> Tenant:
+    req: TenantCreate = _parse(TenantCreate, body)
+    return Tenant(
+        id=new_id(),
+        name=req.name,
+        rate=req.rate,
+        burst=req.burst if req.burst is not None else default_burst(req.rate),
+        priority=req.priority,
+        weight=req.weight or req.rate,
+        max_queue_delay_s=req.max_queue_delay_s,
+        limits=req.limits.apply(Limits()),
+        created=int(time.time() if now is None else now),
+    )
+
+
+def parse_update(body: Any) -> TenantUpdate:
+    upd: TenantUpdate = _parse(TenantUpdate, body)
+    return upd
+
+
+def apply_update(tenant: Tenant, upd: TenantUpdate) -> Tenant:
+    t = with_rate(tenant, upd.rate) if upd.rate is not None else tenant
+    return replace(
+        t,
+        name=upd.name if upd.name is not None else t.name,
+        burst=upd.burst if upd.burst is not None else t.burst,
+        priority=upd.priority if upd.priority is not None else t.priority,
+        weight=upd.weight if upd.weight is not None else t.weight,
+        max_queue_delay_s=upd.max_queue_delay_s
+        if upd.max_queue_delay_s is not None
+        else t.max_queue_delay_s,
+        limits=upd.limits.apply(t.limits) if upd.limits is not None else t.limits,
+    )
+
+
+def parse_key_create(body: Any) -> str:
+    req: KeyCreate = _parse(KeyCreate, body)
+    return req.name

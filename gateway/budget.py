@@ -1,0 +1,307 @@
+"""Token budgets in Redis: one Lua call admits a request, one settles it.
+
+The scripts implement ``gateway.gcra`` (the specification, with the formulas) on Redis's
+clock, so every gateway replica shares one budget per tenant. Admission also takes a
+concurrency lease, writes the request's ownership record and counts usage, all in the
+same atomic call; settlement ends the lease, refunds (or charges) the difference between
+reserved and used tokens, and counts the tokens. Both take an explicit ``now`` for tests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from gateway import gcra, keyspace
+from gateway.errors import GatewayError, RateLimited, TokensRateLimited, Unauthorized
+from gateway.keys import KeyRef
+from gateway.limits import over_burst
+from gateway.settings import GatewaySettings
+from gateway.tenants import Tenant
+
+_PRELUDE = """
+local function num(x) return string.format('%.17g', x) end
+local now
+if ARGV[#ARGV] ~= '' then
+  now = tonumber(ARGV[#ARGV])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local tat = tonumber(redis.call('GET', KEYS[1]))
+local start = now
+if tat and tat > now then start = tat end
+"""
+
+# KEYS: budget, leases, request record, usage minute, API key record
+# ARGV: rate, burst, cost, max_wait, max_concurrent (0: none), lease_s, rid, tenant id,
+#       prompt tokens, record ttl s, usage ttl s, key digest ('' to skip the key check),
+#       now ('' for Redis TIME)
+ADMIT = (
+    _PRELUDE
+    + """
+if ARGV[12] ~= '' and redis.call('HGET', KEYS[5], 'digest') ~= ARGV[12] then
+  return {'revoked', num(now), num(start), '0', 0}
+end
+local rate, burst, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local max_wait, max_concurrent, lease = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', num(now))
+local in_flight = redis.call('ZCARD', KEYS[2])
+local function refuse(status, wait)
+  if status ~= 'too_large' then
+    redis.call('HINCRBY', KEYS[4], 'rate_limited', 1)
+    redis.call('EXPIRE', KEYS[4], ARGV[11])
+  end
+  return {status, num(now), num(start), num(wait), in_flight}
+end
+if cost > burst then return refuse('too_large', 0) end
+if max_concurrent > 0 and in_flight >= max_concurrent then return refuse('concurrency', 0) end
+local new_tat = start + cost / rate
+local wait = new_tat - burst / rate - now
+if wait < 0 then wait = 0 end
+if wait > max_wait then return refuse('budget', wait) end
+redis.call('SET', KEYS[1], num(new_tat), 'PX', math.ceil((new_tat - now) * 1000) + 60000)
+redis.call('ZADD', KEYS[2], num(now + lease), ARGV[7])
+redis.call('PEXPIRE', KEYS[2], math.ceil(lease * 1000) + 60000)
+redis.call('HSET', KEYS[3], 'tenant', ARGV[8], 'state', 'admitted', 'admitted_at', num(now),
+           'prompt_tokens', ARGV[9], 'reserved_tokens', ARGV[3], 'budget_wait_s', num(wait))
+redis.call('EXPIRE', KEYS[3], ARGV[10])
+redis.call('HINCRBY', KEYS[4], 'requests', 1)
+redis.call('EXPIRE', KEYS[4], ARGV[11])
+return {'ok', num(now), num(new_tat), num(wait), in_flight + 1}
+"""
+)
+
+# KEYS: budget, leases, request record, usage minute
+# ARGV: rate, rid, delta tokens, state, charged prompt tokens, charged completion tokens,
+#       usage ttl s, then field/value pairs for the request record, now ('' for Redis TIME)
+SETTLE = (
+    _PRELUDE
+    + """
+if redis.call('ZREM', KEYS[2], ARGV[2]) == 0 then return 0 end
+local new_tat = start + tonumber(ARGV[3]) / tonumber(ARGV[1])
+if new_tat > now then
+  redis.call('SET', KEYS[1], num(new_tat), 'PX', math.ceil((new_tat - now) * 1000) + 60000)
+else
+  redis.call('DEL', KEYS[1])
+end
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('HSET', KEYS[3], 'state', ARGV[4], 'finished_at', num(now),
+             'charged_tokens', tonumber(ARGV[5]) + tonumber(ARGV[6]))
+  for i = 8, #ARGV - 2, 2 do  -- extra record fields: the contract and what happened
+    redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
+  end
+end
+redis.call('HINCRBY', KEYS[4], 'prompt_tokens', ARGV[5])
+redis.call('HINCRBY', KEYS[4], 'completion_tokens', ARGV[6])
+redis.call('EXPIRE', KEYS[4], ARGV[7])
+return 1
+"""
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """An admitted request: it may start after ``wait_s`` seconds (already reserved) and
+    must be settled exactly once (``Budget.settle``; a second call changes nothing)."""
+
+    rid: str
+    tenant: Tenant
+    reserved: int  # prompt + max output tokens
+    wait_s: float
+    headers: dict[str, str]
+
+
+def headers(tenant: Tenant, verdict: gcra.Verdict) -> dict[str, str]:
+    """OpenAI's rate limit headers: tokens from the budget, requests from the concurrency limit."""
+    out = {
+        "x-ratelimit-limit-tokens": str(tenant.burst),
+        "x-ratelimit-remaining-tokens": str(
+            gcra.remaining_tokens(verdict.tat, verdict.now, tenant.rate, tenant.burst)
+        ),
+        "x-ratelimit-reset-tokens": gcra.duration(gcra.reset_s(verdict.tat, verdict.now)),
+    }
+    limit = tenant.limits.max_concurrent
+    if limit is not None:
+        out["x-ratelimit-limit-requests"] = str(limit)
+        out["x-ratelimit-remaining-requests"] = str(max(0, limit - verdict.in_flight))
+    return out
+
+
+def refusal(tenant: Tenant, verdict: gcra.Verdict, cost: int, max_wait: float) -> GatewayError:
+    """The error for a verdict other than ``ok``."""
+    if verdict.status == "too_large":  # a tenant update raced the check in gateway.limits
+        return over_burst(tenant, cost)
+    if verdict.status == "revoked":
+        return Unauthorized("Incorrect API key provided: it is unknown or revoked.")
+    hdrs = headers(tenant, verdict)
+    if verdict.status == "concurrency":
+        hdrs["retry-after"] = "1"
+        return RateLimited(
+            f"Rate limit reached for tenant '{tenant.name}': {verdict.in_flight} requests in "
+            f"flight, the limit is {tenant.limits.max_concurrent}. Retry when one has finished.",
+            headers=hdrs,
+        )
+    retry = gcra.retry_after_s(verdict.wait, max_wait)
+    hdrs["retry-after"] = str(retry)
+    return TokensRateLimited(
+        f"Rate limit reached for tenant '{tenant.name}' on tokens: this request needs {cost} "
+        f"tokens, which the budget ({tenant.rate:g} tokens/s, burst {tenant.burst}) frees in "
+        f"{verdict.wait:.3g} s, longer than the {max_wait:g} s it may wait. "
+        f"Retry after {retry} s.",
+        headers=hdrs,
+        extra={"budget_wait_s": round(verdict.wait, 3)},
+    )
+
+
+def _args(*values: float | int | str | None) -> list[str]:
+    return ["" if v is None else repr(v) if isinstance(v, float) else str(v) for v in values]
+
+
+def _verdict(reply: list[bytes | int]) -> gcra.Verdict:
+    status, now, tat, wait, in_flight = reply
+    assert isinstance(status, bytes) and isinstance(in_flight, int)
+    return gcra.Verdict(status.decode(), float(now), float(tat), float(wait), in_flight)  # type: ignore[arg-type]
+
+
+class Budget:
+    def __init__(self, client: aioredis.Redis, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.client = client
+        self._admit = client.register_script(ADMIT)
+        self._settle = client.register_script(SETTLE)
+
+    async def reserve(
+        self,
+        tenant: Tenant,
+        rid: str,
+        cost: int,
+        max_wait: float,
+        prompt_tokens: int,
+        *,
+        key: KeyRef | None = None,
+        now: float | None = None,
+        wall: float | None = None,
+    ) -> gcra.Verdict:
+        """One admission attempt, as the script decided it (the raw verdict). With ``key``,
+        the script first checks that the key is still live (``revoked`` otherwise)."""
+        s = self.settings
+        lease_s = max_wait + s.request_timeout_s + 30.0
+        reply = await self._admit(
+            keys=[*_keys(tenant.id, rid, wall), keyspace.api_key(key.prefix if key else "")],
+            args=_args(
+                tenant.rate,
+                tenant.burst,
+                cost,
+                max_wait,
+                tenant.limits.max_concurrent or 0,
+                lease_s,
+                rid,
+                tenant.id,
+                prompt_tokens,
+                s.request_record_ttl_s,
+                s.usage_retention_s,
+                key.digest if key else "",
+                now,
+            ),
+        )
+        return _verdict(reply)
+
+    async def admit(
+        self,
+        tenant: Tenant,
+        rid: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        *,
+        key: KeyRef | None = None,
+        deadline_s: float | None = None,
+        now: float | None = None,
+    ) -> Admission:
+        """Reserve ``prompt_tokens + max_tokens`` or raise the 429 (or 400, or 401 for a
+        ``key`` revoked meanwhile) that says why.
+
+        The request may wait for its budget up to the tenant's ``max_queue_delay_s`` and,
+        when given, ``deadline_s`` (seconds from now); the caller sleeps ``wait_s``."""
+        cost = prompt_tokens + max_tokens
+        max_wait = tenant.max_queue_delay_s
+        if deadline_s is not None:
+            max_wait = max(0.0, min(max_wait, deadline_s))
+        verdict = await self.reserve(tenant, rid, cost, max_wait, prompt_tokens, key=key, now=now)
+        if verdict.status != "ok":
+            raise refusal(tenant, verdict, cost, max_wait)
+        return Admission(rid, tenant, cost, verdict.wait, headers(tenant, verdict))
+
+    async def settle(
+        self,
+        admission: Admission,
+        state: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        record: dict[str, float] | None = None,
+    ) -> bool:
+        """Ends the request's lease and charges the tokens given (refunding the rest of its
+        reservation); False when it was settled already or its lease ran out, and then
+        nothing changes. ``record`` adds fields to the request's record."""
+        delta = prompt_tokens + completion_tokens - admission.reserved
+        return await self.settle_raw(
+            admission.tenant, admission.rid, delta, state, prompt_tokens, completion_tokens, record=record
+        )
+
+    async def settle_raw(
+        self,
+        tenant: Tenant,
+        rid: str,
+        delta: int,
+        state: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        *,
+        now: float | None = None,
+        wall: float | None = None,
+        record: dict[str, float] | None = None,
+    ) -> bool:
+        pairs = [x for item in (record or {}).items() for x in item]
+        reply = await self._settle(
+            keys=_keys(tenant.id, rid, wall),
+            args=_args(
+                tenant.rate,
+                rid,
+                delta,
+                state,
+                prompt_tokens,
+                completion_tokens,
+                self.settings.usage_retention_s,
+                *pairs,
+                now,
+            ),
+        )
+        return bool(reply)
+
+    async def state(self, tenant: Tenant) -> dict[str, float | int]:
+        """The tenant's budget right now (Redis clock), for operators."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.time()
+        pipe.get(keyspace.budget(tenant.id))
+        pipe.zrange(keyspace.in_flight(tenant.id), 0, -1, withscores=True)
+        (sec, usec), raw, leases = await pipe.execute()
+        now = sec + usec / 1_000_000
+        tat = max(float(raw), now) if raw is not None else now
+        return {
+            "remaining_tokens": gcra.remaining_tokens(tat, now, tenant.rate, tenant.burst),
+            "reset_s": round(gcra.reset_s(tat, now), 3),
+            "in_flight": sum(1 for _rid, expiry in leases if expiry > now),
+        }
+
+
+def _keys(tid: str, rid: str, wall: float | None) -> list[str]:
+    """The keys both scripts take; usage is counted in the minute of ``wall`` (unix time)."""
+    minute = int((time.time() if wall is None else wall) // 60)
+    return [
+        keyspace.budget(tid),
+        keyspace.in_flight(tid),
+        keyspace.request(rid),
+        keyspace.usage(tid, minute),
+    ]

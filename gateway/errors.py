@@ -1,0 +1,118 @@
+"""One error tree, one mapping to HTTP status and OpenAI's error object.
+
+OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``; the official client
+picks its exception class from the status code (400 BadRequestError, 401
+AuthenticationError, 404 NotFoundError, 409 ConflictError, 413 and others APIStatusError,
+429 RateLimitError, 503 InternalServerError).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+
+
+class GatewayError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+        self.extra = extra or {}
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class Conflict(GatewayError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class RateLimited(GatewayError):
+    status = 429
+    type = "requests"
+    code = "rate_limit_exceeded"
+
+
+class TokensRateLimited(RateLimited):
+    """Over the tenant's token budget (OpenAI's ``tokens`` limit type)."""
+
+    type = "tokens"
+
+
+class Unavailable(GatewayError):
+    status = 503
+    type = "server_error"
+    code = "service_unavailable"
+
+
+class Timeout(Unavailable):
+    code = "timeout"
+
+
+class WorkerFailed(GatewayError):
+    status = 500
+    type = "server_error"
+    code = "worker_error"
+
+
+def error_body(exc: GatewayError) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "message": exc.message,
+        "type": exc.type,
+        "param": exc.param,
+        "code": exc.code,
+    }
+    body.update(exc.extra)
+    return {"error": body}
+
+
+def error_response(exc: GatewayError) -> Response:
+    return Response(
+        orjson.dumps(error_body(exc)),
+        status_code=exc.status,
+        media_type="application/json",
+        headers=exc.headers,
+    )

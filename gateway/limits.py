@@ -1,0 +1,57 @@
+"""How many tokens a request may ask for: the model's context and the tenant's limits.
+Pure; every refusal is a 400 naming the field, raised before anything is queued."""
+
+from __future__ import annotations
+
+from gateway.errors import InvalidRequest
+from gateway.openai_protocol import Generation
+from gateway.tenants import Tenant
+
+
+def output_tokens(gen: Generation, prompt: int, context: int, default: int, tenant: Tenant) -> int:
+    """The request's ``max_tokens``: as given, else the gateway's default trimmed to what the
+    context, the tenant's output limit and its burst leave. Checked in this order: the
+    tenant's prompt limit, the context, the tenant's output limit, the burst."""
+    prompt_param = "messages" if gen.kind == "chat" else "prompt"
+    lim = tenant.limits
+    if lim.max_prompt_tokens is not None and prompt > lim.max_prompt_tokens:
+        raise InvalidRequest(
+            f"The prompt has {prompt} tokens; your limit is {lim.max_prompt_tokens}.",
+            param=prompt_param,
+            code="prompt_too_long",
+        )
+    room = context - prompt
+    max_tokens = gen.max_tokens
+    if max_tokens is None:
+        caps = (default, lim.max_output_tokens or default, tenant.burst - prompt)
+        max_tokens = max(1, min(room, *caps))
+    if prompt + max_tokens > context:
+        raise InvalidRequest(
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{prompt + max_tokens} tokens ({prompt} in the prompt, {max_tokens} for the "
+            "completion).",
+            param="max_tokens" if gen.max_tokens and room > 0 else prompt_param,
+            code="context_length_exceeded",
+        )
+    if lim.max_output_tokens is not None and max_tokens > lim.max_output_tokens:
+        raise InvalidRequest(
+            f"max_tokens is {max_tokens}; your limit is {lim.max_output_tokens}.",
+            param="max_tokens",
+            code="max_tokens_exceeded",
+        )
+    if prompt + max_tokens > tenant.burst:
+        raise over_burst(
+            tenant, prompt + max_tokens, "max_tokens" if gen.max_tokens else prompt_param
+        )
+    return max_tokens
+
+
+def over_burst(tenant: Tenant, cost: int, param: str = "max_tokens") -> InvalidRequest:
+    """A request larger than the burst could never be admitted: 400, not 429."""
+    return InvalidRequest(
+        f"This request needs {cost} tokens (prompt plus max_tokens), more than the "
+        f"{tenant.burst} tokens your budget can ever hold at once; lower max_tokens or "
+        "shorten the prompt.",
+        param=param,
+        code="budget_exceeded",
+    )

@@ -1,0 +1,298 @@
+"""OpenAI JSON in, internal dataclasses out (and back): the one place that knows both.
+
+Unknown fields are ignored, as many clients send optional OpenAI fields; fields we cannot
+honour (``n`` > 1, ``logprobs``, ``tools``) are rejected with 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gateway.errors import InvalidRequest
+from workers.protocol import SamplingParams
+
+Stop = str | Annotated[list[str], Field(max_length=4)] | None
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class _Sampling(_Model):
+    model: str = Field(min_length=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: Stop = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    logprobs: bool | int | None = None
+    user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: keep generating until max_tokens
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool | int | None) -> None:
+        if v:
+            raise ValueError("logprobs are not supported")
+        return None
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        if isinstance(self.stop, str):
+            return (self.stop,) if self.stop else ()
+        return tuple(s for s in self.stop if s)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v: list[Any] | None) -> None:
+        if v:
+            raise ValueError("tool calls are not supported")
+        return None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: str | list[str] | list[int]) -> str | list[str] | list[int]:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            if isinstance(v[0], str) and len(v) != 1:
+                raise ValueError("only one prompt per request is supported")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """A validated request, as the rest of the gateway sees it."""
+
+    kind: Literal["chat", "completion"]
+    model: str
+    messages: tuple[tuple[str, str], ...]  # chat: (role, text)
+    prompt: str | tuple[int, ...]  # completion: text or token ids
+    max_tokens: int | None  # None: the gateway's default
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+    user: str | None
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens, self.temperature, self.top_p, self.seed, self.stop, self.ignore_eos)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "function-after"})
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """The field path of a pydantic error, without union/type tags: messages.0.role."""
+    parts: list[str] = []
+    for x in loc:
+        if isinstance(x, int):
+            parts.append(str(x))
+        elif x.isidentifier() and x not in _TYPE_TAGS:
+            parts.append(x)
+    return ".".join(parts) or None
+
+
+def validation_error(exc: ValidationError) -> InvalidRequest:
+    # in a union, the branch that got furthest explains best; bare type mismatches least
+    err = min(exc.errors(), key=lambda e: (e["type"].endswith("_type"), -len(e["loc"])))
+    param = _param(err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    return InvalidRequest(f"Invalid value for '{param}': {msg}" if param else msg, param=param)
+
+
+def parse_chat(body: Any) -> Generation:
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    try:
+        req = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    return Generation(
+        kind="chat",
+        model=req.model,
+        messages=tuple((m.role, m.text()) for m in req.messages),
+        prompt="",
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        stop=req.stops(),
+        ignore_eos=req.ignore_eos,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        user=req.user,
+    )
+
+
+def parse_completion(body: Any) -> Generation:
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    try:
+        req = CompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    prompt: str | tuple[int, ...]
+    if isinstance(req.prompt, str):
+        prompt = req.prompt
+    elif isinstance(req.prompt[0], str):
+        prompt = str(req.prompt[0])
+    else:
+        prompt = tuple(int(t) for t in req.prompt)
+    return Generation(
+        kind="completion",
+        model=req.model,
+        messages=(),
+        prompt=prompt,
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        stop=req.stops(),
+        ignore_eos=req.ignore_eos,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        user=req.user,
+    )
+
+
+# -- responses ---------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def response_id(kind: str, rid: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
+
+
+def completion_body(
+    gen: Generation, rid: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
+) -> dict[str, Any]:
+    created = int(time.time())
+    if gen.kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {
+        "id": response_id(gen.kind, rid),
+        "object": obj,
+        "created": created,
+        "model": gen.model,
+        "choices": [choice],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def chunk_body(
+    gen: Generation,
+    rid: str,
+    created: int,
+    text: str | None,
+    finish_reason: str | None = None,
+    first: bool = False,
+) -> dict[str, Any]:
+    if gen.kind == "chat":
+        delta: dict[str, Any] = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    body: dict[str, Any] = {
+        "id": response_id(gen.kind, rid),
+        "object": obj,
+        "created": created,
+        "model": gen.model,
+        "choices": [choice],
+    }
+    if gen.include_usage:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk(gen: Generation, rid: str, created: int, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "id": response_id(gen.kind, rid),
+        "object": "chat.completion.chunk" if gen.kind == "chat" else "text_completion",
+        "created": created,
+        "model": gen.model,
+        "choices": [],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def models_body(models: list[str], created: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"id": m, "object": "model", "created": created, "owned_by": "tokengate"} for m in models],
+    }

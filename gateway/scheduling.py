@@ -1,0 +1,129 @@
+"""The scheduling core seen from the gateway: translation in, decisions out, no I/O.
+
+The dispatcher owns the clock and Redis; this module turns gateway objects into
+``sched_core`` events and ``sched_core`` decisions into stream jobs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from sched_core import BatchTimings, Contract, Dispatch, Reject, Request, Scheduler, SchedulerConfig
+from workers import protocol as p
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Who sends a request and what they asked for, beyond the tokens."""
+
+    tenant: str
+    weight: float  # the tenant's tokens/s budget: its fair share under overload
+    priority: int = 0
+    budget_wait_s: float = 0.0
+    deadline_s: float | None = None  # relative to arrival
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    pool: str
+    job: p.BatchJob
+
+
+def capacity_share(workers: dict[str, p.Heartbeat], gateways: int) -> dict[str, int]:
+    """Slots per pool this gateway may fill: the pool's live slots split over live gateways.
+
+    Every gateway runs its own scheduler; each gets an equal share (rounded up, so a small
+    pool is never shared down to nothing). Workers queue any excess internally.
+    """
+    total: dict[str, int] = {pool: 0 for pool in p.POOLS}
+    for hb in workers.values():
+        total[hb.pool] = total.get(hb.pool, 0) + hb.slots
+    n = max(1, gateways)
+    return {pool: math.ceil(slots / n) for pool, slots in total.items()}
+
+
+class SchedulerShell:
+    def __init__(self, gateway_id: str, reply_to: str, config: SchedulerConfig | None = None,
+                 handoff_min_prompt: int = 0) -> None:
+        self.core = Scheduler(config or SchedulerConfig())
+        self.gateway_id = gateway_id
+        self.reply_to = reply_to
+        self.handoff_min_prompt = handoff_min_prompt
+        self._seqs: dict[str, p.SeqJob] = {}
+        self._gpu_alive = False
+
+    def __len__(self) -> int:
+        return self.core.queued
+
+    def arrive(self, seq: p.SeqJob, who: Origin, now: float) -> Contract | Reject:
+        req = Request(
+            id=seq.rid,
+            tenant=who.tenant,
+            weight=who.weight,
+            prompt_tokens=len(seq.prompt_ids),
+            max_tokens=seq.params.max_tokens,
+            arrival=now,
+            priority=who.priority,
+            deadline=None if who.deadline_s is None else now + who.deadline_s,
+            budget_wait=who.budget_wait_s,
+        )
+        decision = self.core.arrive(req, now)
+        if isinstance(decision, Contract):
+            self._seqs[seq.rid] = seq
+        return decision
+
+    def tick(self, now: float) -> tuple[list[Send], list[Reject]]:
+        sends: list[Send] = []
+        rejects: list[Reject] = []
+        for d in self.core.tick(now):
+            if isinstance(d, Dispatch):
+                sends.append(self._job(d))
+            else:
+                self._seqs.pop(d.request_id, None)
+                rejects.append(d)
+        return sends, rejects
+
+    def _job(self, d: Dispatch) -> Send:
+        seqs = tuple(self._seqs.pop(rid) for rid in d.request_ids)
+        if d.path == "cpu" and self._gpu_alive and self.handoff_min_prompt:
+            # disaggregated prefill: long prompts prefill here and decode on the gpu pool
+            seqs = tuple(
+                replace(s, handoff="gpu") if len(s.prompt_ids) >= self.handoff_min_prompt else s for s in seqs
+            )
+        job = p.BatchJob(f"{self.gateway_id}:{d.batch_id}", self.reply_to, d.bucket, seqs)
+        return Send(d.path, job)
+
+    def completed(self, report: p.BatchReport, now: float) -> None:
+        """Feed a worker's timings back; reports of batches this gateway did not schedule
+        (hand-over decode jobs, a previous incarnation's) are ignored."""
+        prefix, _, local = report.batch_id.rpartition(":")
+        if prefix != self.gateway_id or not local.isdigit():
+            return
+        self.core.completed(
+            BatchTimings(
+                batch_id=int(local),
+                path=report.pool,
+                batch_size=report.batch_size,
+                prompt_tokens=report.prompt_tokens,
+                prefill_s=report.prefill_s,
+                decode_steps=report.decode_steps,
+                decode_s=report.decode_s,
+                output_tokens=report.output_tokens,
+                mean_running=report.mean_running,
+            ),
+            now,
+        )
+
+    def capacity(self, workers: dict[str, p.Heartbeat], gateways: int, now: float) -> None:
+        share = capacity_share(workers, gateways)
+        self._gpu_alive = share.get("gpu", 0) > 0
+        for pool in p.POOLS:
+            self.core.worker_capacity(pool, share.get(pool, 0), now)
+
+    def cancel(self, rid: str, now: float) -> bool:
+        """True if the request was still queued here: it will never be dispatched."""
+        if self.core.cancel(rid, now):
+            self._seqs.pop(rid, None)
+            return True
+        return False

@@ -1,0 +1,51 @@
+"""Gateway settings: built once from CLI flags / TOKENGATE_* variables, validated once, frozen."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from dataclasses import dataclass, field
+
+
+def _gateway_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    redis_url: str
+    model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    gateway_id: str = field(default_factory=_gateway_id)
+    max_body_bytes: int = 1 << 20
+    request_timeout_s: float = 120.0
+    default_max_tokens: int = 256
+    heartbeat_ttl_s: float = 5.0
+    pools: tuple[str, ...] = ("cpu", "gpu")
+    admin_token: str | None = field(default=None, repr=False)  # None: the admin API refuses all
+    usage_retention_s: int = 7 * 86400  # per-minute usage counters live this long
+    request_record_ttl_s: int = 3600  # how long a request's owner and state stay readable
+    auth_cache_s: float = 1.0  # verified keys are reused this long (revocation is immediate)
+    handoff_min_prompt: int = 0  # >0: prompts this long prefill on cpu and decode on gpu
+
+    def __post_init__(self) -> None:
+        if not self.redis_url:
+            raise ValueError("a Redis URL is required")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port {self.port} out of range")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max body must be at least 1024 bytes")
+        if self.request_timeout_s <= 0:
+            raise ValueError("request timeout must be positive")
+        if self.default_max_tokens < 1:
+            raise ValueError("default max tokens must be at least 1")
+        if self.admin_token is not None and len(self.admin_token) < 16:
+            raise ValueError("the admin token must have at least 16 characters")
+        if self.auth_cache_s < 0:
+            raise ValueError("the auth cache time must not be negative")
+        if self.handoff_min_prompt < 0:
+            raise ValueError("the hand-off prompt length must not be negative")
+        if self.usage_retention_s < 60 or self.request_record_ttl_s < 1:
+            raise ValueError("usage retention must be >= 60 s and the request record TTL positive")

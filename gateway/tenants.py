@@ -1,0 +1,118 @@
+"""Tenants as the gateway sees them, and their JSON document. Pure; no I/O.
+
+The document (``to_doc``) is both what the admin API returns and what Redis stores under
+``tg:tenant:{id}`` (see docs/tenants.md); ``from_doc`` reads it back. Input validation of
+the admin API lives in ``gateway.admin_protocol``; a ``Tenant`` is always valid.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import secrets
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+#: Tenant names: letters, digits, '.' and '-' (no '_', so a name never looks like an id).
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9.-]{0,63}$"
+_ID = re.compile(r"tn_[0-9a-f]{16}")
+
+DEFAULT_MAX_QUEUE_DELAY_S = 2.0
+#: seconds of the rate a new tenant may spend at once when no burst is given
+DEFAULT_BURST_SECONDS = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-request and per-tenant limits; None means no limit beyond the model's own."""
+
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+    max_concurrent: int | None = None
+    allowed_models: tuple[str, ...] = ()  # empty: every model the gateway serves
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """A customer of the gateway.
+
+    ``rate`` is the budget in tokens/s and ``burst`` the tokens it may spend at once (the
+    bucket's depth); ``priority`` is the scheduler's class (0 the most urgent); ``weight``
+    is its share under overload in tokens/s (the rate unless set apart); a request may
+    wait up to ``max_queue_delay_s`` for its budget before it is refused with 429.
+    """
+
+    id: str
+    name: str
+    rate: float
+    burst: int
+    priority: int = 0
+    weight: float = 0.0  # 0: the rate
+    max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
+    limits: Limits = field(default_factory=Limits)
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        if self.weight <= 0.0:
+            object.__setattr__(self, "weight", self.rate)
+
+    def may_use(self, model: str) -> bool:
+        return not self.limits.allowed_models or model in self.limits.allowed_models
+
+
+def new_id() -> str:
+    return "tn_" + secrets.token_hex(8)
+
+
+def is_id(ref: str) -> bool:
+    return _ID.fullmatch(ref) is not None
+
+
+def default_burst(rate: float) -> int:
+    return max(1, math.ceil(rate * DEFAULT_BURST_SECONDS))
+
+
+def with_rate(tenant: Tenant, rate: float) -> Tenant:
+    """A new rate; a weight that followed the rate keeps following it."""
+    weight = rate if tenant.weight == tenant.rate else tenant.weight
+    return replace(tenant, rate=rate, weight=weight)
+
+
+def to_doc(t: Tenant) -> dict[str, Any]:
+    return {
+        "id": t.id,
+        "object": "tenant",
+        "name": t.name,
+        "rate": t.rate,
+        "burst": t.burst,
+        "priority": t.priority,
+        "weight": t.weight,
+        "max_queue_delay_s": t.max_queue_delay_s,
+        "limits": {
+            "max_prompt_tokens": t.limits.max_prompt_tokens,
+            "max_output_tokens": t.limits.max_output_tokens,
+            "max_concurrent": t.limits.max_concurrent,
+            "allowed_models": list(t.limits.allowed_models),
+        },
+        "created": t.created,
+    }
+
+
+def from_doc(doc: dict[str, Any]) -> Tenant:
+    lim = doc["limits"]
+    return Tenant(
+        id=str(doc["id"]),
+        name=str(doc["name"]),
+        rate=float(doc["rate"]),
+        burst=int(doc["burst"]),
+        priority=int(doc["priority"]),
+        weight=float(doc["weight"]),
+        max_queue_delay_s=float(doc["max_queue_delay_s"]),
+        limits=Limits(
+            max_prompt_tokens=lim["max_prompt_tokens"],
+            max_output_tokens=lim["max_output_tokens"],
+            max_concurrent=lim["max_concurrent"],
+            allowed_models=tuple(lim["allowed_models"]),
+        ),
+        created=int(doc["created"]),
+    )

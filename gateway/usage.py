@@ -1,0 +1,66 @@
+"""Usage per tenant and minute: counters the budget scripts increment, read back as a series.
+
+One hash per tenant and minute (``tg:usage:{id}:{unix_minute}``) with the fields below;
+each expires after the usage retention. The admission script counts ``requests`` and
+``rate_limited`` (429s); the settle script counts the tokens charged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from gateway import keyspace
+from gateway.errors import InvalidRequest
+
+FIELDS = ("requests", "rate_limited", "prompt_tokens", "completion_tokens")
+MAX_MINUTES = 7 * 24 * 60
+
+
+def window(since: str | None, until: str | None, now: float) -> tuple[int, int]:
+    """The minutes ``[first, last]`` a query asks for: unix seconds, defaulting to the last hour."""
+    end = _seconds(until, "until", now)
+    start = _seconds(since, "since", end - 3600)
+    if start > end:
+        raise InvalidRequest("'since' must not be after 'until'.", param="since")
+    first, last = int(start // 60), int(end // 60)
+    if last - first >= MAX_MINUTES:
+        raise InvalidRequest(f"Ask for at most {MAX_MINUTES} minutes at a time.", param="since")
+    return first, last
+
+
+def _seconds(value: str | None, param: str, default: float) -> float:
+    if value is None or value == "":
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise InvalidRequest(
+            f"'{param}' must be unix seconds, got {value!r}.", param=param
+        ) from None
+    if not 0 <= seconds < 1e11:
+        raise InvalidRequest(f"'{param}' is out of range.", param=param)
+    return seconds
+
+
+def row(minute: int, counters: dict[bytes, bytes]) -> dict[str, Any]:
+    out: dict[str, Any] = {"minute": minute * 60}
+    for name in FIELDS:
+        out[name] = int(counters.get(name.encode(), 0))
+    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    return out
+
+
+async def series(client: aioredis.Redis, tid: str, first: int, last: int) -> list[dict[str, Any]]:
+    """The minutes in ``[first, last]`` that saw any traffic, oldest first."""
+    pipe = client.pipeline(transaction=False)
+    minutes = range(first, last + 1)
+    for minute in minutes:
+        pipe.hgetall(keyspace.usage(tid, minute))
+    return [row(m, c) for m, c in zip(minutes, await pipe.execute(), strict=True) if c]
+
+
+def totals(rows: list[dict[str, Any]]) -> dict[str, int]:
+    keys = (*FIELDS, "total_tokens")
+    return {k: sum(r[k] for r in rows) for k in keys}

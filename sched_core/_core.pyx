@@ -1,0 +1,1159 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The compiled scheduler: the decisions of reference.py, in C data structures.
+
+reference.py is the specification; every method here mirrors its namesake there,
+expression for expression, so that both produce bit-identical floats (keep them in step;
+the property tests compare the two). Requests live in a C array indexed by a handle; heap
+entries refer to handles and pin them: a handle returns to the free list only once no
+entry refers to it, so a tie broken by request id always reads the id it was made for. The
+admission-order FIFOs of the tail cut hold (handle, generation) tickets instead, which need
+no pin.
+"""
+
+from dataclasses import fields
+
+from libc.math cimport INFINITY
+from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.string cimport memmove
+from cpython.ref cimport Py_INCREF
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
+
+from sched_core._fast cimport Meter, meter_add, meter_rate, new_instance, put, slot, slot_offset
+from sched_core._idtable cimport IdTable, idt_find, idt_free, idt_init, idt_insert, idt_remove
+from sched_core._heap cimport (
+    Entry, Heap, entry_lt, heap_free, heap_pop, heap_push, heap_replace_top
+)
+
+from sched_core.costmodel import PathModel
+from sched_core.report import queued_explanation, route_reason, snapshot_dict, thresholds
+from sched_core.types import LN100 as _LN100
+from sched_core.types import PATHS, Contract, Dispatch, Reject, Request, SchedulerConfig
+
+IMPLEMENTATION = "cython"
+
+cdef double LN100 = _LN100
+cdef double INF = INFINITY
+
+
+cdef Py_ssize_t* _field_offsets(type cls) except NULL:
+    """Slot offsets of a dataclass's fields, in field order (kept for the module's life)."""
+    names = [f.name for f in fields(cls)]
+    cdef Py_ssize_t* offsets = <Py_ssize_t*>malloc(len(names) * sizeof(Py_ssize_t))
+    if offsets == NULL:
+        raise MemoryError()
+    for i, name in enumerate(names):
+        offsets[i] = slot_offset(cls, name)
+    return offsets
+
+
+cdef Py_ssize_t* _CONTRACT = _field_offsets(Contract)
+cdef Py_ssize_t* _DISPATCH = _field_offsets(Dispatch)
+cdef Py_ssize_t* _REJECT = _field_offsets(Reject)
+cdef Py_ssize_t* _REQUEST = _field_offsets(Request)
+
+
+cdef object _contract(str rid, int bucket, int path, double ttft, double total, double p99,
+                      long long ahead, double budget_wait):
+    cdef object c = new_instance(Contract)
+    put(c, _CONTRACT[0], rid)
+    put(c, _CONTRACT[1], bucket)
+    put(c, _CONTRACT[2], PATHS[path])
+    put(c, _CONTRACT[3], ttft)
+    put(c, _CONTRACT[4], total)
+    put(c, _CONTRACT[5], p99)
+    put(c, _CONTRACT[6], ahead)
+    put(c, _CONTRACT[7], budget_wait)
+    return c
+
+
+cdef object _reject(str rid, str reason, str message, double retry_after, double estimate):
+    cdef object r = new_instance(Reject)
+    put(r, _REJECT[0], rid)
+    put(r, _REJECT[1], reason)
+    put(r, _REJECT[2], message)
+    put(r, _REJECT[3], retry_after)
+    put(r, _REJECT[4], estimate)
+    return r
+
+# Request fields, in the order of types.Request.
+cdef enum:
+    R_ID, R_TENANT, R_WEIGHT, R_PROMPT, R_MAX_TOKENS, R_ARRIVAL, R_EXPECTED, R_PRIORITY,
+    R_DEADLINE, R_BUDGET_WAIT
+assert [f.name for f in fields(Request)] == [
+    "id", "tenant", "weight", "prompt_tokens", "max_tokens", "arrival",
+    "expected_output_tokens", "priority", "deadline", "budget_wait"]
+
+cdef enum:
+    CPU = 0
+    GPU = 1
+
+cdef enum:
+    QUEUED = 0
+    INFLIGHT = 1
+    DONE = 2
+    FREE = 3
+
+
+cdef struct Req:
+    # What tick and the heaps touch, within one cache line; the rest lives in Cold.
+    int state
+    int pins            # heap entries that refer to this handle
+    unsigned int gen    # bumped each time the handle is reused
+    int tenant
+    int bucket
+    int prompt
+    int out             # expected output tokens
+    double t_in         # arrival + budget_wait
+    double weight
+    Py_hash_t hash      # of the id, for the id table
+
+
+cdef struct Cold:
+    double key          # aging key, smaller first
+    double budget_wait
+    double service      # predicted prefill + decode at admission
+    double deadline
+
+
+cdef struct Fifo:
+    # Tickets in admission order; [head, tail) is live, stale tickets are skipped lazily.
+    Entry* a            # h: handle, v: its generation when admitted
+    Py_ssize_t head
+    Py_ssize_t tail
+    Py_ssize_t cap
+
+
+cdef struct FM:
+    double f            # launch cost F
+    double m            # marginal cost m: S(B) = F + m·B
+
+
+cdef struct Tail:
+    double t_cut
+    double gap
+
+
+cdef struct Terms:
+    int path
+    double wait
+    double prefill
+    double decode
+    double decode_hi
+    double tail
+
+
+cdef void* _zalloc(size_t count, size_t size) except NULL:
+    cdef void* p = calloc(count, size)
+    if p == NULL:
+        raise MemoryError()
+    return p
+
+
+cdef void* _grow(void* p, size_t size) except NULL:
+    cdef void* q = realloc(p, size)
+    if q == NULL:
+        raise MemoryError()
+    return q
+
+
+cdef inline long long lmin(long long a, long long b) noexcept nogil:
+    return a if a < b else b
+
+
+cdef struct Rank:
+    # A bucket's place in a tick's order: by (p, s), then bucket index.
+    double p
+    double s
+    int k
+
+
+cdef inline bint rank_lt(const Rank* x, const Rank* y) noexcept nogil:
+    if x.p != y.p:
+        return x.p < y.p
+    if x.s != y.s:
+        return x.s < y.s
+    return x.k < y.k
+
+
+cdef void sort_small(Rank* a, int n) noexcept nogil:
+    """Insertion sort: a handful of buckets per tick."""
+    cdef int i, j
+    cdef Rank e
+    for i in range(1, n):
+        e = a[i]
+        j = i - 1
+        while j >= 0 and rank_lt(&e, &a[j]):
+            a[j + 1] = a[j]
+            j -= 1
+        a[j + 1] = e
+
+
+cdef class _Batch:
+    cdef int path
+    cdef double end     # dispatch time + predicted batch time
+    cdef int n
+    cdef int* h
+
+    def __dealloc__(self):
+        free(self.h)
+
+
+cdef class Scheduler:
+    """Token-budget scheduler: events in, decisions out; time is always an argument."""
+
+    cdef readonly object config
+    cdef tuple _models
+    cdef int nb
+    cdef int* bounds
+    cdef double coef[2][4]
+    cdef long long maxb[2]
+    cdef long long cap[2]
+    cdef long long used[2]
+    cdef double now
+    cdef long long next_batch
+    cdef long long nqueued
+    cdef long long max_queued
+    cdef IdTable by_id          # id → handle, for queued and running requests
+    cdef dict inflight
+    cdef list ids
+    # requests by handle
+    cdef Req* reqs
+    cdef Cold* cold
+    cdef double* arr            # arrival by handle: the heaps' tie-break after the key
+    cdef int* tenant_of         # tenant by handle, read on heads entries without the Req
+    cdef int nreqs
+    cdef int reqcap
+    cdef int* freelist
+    cdef int nfree
+    # per bucket
+    cdef long long* n
+    cdef long long* tok
+    cdef long long* psum
+    cdef long long* osum
+    cdef Meter* arrivals
+    cdef Fifo* fifo
+    cdef Heap* heads
+    cdef double* est_bucket
+    # global
+    cdef Meter cpu_meter
+    cdef double mix_prompt
+    cdef double mix_out
+    cdef Heap deadlines
+    cdef Heap active
+    cdef double idle_floor
+    # per tenant, and per (tenant, bucket) at [t * nb + k]
+    cdef dict tenant_ix
+    cdef list tenant_names
+    cdef int ntenants
+    cdef int tcap
+    cdef double* counter
+    cdef double* weight        # budget of the tenant's latest request
+    cdef long long* backlog
+    cdef unsigned int* tver
+    cdef double* est
+    cdef Heap* rq
+    cdef unsigned int* kver
+    # scratch: the batch being formed, entries set aside, buckets to sort
+    cdef int* buf
+    cdef int nbuf
+    cdef Entry* aside
+    cdef int naside
+    cdef int asidecap
+    cdef Rank* sortbuf
+    # config
+    cdef double aging
+    cdef double prio_tokens
+    cdef double w_in
+    cdef double w_out
+    cdef double slack_tokens
+    cdef double tau
+    cdef double alpha
+    cdef double slo
+    cdef int default_out
+
+    def __init__(self, config=None):
+        if self.bounds != NULL:
+            raise RuntimeError("Scheduler.__init__ called twice")
+        cfg = config if config is not None else SchedulerConfig()
+        self.config = cfg
+        bounds = cfg.bucket_bounds
+        cdef int nb = len(bounds)
+        cdef int k
+        self.nb = nb
+        self.bounds = <int*>_zalloc(nb, sizeof(int))
+        for k in range(nb):
+            self.bounds[k] = bounds[k]
+        self._models = (PathModel(cfg.cpu, cfg), PathModel(cfg.gpu, cfg))
+        self._load_coef(CPU)
+        self._load_coef(GPU)
+        self.maxb[CPU] = cfg.cpu.max_batch
+        self.maxb[GPU] = cfg.gpu.max_batch
+        self.next_batch = 1
+        self.max_queued = cfg.max_queued
+        idt_init(&self.by_id, 1024)
+        self.inflight = {}
+        self.ids = []
+        self.n = <long long*>_zalloc(nb, sizeof(long long))
+        self.tok = <long long*>_zalloc(nb, sizeof(long long))
+        self.psum = <long long*>_zalloc(nb, sizeof(long long))
+        self.osum = <long long*>_zalloc(nb, sizeof(long long))
+        self.arrivals = <Meter*>_zalloc(nb, sizeof(Meter))
+        self.fifo = <Fifo*>_zalloc(nb, sizeof(Fifo))
+        self.heads = <Heap*>_zalloc(nb, sizeof(Heap))
+        self.est_bucket = <double*>_zalloc(nb, sizeof(double))
+        for k in range(nb):
+            self.est_bucket[k] = -1.0
+        self.mix_prompt = self.bounds[0]
+        self.mix_out = cfg.default_output_tokens
+        self.tenant_ix = {}
+        self.tenant_names = []
+        self.buf = <int*>_zalloc(max(self.maxb[CPU], self.maxb[GPU]), sizeof(int))
+        self.sortbuf = <Rank*>_zalloc(nb, sizeof(Rank))
+        self.aging = cfg.aging_tokens_per_s
+        self.prio_tokens = cfg.priority_tokens
+        self.w_in = cfg.fair_input_weight
+        self.w_out = cfg.fair_output_weight
+        self.slack_tokens = cfg.fair_slack_tokens
+        self.tau = cfg.rate_window_s
+        self.alpha = cfg.ewma_alpha
+        self.slo = cfg.ttft_p99_slo_s
+        self.default_out = cfg.default_output_tokens
+
+    def __dealloc__(self):
+        cdef int i
+        for i in range(self.ntenants * self.nb):
+            heap_free(&self.rq[i])
+        for i in range(self.nb if self.heads != NULL else 0):
+            heap_free(&self.heads[i])
+            free(self.fifo[i].a)
+        idt_free(&self.by_id)
+        heap_free(&self.deadlines)
+        heap_free(&self.active)
+        free(self.bounds); free(self.reqs); free(self.cold); free(self.arr); free(self.tenant_of); free(self.freelist)
+        free(self.n); free(self.tok); free(self.psum); free(self.osum)
+        free(self.arrivals); free(self.fifo); free(self.heads); free(self.est_bucket)
+        free(self.counter); free(self.weight); free(self.backlog); free(self.tver); free(self.est)
+        free(self.rq); free(self.kver)
+        free(self.buf); free(self.aside); free(self.sortbuf)
+
+    # ----------------------------------------------------------------- public API
+
+    @property
+    def queued(self):
+        return self.nqueued
+
+    def __len__(self):
+        return self.nqueued
+
+    def arrive(self, req, double now):
+        """Admit ``req`` with a latency contract, or reject it at once."""
+        if not isinstance(req, Request):
+            raise TypeError(f"arrive() takes a Request, not {type(req).__name__}")
+        self.now = now
+        cdef str rid = slot(req, _REQUEST[R_ID])
+        cdef Py_hash_t hv = hash(rid)
+        if idt_find(&self.by_id, hv, rid, self.ids) >= 0:
+            return _reject(rid, "duplicate",
+                         f"request {rid!r} is already queued or running", 0.0, 0.0)
+        cdef int prompt = slot(req, _REQUEST[R_PROMPT])
+        cdef int k = self._bucket(prompt)
+        if k == self.nb:
+            return _reject(rid, "too_long", f"prompt of {prompt} tokens "
+                         f"exceeds the largest bucket ({self.bounds[self.nb - 1]})", 0.0, 0.0)
+        cdef int t = self._tenant(slot(req, _REQUEST[R_TENANT]))
+        cdef int out = self._expected_output(slot(req, _REQUEST[R_EXPECTED]),
+                                             slot(req, _REQUEST[R_MAX_TOKENS]), t, k)
+        cdef long long n = self.n[k] + 1
+        cdef long long ahead = self.tok[k]
+        cdef Terms tm = self._terms(k, n, <double>(self.osum[k] + out) / <double>n,
+                                    <double>(self.psum[k] + prompt) / <double>n, ahead, out, now)
+        cdef double bw = slot(req, _REQUEST[R_BUDGET_WAIT])
+        cdef double ttft = bw + tm.wait + tm.prefill
+        cdef double total = ttft + tm.decode
+        if self.nqueued >= self.max_queued:
+            return _reject(rid, "queue_full",
+                         f"{self.nqueued} requests queued, the limit", tm.wait, total)
+        cdef double arrival = slot(req, _REQUEST[R_ARRIVAL])
+        deadline = slot(req, _REQUEST[R_DEADLINE])
+        if deadline is not None and arrival + total > <double>deadline:
+            return _reject(rid, "deadline", f"estimated completion {total:.3f}s "
+                         f"after arrival misses the deadline by "
+                         f"{arrival + total - <double>deadline:.3f}s", tm.wait, total)
+        self._enqueue(rid, hv, t, k, prompt, out, slot(req, _REQUEST[R_WEIGHT]), arrival, bw,
+                      slot(req, _REQUEST[R_PRIORITY]), deadline, tm.prefill + tm.decode, now)
+        return _contract(rid, k, tm.path, ttft, total, bw + tm.tail + tm.decode_hi, ahead, bw)
+
+    def tick(self, double now):
+        """Decide what to do now: expired deadlines, tail cuts, then batches by urgency."""
+        self.now = now
+        cdef list out = []
+        cdef int i, k, p, count
+        cdef long long limit
+        self._expire(now, out)
+        cdef Tail tl = self._tail(now)
+        if tl.t_cut < INF:
+            self._tail_cut(now, tl.t_cut, out)
+        count = self._bucket_order()
+        for i in range(count):
+            k = self.sortbuf[i].k
+            while self.n[k] > 0:
+                p = self._plan(k, now, tl.t_cut)
+                if p < 0:
+                    break
+                limit = lmin(lmin(self.n[k], self._free(p)), self.maxb[p])
+                self._take(k, limit)
+                if self.nbuf == 0:
+                    break
+                self._dispatch(p, k, now, out)
+        return out
+
+    def completed(self, timings, double now):
+        """A batch finished: return its slots, refit its path, learn output lengths."""
+        self.now = now
+        found = self.inflight.pop(timings.batch_id, None)
+        if found is None:
+            return
+        cdef _Batch batch = <_Batch>found
+        cdef int p = batch.path
+        cdef int i, h
+        self.used[p] -= batch.n
+        self._models[p].observe(timings)
+        self._load_coef(p)
+        outs = timings.output_tokens
+        if len(outs) == batch.n:
+            for i in range(batch.n):
+                self._observe_output(batch.h[i], outs[i])
+        for i in range(batch.n):
+            h = batch.h[i]
+            idt_remove(&self.by_id, self.reqs[h].hash, h)
+            self.reqs[h].state = DONE
+            self._maybe_release(h)
+
+    def worker_capacity(self, path, slots, double now):
+        """``path``'s live workers offer ``slots`` sequence slots in all (in use ones included)."""
+        if path not in PATHS or slots < 0:
+            raise ValueError(f"unknown path {path!r} or negative slots {slots}")
+        self.now = now
+        self.cap[PATHS.index(path)] = slots
+
+    def cancel(self, request_id, double now):
+        """Remove a queued request; False if it is unknown, running or already gone."""
+        self.now = now
+        cdef int h = self._find(request_id)
+        if h < 0 or self.reqs[h].state != QUEUED:
+            return False
+        self._unqueue(h, DONE)
+        return True
+
+    def snapshot(self):
+        """Queues per bucket, fitted cost curves, thresholds and counters, as JSON data."""
+        cdef double now = self.now
+        cdef int k, p, t
+        cdef FM fc, fg
+        cdef Tail tl = self._tail(now)
+        buckets = []
+        for k in range(self.nb):
+            n = self.n[k]
+            nbar = self.osum[k] / <double>n if n else self.mix_out
+            lam = meter_rate(&self.arrivals[k], now, self.tau)
+            fc = self._fm(CPU, k, nbar)
+            fg = self._fm(GPU, k, nbar)
+            buckets.append({
+                "bucket": k, "max_prompt": self.bounds[k], "queued": n, "tokens": self.tok[k],
+                "arrival_rate": lam, "mean_output": nbar,
+                **thresholds((fc.f, fc.m), (fg.f, fg.m), lam),
+            })
+        paths = []
+        for p in range(2):
+            paths.append({
+                "capacity": self.cap[p], "in_flight": self.used[p], "max_batch": self.maxb[p],
+                "fitted_batches": self._models[p].prefill.observations,
+                "prefill": {"a": self.coef[p][0], "b": self.coef[p][1]},
+                "decode": {"c": self.coef[p][2], "d": self.coef[p][3]},
+            })
+        tenants = {
+            self.tenant_names[t]: {"counter": self.counter[t], "queued": self.backlog[t]}
+            for t in range(self.ntenants)
+        }
+        return snapshot_dict(
+            now=now, queued=self.nqueued, buckets=buckets, paths=paths, t_cut=tl.t_cut,
+            mu_cpu=self._mu_cpu(), lambda_cpu=meter_rate(&self.cpu_meter, now, self.tau),
+            slo=self.slo, tenants=tenants, min_counter=self._min_counter())
+
+    def explain(self, request_id):
+        """Why a request waits, what is ahead of it, where it goes; None if unknown."""
+        cdef int h = self._find(request_id)
+        if h < 0:
+            return None
+        cdef Req r = self.reqs[h]
+        cdef Cold c = self.cold[h]
+        cdef int k = r.bucket, t = r.tenant, i, j
+        cdef Heap* heap
+        cdef Entry e
+        cdef _Batch batch
+        if r.state == INFLIGHT:
+            for bid, found in self.inflight.items():  # rare: no batch id kept per request
+                batch = <_Batch>found
+                for i in range(batch.n):
+                    if batch.h[i] == h:
+                        return {"request_id": request_id, "state": "dispatched",
+                                "bucket": k, "batch_id": bid, "path": PATHS[batch.path]}
+        cdef double now = self.now
+        mine = (c.key, self.arr[h], request_id)
+        cdef long long ahead_n = 0, ahead_tok = 0
+        for j in range(self.ntenants):
+            heap = &self.rq[j * self.nb + k]
+            for i in range(heap.n):
+                e = heap.a[i]
+                if self.reqs[e.h].state == QUEUED and (e.p, self.arr[e.h], self.ids[e.h]) < mine:
+                    ahead_n += 1
+                    ahead_tok += self.reqs[e.h].prompt + self.reqs[e.h].out
+        cdef long long n = self.n[k]
+        cdef double nbar = self.osum[k] / <double>n
+        cdef Terms tm = self._terms(k, n, nbar, self.psum[k] / <double>n, ahead_tok, r.out, now)
+        cdef Tail tl = self._tail(now)
+        cdef double lo = self._min_counter()
+        cdef FM fm = self._fm(tm.path, k, nbar)
+        cdef double lam = meter_rate(&self.arrivals[k], now, self.tau)
+        path, reason = route_reason(
+            target=tm.path, free=(self._free(CPU), self._free(GPU)),
+            capacity=(self.cap[CPU], self.cap[GPU]), eligible=self._eligible(t),
+            overdue=r.t_in + tl.t_cut <= now, holds=self._holds(tm.path, k, n, nbar, now),
+            queued=n, b_star=(lam * fm.f - 1.0) / (1.0 + lam * fm.m))
+        cdef double since = c.budget_wait + (now - r.t_in)
+        return queued_explanation(
+            request_id=request_id, tenant=self.tenant_names[t], bucket=k,
+            max_prompt=self.bounds[k], requests_ahead=ahead_n, tokens_ahead=ahead_tok,
+            queued_in_bucket=n, waited_s=now - r.t_in, path=path, reason=reason,
+            counter=self.counter[t], min_counter=lo, t_cut=tl.t_cut,
+            ttft_s=since + tm.wait + tm.prefill,
+            total_s=since + tm.wait + tm.prefill + tm.decode,
+            p99_s=since + tm.tail + tm.decode_hi)
+
+    # ------------------------------------------------------------ admission
+
+    cdef int _find(self, request_id) except -2:
+        """The handle of a queued or running request, or -1."""
+        if not isinstance(request_id, str):
+            return -1
+        return idt_find(&self.by_id, hash(request_id), request_id, self.ids)
+
+    cdef int _load_coef(self, int p) except -1:
+        a, b, c, d = self._models[p].coefficients()
+        self.coef[p][0] = a
+        self.coef[p][1] = b
+        self.coef[p][2] = c
+        self.coef[p][3] = d
+        return 0
+
+    cdef int _bucket(self, int prompt) noexcept:
+        """bisect_left over the bucket bounds: the first bucket whose bound is >= prompt."""
+        cdef int k
+        for k in range(self.nb):
+            if self.bounds[k] >= prompt:
+                return k
+        return self.nb
+
+    cdef int _tenant(self, name) except -1:
+        found = self.tenant_ix.get(name)
+        if found is not None:
+            return found
+        cdef int t = self.ntenants, k, i
+        cdef int nb = self.nb
+        if t == self.tcap:
+            self.tcap = 16 if self.tcap == 0 else 2 * self.tcap
+            self.counter = <double*>_grow(self.counter, self.tcap * sizeof(double))
+            self.weight = <double*>_grow(self.weight, self.tcap * sizeof(double))
+            self.backlog = <long long*>_grow(self.backlog, self.tcap * sizeof(long long))
+            self.tver = <unsigned int*>_grow(self.tver, self.tcap * sizeof(unsigned int))
+            self.est = <double*>_grow(self.est, self.tcap * nb * sizeof(double))
+            self.rq = <Heap*>_grow(self.rq, self.tcap * nb * sizeof(Heap))
+            self.kver = <unsigned int*>_grow(self.kver, self.tcap * nb * sizeof(unsigned int))
+        self.ntenants += 1
+        self.tenant_ix[name] = t
+        self.tenant_names.append(name)
+        self.counter[t] = 0.0
+        self.weight[t] = 1.0
+        self.backlog[t] = 0
+        self.tver[t] = 0
+        for k in range(nb):
+            i = t * nb + k
+            self.est[i] = -1.0
+            self.rq[i].a = NULL
+            self.rq[i].n = 0
+            self.rq[i].cap = 0
+            self.kver[i] = 0
+        return t
+
+    cdef int _expected_output(self, long long given, long long max_tokens, int t,
+                              int k) noexcept:
+        if given > 0:
+            return lmin(given, max_tokens)
+        cdef double e = self.est[t * self.nb + k]
+        if e < 0.0:
+            e = self.est_bucket[k]
+        if e < 0.0:
+            e = self.default_out
+        return max(1, lmin(max_tokens, <long long>(e + 0.5)))
+
+    cdef Terms _terms(self, int k, long long n, double nbar, double lbar, long long ahead,
+                      int out, double now) noexcept:
+        cdef Terms r
+        cdef int p = self._target(k, n, nbar)
+        cdef long long cap = self.cap[p] if self.cap[p] > 1 else 1
+        cdef long long full = lmin(self.maxb[p], cap)
+        cdef long long run = lmin(n, self.maxb[p])
+        cdef double a = self.coef[p][0], b = self.coef[p][1]
+        cdef double c = self.coef[p][2], d = self.coef[p][3]
+        cdef double length = self.bounds[k]
+        cdef double s_full = a + b * (<double>full * length) + c * nbar + d * (<double>full * nbar)
+        cdef double wait = <double>ahead * s_full / (<double>cap * (lbar + nbar))
+        cdef Tail tl = self._tail(now)
+        cdef FM fm = self._fm(p, k, nbar)
+        cdef double lam = meter_rate(&self.arrivals[k], now, self.tau)
+        cdef double b_star = (lam * fm.f - 1.0) / (1.0 + lam * fm.m)
+        cdef double hold
+        if n < b_star:
+            hold = (b_star - n) / lam
+            wait += hold if hold < tl.t_cut else tl.t_cut
+        cdef long long used = self.used[p]
+        if used > 0:
+            wait += c + d * <double>used
+        r.path = p
+        r.wait = wait
+        r.prefill = a + b * (<double>run * length)
+        r.decode = out * (c + d * <double>(used + run))
+        r.decode_hi = out * (c + d * <double>(cap if cap > used + run else used + run))
+        cdef double queue = wait + r.prefill
+        cdef double bound
+        if tl.t_cut < INF:
+            bound = tl.t_cut + LN100 / tl.gap
+            r.tail = bound if bound > queue else queue
+        else:
+            r.tail = LN100 * queue
+        return r
+
+    cdef int _enqueue(self, str rid, Py_hash_t hv, int t, int k, int prompt, int out,
+                      double weight, double arrival, double bw, long long priority, deadline,
+                      double service, double now) except -1:
+        cdef long long cost = prompt + out
+        cdef double key = cost + self.aging * arrival + self.prio_tokens * priority
+        cdef int h = self._new_handle(rid)
+        idt_insert(&self.by_id, hv, h)
+        cdef Req* r = &self.reqs[h]
+        cdef Cold* c = &self.cold[h]
+        cdef double floor, t_in = arrival + bw
+        r.hash = hv
+        self.arr[h] = arrival
+        self.tenant_of[h] = t
+        r.t_in = t_in
+        r.weight = weight
+        c.key = key
+        c.budget_wait = bw
+        c.service = service
+        c.deadline = deadline if deadline is not None else INF
+        r.prompt = prompt
+        r.out = out
+        r.tenant = t
+        r.bucket = k
+        r.state = QUEUED
+        r.pins = 0
+        self.weight[t] = weight
+        if self.backlog[t] == 0:
+            floor = self._min_counter()
+            if floor == INF:
+                floor = self.idle_floor
+            if self.counter[t] < floor:
+                self.counter[t] = floor
+            self.backlog[t] = 1
+            self._enter_active(t)
+        else:
+            self.backlog[t] += 1
+        self.n[k] += 1
+        self.tok[k] += cost
+        self.psum[k] += prompt
+        self.osum[k] += out
+        self.nqueued += 1
+        cdef Heap* heap = &self.rq[t * self.nb + k]
+        self._push(heap, key, h, 0)
+        if heap.a[0].h == h:
+            self._push_head(k, t)
+        self._fifo_push(k, h)
+        if deadline is not None:
+            self._push(&self.deadlines, <double>deadline - service, h, 0)
+        meter_add(&self.arrivals[k], now, 1.0, self.tau)
+        self.mix_prompt += self.alpha * (prompt - self.mix_prompt)
+        self.mix_out += self.alpha * (out - self.mix_out)
+        return 0
+
+    # ------------------------------------------------------------ handles and heaps
+
+    cdef int _new_handle(self, str rid) except -1:
+        cdef int h
+        if self.nfree > 0:
+            self.nfree -= 1
+            h = self.freelist[self.nfree]
+            self.ids[h] = rid
+            return h
+        if self.nreqs == self.reqcap:
+            self.reqcap = 1024 if self.reqcap == 0 else 2 * self.reqcap
+            self.reqs = <Req*>_grow(self.reqs, self.reqcap * sizeof(Req))
+            self.cold = <Cold*>_grow(self.cold, self.reqcap * sizeof(Cold))
+            self.arr = <double*>_grow(self.arr, self.reqcap * sizeof(double))
+            self.tenant_of = <int*>_grow(self.tenant_of, self.reqcap * sizeof(int))
+            self.freelist = <int*>_grow(self.freelist, self.reqcap * sizeof(int))
+        h = self.nreqs
+        self.reqs[h].state = FREE
+        self.reqs[h].pins = 0
+        self.reqs[h].gen = 0
+        self.nreqs += 1
+        self.ids.append(rid)
+        return h
+
+    cdef void _maybe_release(self, int h) noexcept:
+        cdef Req* r = &self.reqs[h]
+        if r.state == DONE and r.pins == 0:
+            r.state = FREE
+            r.gen += 1
+            self.ids[h] = None
+            self.freelist[self.nfree] = h
+            self.nfree += 1
+
+    cdef int _push(self, Heap* hp, double p, int h, unsigned int v) except -1:
+        cdef Entry e
+        e.p = p
+        e.h = h
+        e.v = v
+        self.reqs[h].pins += 1
+        return heap_push(hp, e, self.arr, self.ids)
+
+    cdef Entry _pop(self, Heap* hp) noexcept:
+        cdef Entry e = heap_pop(hp, self.arr, self.ids)
+        self.reqs[e.h].pins -= 1
+        self._maybe_release(e.h)
+        return e
+
+    cdef int _push_head(self, int k, int t) except -1:
+        """Enter the top of (k, t) in heads[k], replacing its previous entry. Where that
+        entry is the top of heads[k] (the common case: _take just served it) it is replaced
+        in place instead of being left to surface as a stale entry."""
+        cdef int i = t * self.nb + k
+        cdef Heap* heads = &self.heads[k]
+        cdef int old = heads.a[0].h if heads.n > 0 else -1
+        cdef bint at_top = (old >= 0 and heads.a[0].v == self.kver[i]
+                            and self.tenant_of[old] == t)
+        self.kver[i] += 1
+        if self.rq[i].n == 0:
+            if at_top:
+                self._pop(heads)
+            return 0
+        cdef Entry e = self.rq[i].a[0]
+        if not at_top:
+            return self._push(heads, e.p, e.h, self.kver[i])
+        e.v = self.kver[i]
+        self.reqs[e.h].pins += 1
+        heap_replace_top(heads, e, self.arr, self.ids)
+        self.reqs[old].pins -= 1
+        self._maybe_release(old)
+        return 0
+
+    cdef Entry _head(self, int k) except *:
+        """The valid top of heads[k] (the bucket must not be empty)."""
+        cdef Heap* heads = &self.heads[k]
+        while heads.a[0].v != self.kver[self.tenant_of[heads.a[0].h] * self.nb + k]:
+            self._pop(heads)
+        return heads.a[0]
+
+    cdef int _fifo_push(self, int k, int h) except -1:
+        cdef Fifo* q = &self.fifo[k]
+        cdef Py_ssize_t i, kept = 0
+        if q.tail == q.cap:
+            if q.tail - q.head > 2 * self.n[k] + 64:
+                # Mostly stale: keep the tickets of requests still queued.
+                for i in range(q.head, q.tail):
+                    if self._ticket_live(q.a[i]):
+                        q.a[kept] = q.a[i]
+                        kept += 1
+                q.head = 0
+                q.tail = kept
+            elif q.head > 0:
+                memmove(q.a, q.a + q.head, (q.tail - q.head) * sizeof(Entry))
+                q.tail -= q.head
+                q.head = 0
+            if q.tail == q.cap:
+                q.cap = 64 if q.cap == 0 else 2 * q.cap
+                q.a = <Entry*>_grow(q.a, q.cap * sizeof(Entry))
+        q.a[q.tail].h = h
+        q.a[q.tail].v = self.reqs[h].gen
+        q.tail += 1
+        return 0
+
+    cdef inline bint _ticket_live(self, Entry e) noexcept:
+        return self.reqs[e.h].gen == e.v and self.reqs[e.h].state == QUEUED
+
+    cdef int _fifo_head(self, int k) noexcept:
+        """The earliest admitted request still queued in bucket k, or -1."""
+        cdef Fifo* q = &self.fifo[k]
+        while q.head < q.tail and not self._ticket_live(q.a[q.head]):
+            q.head += 1
+        return q.a[q.head].h if q.head < q.tail else -1
+
+    cdef int _aside_add(self, Entry e) except -1:
+        if self.naside == self.asidecap:
+            self.asidecap = 64 if self.asidecap == 0 else 2 * self.asidecap
+            self.aside = <Entry*>_grow(self.aside, self.asidecap * sizeof(Entry))
+        self.aside[self.naside] = e
+        self.naside += 1
+        return 0
+
+    cdef int _aside_restore(self, Heap* hp) except -1:
+        cdef int i
+        for i in range(self.naside):
+            heap_push(hp, self.aside[i], self.arr, self.ids)
+        self.naside = 0
+        return 0
+
+    cdef int _aside_restore_fifo(self, int k) noexcept:
+        """Put the tickets set aside back at the front of the FIFO, in their order (they were
+        taken from there, so the slots before head are free)."""
+        cdef Fifo* q = &self.fifo[k]
+        cdef int i
+        q.head -= self.naside
+        for i in range(self.naside):
+            q.a[q.head + i] = self.aside[i]
+        self.naside = 0
+        return 0
+
+    cdef int _unqueue(self, int h, int state) except -1:
+        """Take a queued request out of every count; entries in other heaps go lazily."""
+        cdef Req* r = &self.reqs[h]
+        cdef int k = r.bucket, t = r.tenant, i = t * self.nb + k
+        if state == DONE:
+            idt_remove(&self.by_id, r.hash, h)
+        r.state = state
+        self.n[k] -= 1
+        self.tok[k] -= r.prompt + r.out
+        self.psum[k] -= r.prompt
+        self.osum[k] -= r.out
+        self.nqueued -= 1
+        cdef Heap* heap = &self.rq[i]
+        if heap.a[0].h == h:
+            self._pop(heap)
+            while heap.n > 0 and self.reqs[heap.a[0].h].state != QUEUED:
+                self._pop(heap)
+            self._push_head(k, t)
+        self.backlog[t] -= 1
+        if self.backlog[t] == 0:
+            self.tver[t] += 1
+            if self._min_counter() == INF:
+                self.idle_floor = self.counter[t]
+        self._maybe_release(h)
+        return 0
+
+    cdef int _expire(self, double now, list out) except -1:
+        """Reject queued requests that can no longer finish before their deadline."""
+        cdef Entry e
+        cdef double late, deadline
+        while self.deadlines.n > 0 and self.deadlines.a[0].p < now:
+            e = self._pop(&self.deadlines)
+            if self.reqs[e.h].state != QUEUED:
+                continue
+            rid = self.ids[e.h]
+            deadline = self.cold[e.h].deadline
+            late = now - self.arr[e.h] + self.cold[e.h].service
+            self._unqueue(e.h, DONE)
+            out.append(_reject(rid, "deadline", f"deadline {deadline:.3f} can no "
+                             f"longer be met: completion {late:.3f}s after arrival", 0.0, late))
+        return 0
+
+    # ------------------------------------------------------------ fairness
+
+    # The heap of backlogged tenants holds one valid entry per tenant (its version), keyed
+    # by a lower bound of its counter: a charge raises the counter without touching the
+    # heap, and the minimum is repaired when it surfaces (lazy decrease-key, as in Dijkstra).
+    # Anything that lowers a counter enters a fresh entry. The reference keeps exact keys;
+    # the minimum both report is the same number.
+
+    cdef int _enter_active(self, int t) except -1:
+        cdef Entry e
+        self.tver[t] += 1
+        e.p = self.counter[t]
+        e.h = t
+        e.v = self.tver[t]
+        return heap_push(&self.active, e, NULL, None)
+
+    cdef int _most_behind(self) except -2:
+        """The backlogged tenant with the smallest counter (ties: first seen), or -1."""
+        cdef Entry top
+        while self.active.n > 0:
+            top = self.active.a[0]
+            if top.v != self.tver[top.h]:
+                heap_pop(&self.active, NULL, None)
+            elif top.p < self.counter[top.h]:
+                top.p = self.counter[top.h]
+                heap_replace_top(&self.active, top, NULL, None)
+            else:
+                return top.h
+        return -1
+
+    cdef double _min_counter(self) except? -1.0:
+        """The smallest virtual counter among backlogged tenants (inf if none)."""
+        cdef int t = self._most_behind()
+        return INF if t < 0 else self.counter[t]
+
+    cdef bint _eligible(self, int t) except -1:
+        cdef double slack = self.slack_tokens / self.weight[t]
+        return self.counter[t] <= self._min_counter() + slack
+
+    cdef int _serve(self, int h) except -1:
+        """Charge the tenant's counter for the request's tokens; add it to the batch."""
+        cdef Req* r = &self.reqs[h]
+        cdef int t = r.tenant
+        self.counter[t] += (self.w_in * r.prompt + self.w_out * r.out) / r.weight
+        self._unqueue(h, INFLIGHT)
+        self.buf[self.nbuf] = h
+        self.nbuf += 1
+        return 0
+
+    cdef int _observe_output(self, int h, int produced) except -1:
+        """Learn the output length; correct the counter charged with the estimate."""
+        cdef Req* r = &self.reqs[h]
+        cdef int t = r.tenant, k = r.bucket, i = t * self.nb + k
+        if self.est[i] < 0.0:
+            self.est[i] = produced
+        else:
+            self.est[i] = self.est[i] + self.alpha * (produced - self.est[i])
+        if self.est_bucket[k] < 0.0:
+            self.est_bucket[k] = produced
+        else:
+            self.est_bucket[k] = self.est_bucket[k] + self.alpha * (produced - self.est_bucket[k])
+        cdef double correction = self.w_out * <double>(produced - r.out) / r.weight
+        self.counter[t] += correction
+        if self.backlog[t] > 0 and correction < 0.0:
+            self._enter_active(t)
+        return 0
+
+    # ------------------------------------------------------------ release
+
+    cdef inline long long _free(self, int p) noexcept:
+        return self.cap[p] - self.used[p]
+
+    cdef inline FM _fm(self, int p, int k, double nbar) noexcept:
+        cdef FM r
+        r.f = self.coef[p][0] + self.coef[p][2] * nbar
+        r.m = self.coef[p][1] * self.bounds[k] + self.coef[p][3] * nbar
+        return r
+
+    cdef int _target(self, int k, long long n, double nbar) noexcept:
+        """The path with the lower batch-time curve at n (n < B1 ⟺ cpu)."""
+        if self.cap[GPU] <= 0:
+            return CPU
+        if self.cap[CPU] <= 0:
+            return GPU
+        cdef FM c = self._fm(CPU, k, nbar)
+        cdef FM g = self._fm(GPU, k, nbar)
+        return CPU if c.f + c.m * n < g.f + g.m * n else GPU
+
+    cdef bint _holds(self, int p, int k, long long n, double nbar, double now) noexcept:
+        """Marginal-cost rule: waiting for one more arrival pays iff (n + 1)/λ < F − m·n."""
+        cdef FM fm = self._fm(p, k, nbar)
+        cdef double gain = fm.f - fm.m * n
+        if gain <= 0.0:
+            return False
+        cdef Meter* meter = &self.arrivals[k]
+        return (n + 1 < meter_rate(meter, now, self.tau) * gain
+                and (n + 1) * (now - meter.last) < gain)
+
+    cdef bint _overdue(self, int k, double now, double t_cut) except -1:
+        cdef int h = self._fifo_head(k)
+        return h >= 0 and self.reqs[h].t_in + t_cut <= now
+
+    cdef bint _releases(self, int p, int k, long long n, double nbar, double now,
+                        double t_cut) except -1:
+        if n >= lmin(self._free(p), self.maxb[p]) or self._overdue(k, now, t_cut):
+            return True
+        return not self._holds(p, k, n, nbar, now)
+
+    cdef double _busy_for(self, int p, double now) except -1.0:
+        """Predicted time until the first in-flight batch of path p finishes."""
+        cdef double first = INF, left
+        cdef _Batch b
+        for found in self.inflight.values():
+            b = <_Batch>found
+            if b.path == p and b.end < first:
+                first = b.end
+        if first == INF:
+            return 0.0
+        left = first - now
+        return left if left > 0.0 else 0.0
+
+    cdef int _plan(self, int k, double now, double t_cut) except -2:
+        """The path bucket k releases a batch to now, or -1 to wait."""
+        cdef long long n = self.n[k]
+        cdef long long fc = self._free(CPU), fg = self._free(GPU), size
+        if fc <= 0 and fg <= 0:
+            return -1
+        cdef double nbar = self.osum[k] / <double>n
+        cdef int target = self._target(k, n, nbar)
+        if (fc if target == CPU else fg) > 0:
+            return target if self._releases(target, k, n, nbar, now, t_cut) else -1
+        # Work conservation: the target is busy; the other path takes the batch if it
+        # finishes it no later than the target would after it frees up.
+        cdef int other = 1 - target
+        if (fc if other == CPU else fg) <= 0:
+            return -1
+        size = lmin(lmin(n, self._free(other)), self.maxb[other])
+        cdef FM fo = self._fm(other, k, nbar)
+        cdef FM ft = self._fm(target, k, nbar)
+        if fo.f + fo.m * size > self._busy_for(target, now) + (ft.f + ft.m * size):
+            return -1
+        return other if self._releases(other, k, n, nbar, now, t_cut) else -1
+
+    cdef int _bucket_order(self) except -1:
+        """Non-empty buckets into sortbuf: first the one holding the best request of the
+        most-behind tenant, then the others, most urgent head first; returns their count."""
+        cdef int k, lead = -1, count = 0
+        cdef int t = self._most_behind()
+        cdef Entry e, best
+        if t >= 0:
+            for k in range(self.nb):
+                if self.rq[t * self.nb + k].n > 0:
+                    e = self.rq[t * self.nb + k].a[0]
+                    if lead < 0 or entry_lt(&e, &best, self.arr, self.ids):
+                        best = e
+                        lead = k
+            self.sortbuf[0].k = lead
+            count = 1
+        for k in range(self.nb):
+            if self.n[k] > 0 and k != lead:
+                e = self._head(k)
+                self.sortbuf[count].p = e.p
+                self.sortbuf[count].s = self.arr[e.h]
+                self.sortbuf[count].k = k
+                count += 1
+        sort_small(self.sortbuf + (1 if lead >= 0 else 0), count - (1 if lead >= 0 else 0))
+        return count
+
+    cdef int _take(self, int k, long long limit) except -1:
+        """Up to ``limit`` requests of bucket k by aging key into buf, skipping tenants that
+        are more than the slack ahead of the smallest backlogged counter."""
+        cdef Heap* heads = &self.heads[k]
+        cdef Entry e
+        cdef int t
+        self.nbuf = 0
+        while self.nbuf < limit and heads.n > 0:
+            e = heads.a[0]
+            t = self.tenant_of[e.h]
+            if e.v != self.kver[t * self.nb + k]:
+                self._pop(heads)
+            elif not self._eligible(t):
+                # Set aside for this take; it returns as it is, pin and all.
+                self._aside_add(e)
+                heap_pop(heads, self.arr, self.ids)
+            else:
+                # _unqueue replaces this entry in place by the tenant's next request.
+                self._serve(self.rq[t * self.nb + k].a[0].h)
+        self._aside_restore(heads)
+        return 0
+
+    cdef Tail _tail(self, double now) noexcept:
+        """(T_cut, μ_a − λ_a); T_cut = SLO − ln(100)/(μ_a − λ_a), inf where not positive."""
+        cdef Tail r
+        cdef double mu = self._mu_cpu()
+        r.t_cut = INF
+        r.gap = INF
+        if mu <= 0.0:
+            return r
+        cdef double gap = mu - meter_rate(&self.cpu_meter, now, self.tau)
+        if gap * self.slo <= LN100:
+            return r
+        r.t_cut = self.slo - LN100 / gap
+        r.gap = gap
+        return r
+
+    cdef double _mu_cpu(self) noexcept:
+        """μ_a: requests/s the cpu path serves in full batches of the current mix."""
+        cdef long long cap = self.cap[CPU]
+        if cap <= 0:
+            return 0.0
+        cdef double b = lmin(cap, self.maxb[CPU])
+        cdef double lp = self.mix_prompt, lo = self.mix_out
+        return cap / (self.coef[CPU][0] + self.coef[CPU][1] * (b * lp)
+                      + self.coef[CPU][2] * lo + self.coef[CPU][3] * (b * lo))
+
+    cdef int _tail_cut(self, double now, double t_cut, list out) except -1:
+        """Requests that waited T_cut go to the cpu path in admission order, bucket by
+        bucket (the bucket whose overdue head entered first goes first)."""
+        cdef int k, h, i, count = 0
+        cdef long long limit
+        cdef Fifo* q
+        for k in range(self.nb):
+            h = self._fifo_head(k)
+            if h >= 0 and self.reqs[h].t_in + t_cut <= now:
+                self.sortbuf[count].p = self.reqs[h].t_in
+                self.sortbuf[count].s = self.arr[h]
+                self.sortbuf[count].k = k
+                count += 1
+        sort_small(self.sortbuf, count)
+        for i in range(count):
+            k = self.sortbuf[i].k
+            limit = lmin(self._free(CPU), self.maxb[CPU])
+            if limit <= 0:
+                return 0
+            q = &self.fifo[k]
+            self.nbuf = 0
+            while self.nbuf < limit:
+                h = self._fifo_head(k)
+                if h < 0 or self.reqs[h].t_in + t_cut > now:
+                    break
+                q.head += 1
+                if self._eligible(self.reqs[h].tenant):
+                    self._serve(h)
+                else:
+                    self._aside_add(q.a[q.head - 1])
+            self._aside_restore_fifo(k)
+            if self.nbuf:
+                self._dispatch(CPU, k, now, out)
+        return 0
+
+    cdef int _dispatch(self, int p, int k, double now, list out) except -1:
+        cdef int size = self.nbuf, i, h
+        cdef long long length = 0, steps = 0, seq_steps = 0
+        cdef Req* r
+        for i in range(size):
+            r = &self.reqs[self.buf[i]]
+            if r.prompt > length:
+                length = r.prompt
+            if r.out > steps:
+                steps = r.out
+            seq_steps += r.out
+        cdef double predicted = (self.coef[p][0] + self.coef[p][1] * (<double>size * length)
+                                 + self.coef[p][2] * steps + self.coef[p][3] * seq_steps)
+        cdef long long bid = self.next_batch
+        self.next_batch += 1
+        cdef _Batch batch = _Batch.__new__(_Batch)
+        batch.path = p
+        batch.end = now + predicted
+        batch.n = size
+        batch.h = <int*>malloc(size * sizeof(int))
+        if batch.h == NULL:
+            raise MemoryError()
+        request_ids = PyTuple_New(size)
+        for i in range(size):
+            h = self.buf[i]
+            batch.h[i] = h
+            rid = self.ids[h]
+            Py_INCREF(rid)
+            PyTuple_SET_ITEM(request_ids, i, rid)
+        self.used[p] += size
+        self.inflight[bid] = batch
+        if p == CPU:
+            meter_add(&self.cpu_meter, now, size, self.tau)
+        cdef object d = new_instance(Dispatch)
+        put(d, _DISPATCH[0], bid)
+        put(d, _DISPATCH[1], PATHS[p])
+        put(d, _DISPATCH[2], k)
+        put(d, _DISPATCH[3], request_ids)
+        put(d, _DISPATCH[4], predicted)
+        out.append(d)
+        return 0

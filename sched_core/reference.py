@@ -1,0 +1,709 @@
+"""The scheduler in plain Python: the readable specification of every decision.
+
+The compiled core (``_core.pyx``) makes the same decisions from the same events, down to the
+last bit of every float; the property tests hold the two to that. docs/scheduling.md derives
+the rules; the comments here say which rule a line implements.
+
+State, per bucket k and tenant t:
+  * a heap of t's queued requests in k, keyed by the aging key
+    ``cost + aging·arrival + priority_tokens·priority`` (ties: arrival, then id), whose top is
+    always a queued request; ``cost`` is prompt plus expected output tokens;
+  * in ``_heads[k]`` one valid entry per non-empty (k, t): the key of that top; older
+    entries are recognised by a version number and dropped when they surface;
+  * ``_fifo[k]``: the requests of k in admission order, for the tail cut;
+plus one deadline heap and one heap of backlogged tenants' virtual counters. Entries of
+requests that left the queue are dropped lazily when they reach the top of a heap or the
+front of a FIFO (a FIFO is compacted when most of it is such entries).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from bisect import bisect_left
+from collections import deque
+from typing import Any
+
+from sched_core.costmodel import PathModel
+from sched_core.report import queued_explanation, route_reason, snapshot_dict, thresholds
+from sched_core.types import (
+    LN100,
+    PATHS,
+    BatchTimings,
+    Contract,
+    Dispatch,
+    Reject,
+    Request,
+    SchedulerConfig,
+)
+
+IMPLEMENTATION = "reference"
+
+CPU, GPU = 0, 1
+QUEUED, INFLIGHT, DONE = 0, 1, 2
+INF = math.inf
+
+# Heap entry layouts (tuples compare field by field; the last field is never reached):
+#   request heaps:  (primary, arrival, id, seq, _Req)
+#   _heads[k]:      (aging key, arrival, id, version of (k, t), t)
+#   _active:        (virtual counter, t, version of t)
+_RequestEntry = tuple[float, float, str, int, "_Req"]
+_HeadEntry = tuple[float, float, str, int, int]
+
+
+class RateMeter:
+    """An event rate (events/s), exponentially decayed with time constant ``tau`` seconds."""
+
+    __slots__ = ("count", "last", "tau")
+
+    def __init__(self, tau: float) -> None:
+        self.count = 0.0
+        self.last = 0.0
+        self.tau = tau
+
+    def _decayed(self, now: float) -> float:
+        dt = now - self.last
+        return self.count * math.exp(-dt / self.tau) if dt > 0.0 else self.count
+
+    def add(self, now: float, events: float) -> None:
+        self.count = self._decayed(now) + events
+        if now > self.last:
+            self.last = now
+
+    def rate(self, now: float) -> float:
+        return self._decayed(now) / self.tau
+
+
+class _Req:
+    """A request inside the scheduler, from arrival until its batch completes."""
+
+    __slots__ = (
+        "req", "bucket", "tenant", "out", "key", "t_in", "service", "seq", "state", "batch")
+
+    def __init__(self, req: Request, bucket: int, tenant: int, out: int, key: float,
+                 service: float, seq: int) -> None:
+        self.req = req
+        self.bucket = bucket
+        self.tenant = tenant
+        self.out = out  # expected output tokens
+        self.key = key  # aging key: smaller is served first
+        self.t_in = req.arrival + req.budget_wait  # when the scheduler's own wait began
+        self.service = service  # predicted prefill + decode at admission
+        self.seq = seq
+        self.state = QUEUED
+        self.batch = 0
+
+
+class _Batch:
+    __slots__ = ("path", "reqs", "end")
+
+    def __init__(self, path: int, reqs: list[_Req], end: float) -> None:
+        self.path = path
+        self.reqs = reqs
+        self.end = end  # dispatch time + predicted batch time
+
+
+class Scheduler:
+    """Token-budget scheduler: events in, decisions out; time is always an argument."""
+
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        cfg = config if config is not None else SchedulerConfig()
+        self.config = cfg
+        self._bounds = cfg.bucket_bounds
+        nb = len(self._bounds)
+        self._models = (PathModel(cfg.cpu, cfg), PathModel(cfg.gpu, cfg))
+        self._coef = [m.coefficients() for m in self._models]
+        self._max_batch = (cfg.cpu.max_batch, cfg.gpu.max_batch)
+        self._cap = [0, 0]
+        self._used = [0, 0]
+        self._now = 0.0
+        self._seq = 0
+        self._next_batch = 1
+        self._queued = 0
+        self._by_id: dict[str, _Req] = {}
+        self._inflight: dict[int, _Batch] = {}
+        # Per bucket: live count and token sums of the queue; arrival-rate meters.
+        self._n = [0] * nb
+        self._tok = [0] * nb
+        self._psum = [0] * nb
+        self._osum = [0] * nb
+        self._arrivals = [RateMeter(cfg.rate_window_s) for _ in range(nb)]
+        self._cpu_meter = RateMeter(cfg.rate_window_s)  # λ_a: requests sent to cpu
+        self._mix_prompt = float(self._bounds[0])  # EWMA of prompt and output lengths,
+        self._mix_out = float(cfg.default_output_tokens)  # the mix μ_a is computed for
+        self._fifo: list[deque[_Req]] = [deque() for _ in range(nb)]
+        self._heads: list[list[_HeadEntry]] = [[] for _ in range(nb)]
+        self._deadlines: list[_RequestEntry] = []
+        self._est_bucket = [-1.0] * nb  # EWMA of observed output per bucket (-1: none yet)
+        # Per tenant (index t, in order of first appearance).
+        self._tenant_ix: dict[str, int] = {}
+        self._tenant_names: list[str] = []
+        self._counter: list[float] = []  # virtual token counter, seconds of budget
+        self._weight: list[float] = []  # budget (tokens/s) of the tenant's latest request
+        self._backlog: list[int] = []  # queued requests
+        self._tver: list[int] = []
+        self._est: list[list[float]] = []  # EWMA of observed output per (tenant, bucket)
+        self._rq: list[list[list[_RequestEntry]]] = [[] for _ in range(nb)]  # [k][t]
+        self._kver: list[list[int]] = [[] for _ in range(nb)]  # [k][t]
+        self._active: list[tuple[float, int, int]] = []
+        self._idle_floor = 0.0  # counter of the last tenant to leave an empty backlog
+
+    # ----------------------------------------------------------------- public API
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def __len__(self) -> int:
+        return self._queued
+
+    def arrive(self, req: Request, now: float) -> Contract | Reject:
+        """Admit ``req`` with a latency contract, or reject it at once."""
+        self._now = now
+        rid = req.id
+        if rid in self._by_id:
+            return Reject(rid, "duplicate", f"request {rid!r} is already queued or running",
+                          0.0, 0.0)
+        k = bisect_left(self._bounds, req.prompt_tokens)
+        if k == len(self._bounds):
+            return Reject(rid, "too_long", f"prompt of {req.prompt_tokens} tokens exceeds the "
+                          f"largest bucket ({self._bounds[-1]})", 0.0, 0.0)
+        t = self._tenant(req.tenant)
+        out = self._expected_output(req, t, k)
+        n = self._n[k] + 1
+        ahead = self._tok[k]
+        p, wait, prefill, decode, decode_hi, tail = self._terms(
+            k, n, (self._osum[k] + out) / n, (self._psum[k] + req.prompt_tokens) / n,
+            ahead, out, now)
+        bw = req.budget_wait
+        ttft = bw + wait + prefill
+        total = ttft + decode
+        if self._queued >= self.config.max_queued:
+            return Reject(rid, "queue_full", f"{self._queued} requests queued, the limit",
+                          wait, total)
+        if req.deadline is not None and req.arrival + total > req.deadline:
+            return Reject(rid, "deadline", f"estimated completion {total:.3f}s after arrival "
+                          f"misses the deadline by {req.arrival + total - req.deadline:.3f}s",
+                          wait, total)
+        self._enqueue(req, t, k, out, prefill + decode, now)
+        return Contract(rid, k, PATHS[p], ttft, total, bw + tail + decode_hi, ahead, bw)
+
+    def tick(self, now: float) -> list[Dispatch | Reject]:
+        """Decide what to do now: expired deadlines, tail cuts, then batches by urgency."""
+        self._now = now
+        out: list[Dispatch | Reject] = []
+        self._expire(now, out)
+        t_cut, _ = self._tail(now)
+        if t_cut < INF:
+            self._tail_cut(now, t_cut, out)
+        for k in self._bucket_order():
+            while self._n[k] > 0:
+                p = self._plan(k, now, t_cut)
+                if p < 0:
+                    break
+                limit = min(self._n[k], self._free(p), self._max_batch[p])
+                batch = self._take(k, limit)
+                if not batch:
+                    break
+                self._dispatch(p, k, batch, now, out)
+        return out
+
+    def completed(self, timings: BatchTimings, now: float) -> None:
+        """A batch finished: return its slots, refit its path, learn output lengths."""
+        self._now = now
+        batch = self._inflight.pop(timings.batch_id, None)
+        if batch is None:
+            return
+        p = batch.path
+        self._used[p] -= len(batch.reqs)
+        model = self._models[p]
+        model.observe(timings)
+        self._coef[p] = model.coefficients()
+        if len(timings.output_tokens) == len(batch.reqs):
+            for r, produced in zip(batch.reqs, timings.output_tokens, strict=True):
+                self._observe_output(r, produced)
+        for r in batch.reqs:
+            r.state = DONE
+            del self._by_id[r.req.id]
+
+    def worker_capacity(self, path: str, slots: int, now: float) -> None:
+        """``path``'s live workers offer ``slots`` sequence slots in all (in use ones included)."""
+        if path not in PATHS or slots < 0:
+            raise ValueError(f"unknown path {path!r} or negative slots {slots}")
+        self._now = now
+        self._cap[PATHS.index(path)] = slots
+
+    def cancel(self, request_id: str, now: float) -> bool:
+        """Remove a queued request; False if it is unknown, running or already gone."""
+        self._now = now
+        r = self._by_id.get(request_id)
+        if r is None or r.state != QUEUED:
+            return False
+        self._unqueue(r, DONE)
+        return True
+
+    def snapshot(self) -> dict[str, Any]:
+        """Queues per bucket, fitted cost curves, thresholds and counters, as JSON data."""
+        now = self._now
+        t_cut, _ = self._tail(now)
+        buckets = []
+        for k, bound in enumerate(self._bounds):
+            n = self._n[k]
+            nbar = self._osum[k] / n if n else self._mix_out
+            lam = self._arrivals[k].rate(now)
+            buckets.append({
+                "bucket": k, "max_prompt": bound, "queued": n, "tokens": self._tok[k],
+                "arrival_rate": lam, "mean_output": nbar,
+                **thresholds(self._fm(CPU, k, nbar), self._fm(GPU, k, nbar), lam),
+            })
+        paths = []
+        for p, model in enumerate(self._models):
+            a, b, c, d = self._coef[p]
+            paths.append({
+                "capacity": self._cap[p], "in_flight": self._used[p],
+                "max_batch": self._max_batch[p], "fitted_batches": model.prefill.observations,
+                "prefill": {"a": a, "b": b}, "decode": {"c": c, "d": d},
+            })
+        tenants = {
+            name: {"counter": self._counter[t], "queued": self._backlog[t]}
+            for t, name in enumerate(self._tenant_names)
+        }
+        return snapshot_dict(
+            now=now, queued=self._queued, buckets=buckets, paths=paths, t_cut=t_cut,
+            mu_cpu=self._mu_cpu(), lambda_cpu=self._cpu_meter.rate(now),
+            slo=self.config.ttft_p99_slo_s, tenants=tenants, min_counter=self._min_counter())
+
+    def explain(self, request_id: str) -> dict[str, Any] | None:
+        """Why a request waits, what is ahead of it, where it goes; None if unknown."""
+        r = self._by_id.get(request_id)
+        if r is None:
+            return None
+        k, t = r.bucket, r.tenant
+        if r.state == INFLIGHT:
+            return {"request_id": request_id, "state": "dispatched", "bucket": k,
+                    "batch_id": r.batch, "path": PATHS[self._inflight[r.batch].path]}
+        now = self._now
+        mine = (r.key, r.req.arrival, request_id)
+        ahead_n = ahead_tok = 0
+        for heap in self._rq[k]:
+            for e in heap:
+                if e[4].state == QUEUED and e[:3] < mine:
+                    ahead_n += 1
+                    ahead_tok += e[4].req.prompt_tokens + e[4].out
+        n = self._n[k]
+        nbar = self._osum[k] / n
+        p, wait, prefill, decode, decode_hi, tail = self._terms(k, n, nbar, self._psum[k] / n,
+                                                                ahead_tok, r.out, now)
+        t_cut, _ = self._tail(now)
+        lo = self._min_counter()
+        f, m = self._fm(p, k, nbar)
+        lam = self._arrivals[k].rate(now)
+        path, reason = route_reason(
+            target=p, free=(self._free(CPU), self._free(GPU)),
+            capacity=(self._cap[CPU], self._cap[GPU]), eligible=self._eligible(t),
+            overdue=r.t_in + t_cut <= now, holds=self._holds(p, k, n, nbar, now),
+            queued=n, b_star=(lam * f - 1.0) / (1.0 + lam * m))
+        since = r.req.budget_wait + (now - r.t_in)
+        return queued_explanation(
+            request_id=request_id, tenant=self._tenant_names[t], bucket=k,
+            max_prompt=self._bounds[k], requests_ahead=ahead_n, tokens_ahead=ahead_tok,
+            queued_in_bucket=n, waited_s=now - r.t_in, path=path, reason=reason,
+            counter=self._counter[t], min_counter=lo, t_cut=t_cut,
+            ttft_s=since + wait + prefill, total_s=since + wait + prefill + decode,
+            p99_s=since + tail + decode_hi)
+
+    # ------------------------------------------------------------ admission
+
+    def _tenant(self, name: str) -> int:
+        t = self._tenant_ix.get(name)
+        if t is None:
+            t = len(self._tenant_names)
+            self._tenant_ix[name] = t
+            self._tenant_names.append(name)
+            self._counter.append(0.0)
+            self._weight.append(1.0)
+            self._backlog.append(0)
+            self._tver.append(0)
+            self._est.append([-1.0] * len(self._bounds))
+            for k in range(len(self._bounds)):
+                self._rq[k].append([])
+                self._kver[k].append(0)
+        return t
+
+    def _expected_output(self, req: Request, t: int, k: int) -> int:
+        """The caller's estimate, else the tenant's observed mean in this bucket, else the
+        bucket's, else the configured default; always within [1, max_tokens]."""
+        if req.expected_output_tokens > 0:
+            return min(req.expected_output_tokens, req.max_tokens)
+        e = self._est[t][k]
+        if e < 0.0:
+            e = self._est_bucket[k]
+        if e < 0.0:
+            e = float(self.config.default_output_tokens)
+        return max(1, min(req.max_tokens, int(e + 0.5)))
+
+    def _terms(self, k: int, n: int, nbar: float, lbar: float, ahead: int, out: int,
+               now: float) -> tuple[int, float, float, float, float, float]:
+        """Contract terms for a request in bucket k of ``n`` queued (itself included) with
+        ``ahead`` tokens before it: (path, wait, prefill, decode, decode bound, p99 of
+        wait + prefill).
+
+        wait = tokens ahead ÷ the path's token throughput on this bucket in full batches,
+        plus the expected hold of the release rule, plus the decode step its workers are
+        running (a continuous-batching worker admits new sequences between steps); the p99
+        term is the tail-cut bound ``T_cut + ln(100)/(μ_a − λ_a)`` where the cut is active,
+        else the exponential tail ``ln(100)·(wait + prefill)``. Decode steps run with every
+        sequence in flight on the path: expected ``out·D(in flight + batch)``, bounded by
+        ``out·D(capacity)`` since a path never runs more sequences than its slots.
+        """
+        p = self._target(k, n, nbar)
+        cap = max(self._cap[p], 1)
+        full = min(self._max_batch[p], cap)
+        run = min(n, self._max_batch[p])
+        a, b, c, d = self._coef[p]
+        length = self._bounds[k]
+        s_full = a + b * (full * length) + c * nbar + d * (full * nbar)
+        wait = ahead * s_full / (cap * (lbar + nbar))
+        t_cut, gap = self._tail(now)
+        f, m = self._fm(p, k, nbar)
+        lam = self._arrivals[k].rate(now)
+        b_star = (lam * f - 1.0) / (1.0 + lam * m)
+        if n < b_star:
+            wait += min(t_cut, (b_star - n) / lam)
+        used = self._used[p]
+        if used > 0:
+            wait += c + d * used
+        prefill = a + b * (run * length)
+        decode = out * (c + d * (used + run))
+        decode_hi = out * (c + d * max(cap, used + run))
+        queue = wait + prefill
+        tail = max(queue, t_cut + LN100 / gap) if t_cut < INF else LN100 * queue
+        return p, wait, prefill, decode, decode_hi, tail
+
+    def _enqueue(self, req: Request, t: int, k: int, out: int, service: float,
+                 now: float) -> None:
+        cfg = self.config
+        prompt = req.prompt_tokens
+        cost = prompt + out
+        key = cost + cfg.aging_tokens_per_s * req.arrival + cfg.priority_tokens * req.priority
+        r = _Req(req, k, t, out, key, service, self._seq)
+        self._seq += 1
+        self._by_id[req.id] = r
+        self._weight[t] = req.weight
+        if self._backlog[t] == 0:
+            # A returning tenant's counter is lifted to the smallest backlogged counter
+            # (or, with none backlogged, to that of the last tenant to leave).
+            floor = self._min_counter()
+            if floor == INF:
+                floor = self._idle_floor
+            if self._counter[t] < floor:
+                self._counter[t] = floor
+            self._backlog[t] = 1
+            self._touch(t)
+        else:
+            self._backlog[t] += 1
+        self._n[k] += 1
+        self._tok[k] += cost
+        self._psum[k] += prompt
+        self._osum[k] += out
+        self._queued += 1
+        heap = self._rq[k][t]
+        heapq.heappush(heap, (key, req.arrival, req.id, r.seq, r))
+        if heap[0][4] is r:
+            self._push_head(k, t)
+        fifo = self._fifo[k]
+        fifo.append(r)
+        if len(fifo) > 2 * self._n[k] + 64:
+            self._fifo[k] = deque(q for q in fifo if q.state == QUEUED)
+        if req.deadline is not None:
+            heapq.heappush(self._deadlines, (req.deadline - service, req.arrival, req.id, r.seq, r))
+        self._arrivals[k].add(now, 1.0)
+        alpha = cfg.ewma_alpha
+        self._mix_prompt += alpha * (prompt - self._mix_prompt)
+        self._mix_out += alpha * (out - self._mix_out)
+
+    # -------------------------------------------------------------- queues
+
+    def _push_head(self, k: int, t: int) -> None:
+        self._kver[k][t] += 1
+        key, arrival, rid, _, _ = self._rq[k][t][0]
+        heapq.heappush(self._heads[k], (key, arrival, rid, self._kver[k][t], t))
+
+    def _head(self, k: int) -> _HeadEntry:
+        """The valid top of ``_heads[k]`` (the bucket must not be empty)."""
+        heads = self._heads[k]
+        while heads[0][3] != self._kver[k][heads[0][4]]:
+            heapq.heappop(heads)
+        return heads[0]
+
+    def _fifo_head(self, k: int) -> _Req | None:
+        """The earliest admitted request still queued in bucket k."""
+        fifo = self._fifo[k]
+        while fifo and fifo[0].state != QUEUED:
+            fifo.popleft()
+        return fifo[0] if fifo else None
+
+    def _unqueue(self, r: _Req, state: int) -> None:
+        """Take a queued request out of every count; entries in other heaps go lazily."""
+        r.state = state
+        k, t = r.bucket, r.tenant
+        self._n[k] -= 1
+        self._tok[k] -= r.req.prompt_tokens + r.out
+        self._psum[k] -= r.req.prompt_tokens
+        self._osum[k] -= r.out
+        self._queued -= 1
+        heap = self._rq[k][t]
+        if heap[0][4] is r:
+            heapq.heappop(heap)
+            while heap and heap[0][4].state != QUEUED:
+                heapq.heappop(heap)
+            if heap:
+                self._push_head(k, t)
+            else:
+                self._kver[k][t] += 1
+        self._backlog[t] -= 1
+        if self._backlog[t] == 0:
+            self._tver[t] += 1
+            if self._min_counter() == INF:
+                self._idle_floor = self._counter[t]
+        if state == DONE:
+            del self._by_id[r.req.id]
+
+    def _expire(self, now: float, out: list[Dispatch | Reject]) -> None:
+        """Reject queued requests that can no longer finish before their deadline."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] < now:
+            r = heapq.heappop(deadlines)[4]
+            if r.state != QUEUED:
+                continue
+            self._unqueue(r, DONE)
+            late = now - r.req.arrival + r.service
+            out.append(Reject(r.req.id, "deadline", f"deadline {r.req.deadline:.3f} can no "
+                              f"longer be met: completion {late:.3f}s after arrival", 0.0, late))
+
+    # ------------------------------------------------------------ fairness
+
+    def _touch(self, t: int) -> None:
+        self._tver[t] += 1
+        heapq.heappush(self._active, (self._counter[t], t, self._tver[t]))
+
+    def _most_behind(self) -> int:
+        """The backlogged tenant with the smallest counter (ties: first seen), or -1."""
+        active = self._active
+        while active:
+            _, t, v = active[0]
+            if v == self._tver[t]:
+                return t
+            heapq.heappop(active)
+        return -1
+
+    def _min_counter(self) -> float:
+        """The smallest virtual counter among backlogged tenants (inf if none)."""
+        t = self._most_behind()
+        return INF if t < 0 else self._counter[t]
+
+    def _eligible(self, t: int) -> bool:
+        """Within the slack of the most-behind backlogged tenant: fair_slack_tokens of
+        service at t's own budget, ``counter ≤ min + slack_tokens / weight``."""
+        slack = self.config.fair_slack_tokens / self._weight[t]
+        return self._counter[t] <= self._min_counter() + slack
+
+    def _serve(self, r: _Req, batch: list[_Req]) -> None:
+        """Charge the tenant's counter for the request's tokens and move it to ``batch``."""
+        cfg = self.config
+        t = r.tenant
+        self._counter[t] += (cfg.fair_input_weight * r.req.prompt_tokens
+                             + cfg.fair_output_weight * r.out) / r.req.weight
+        self._touch(t)
+        self._unqueue(r, INFLIGHT)
+        batch.append(r)
+
+    def _observe_output(self, r: _Req, produced: int) -> None:
+        """Learn the output length; correct the counter charged with the estimate."""
+        cfg = self.config
+        t, k = r.tenant, r.bucket
+        alpha = cfg.ewma_alpha
+        est = self._est[t]
+        est[k] = float(produced) if est[k] < 0.0 else est[k] + alpha * (produced - est[k])
+        eb = self._est_bucket
+        eb[k] = float(produced) if eb[k] < 0.0 else eb[k] + alpha * (produced - eb[k])
+        self._counter[t] += cfg.fair_output_weight * (produced - r.out) / r.req.weight
+        if self._backlog[t] > 0:
+            self._touch(t)
+
+    # ------------------------------------------------------------ release
+
+    def _free(self, p: int) -> int:
+        return self._cap[p] - self._used[p]
+
+    def _fm(self, p: int, k: int, nbar: float) -> tuple[float, float]:
+        """Launch cost F and marginal cost m of path p on bucket k: ``S(B) = F + m·B``."""
+        a, b, c, d = self._coef[p]
+        return a + c * nbar, b * self._bounds[k] + d * nbar
+
+    def _target(self, k: int, n: int, nbar: float) -> int:
+        """The path with the lower batch-time curve at n (n < B1 ⟺ cpu)."""
+        if self._cap[GPU] <= 0:
+            return CPU
+        if self._cap[CPU] <= 0:
+            return GPU
+        fc, mc = self._fm(CPU, k, nbar)
+        fg, mg = self._fm(GPU, k, nbar)
+        return CPU if fc + mc * n < fg + mg * n else GPU
+
+    def _holds(self, p: int, k: int, n: int, nbar: float, now: float) -> bool:
+        """Marginal-cost rule: waiting for one more arrival pays iff (n + 1)/λ < F − m·n.
+
+        λ is capped by the silence since the last arrival (1/λ ≥ now − last), so a burst
+        that ended does not keep a batch waiting for arrivals that no longer come.
+        """
+        f, m = self._fm(p, k, nbar)
+        gain = f - m * n
+        if gain <= 0.0:
+            return False
+        meter = self._arrivals[k]
+        return n + 1 < meter.rate(now) * gain and (n + 1) * (now - meter.last) < gain
+
+    def _overdue(self, k: int, now: float, t_cut: float) -> bool:
+        r = self._fifo_head(k)
+        return r is not None and r.t_in + t_cut <= now
+
+    def _releases(self, p: int, k: int, n: int, nbar: float, now: float, t_cut: float) -> bool:
+        """Release to p now: the batch cannot grow, its oldest is overdue, or waiting does
+        not pay."""
+        if n >= min(self._free(p), self._max_batch[p]) or self._overdue(k, now, t_cut):
+            return True
+        return not self._holds(p, k, n, nbar, now)
+
+    def _busy_for(self, p: int, now: float) -> float:
+        """Predicted time until the first in-flight batch of path p finishes."""
+        ends = [b.end for b in self._inflight.values() if b.path == p]
+        return max(0.0, min(ends) - now) if ends else 0.0
+
+    def _plan(self, k: int, now: float, t_cut: float) -> int:
+        """The path bucket k releases a batch to now, or -1 to wait."""
+        n = self._n[k]
+        free = (self._free(CPU), self._free(GPU))
+        if free[CPU] <= 0 and free[GPU] <= 0:
+            return -1
+        nbar = self._osum[k] / n
+        target = self._target(k, n, nbar)
+        if free[target] > 0:
+            return target if self._releases(target, k, n, nbar, now, t_cut) else -1
+        # Work conservation: the target is busy; the other path takes the batch if it
+        # finishes it no later than the target would after it frees up.
+        other = 1 - target
+        if free[other] <= 0:
+            return -1
+        size = min(n, free[other], self._max_batch[other])
+        fo, mo = self._fm(other, k, nbar)
+        ft, mt = self._fm(target, k, nbar)
+        if fo + mo * size > self._busy_for(target, now) + (ft + mt * size):
+            return -1
+        return other if self._releases(other, k, n, nbar, now, t_cut) else -1
+
+    def _bucket_order(self) -> list[int]:
+        """Non-empty buckets: first the one holding the best request of the most-behind
+        tenant (serving it is what lets everyone else's slack advance), then the others,
+        most urgent head first (ties: arrival, then bucket)."""
+        t = self._most_behind()
+        lead = -1
+        if t >= 0:
+            best = min((heap[0][:3], k) for k in range(len(self._bounds))
+                       if (heap := self._rq[k][t]))
+            lead = best[1]
+        order = []
+        for k in range(len(self._bounds)):
+            if self._n[k] > 0 and k != lead:
+                key, arrival, _, _, _ = self._head(k)
+                order.append((key, arrival, k))
+        order.sort()
+        return ([lead] if lead >= 0 else []) + [k for _, _, k in order]
+
+    def _take(self, k: int, limit: int) -> list[_Req]:
+        """Up to ``limit`` requests of bucket k by aging key, skipping tenants that are
+        more than the slack ahead of the smallest backlogged counter."""
+        heads = self._heads[k]
+        batch: list[_Req] = []
+        aside: list[_HeadEntry] = []
+        while len(batch) < limit and heads:
+            entry = heapq.heappop(heads)
+            t = entry[4]
+            if entry[3] != self._kver[k][t]:
+                continue
+            if not self._eligible(t):
+                aside.append(entry)
+                continue
+            self._serve(self._rq[k][t][0][4], batch)
+        for entry in aside:
+            heapq.heappush(heads, entry)
+        return batch
+
+    def _tail(self, now: float) -> tuple[float, float]:
+        """(T_cut, μ_a − λ_a): T_cut = SLO − ln(100)/(μ_a − λ_a), inf where that is not
+        positive (the cpu path cannot honour the SLO bound, or there is no cpu path)."""
+        mu = self._mu_cpu()
+        if mu <= 0.0:
+            return INF, INF
+        gap = mu - self._cpu_meter.rate(now)
+        slo = self.config.ttft_p99_slo_s
+        if gap * slo <= LN100:
+            return INF, INF
+        return slo - LN100 / gap, gap
+
+    def _mu_cpu(self) -> float:
+        """μ_a: requests/s the cpu path serves in full batches of the current mix."""
+        cap = self._cap[CPU]
+        if cap <= 0:
+            return 0.0
+        b = min(cap, self._max_batch[CPU])
+        a, bb, c, d = self._coef[CPU]
+        lp, lo = self._mix_prompt, self._mix_out
+        return cap / (a + bb * (b * lp) + c * lo + d * (b * lo))
+
+    def _tail_cut(self, now: float, t_cut: float, out: list[Dispatch | Reject]) -> None:
+        """Requests that waited T_cut go to the cpu path in admission order, bucket by
+        bucket (the bucket whose overdue head entered first goes first)."""
+        firsts = []
+        for k in range(len(self._bounds)):
+            r = self._fifo_head(k)
+            if r is not None and r.t_in + t_cut <= now:
+                firsts.append((r.t_in, r.req.arrival, k))
+        firsts.sort()
+        for _, _, k in firsts:
+            limit = min(self._free(CPU), self._max_batch[CPU])
+            if limit <= 0:
+                return
+            batch: list[_Req] = []
+            aside: list[_Req] = []
+            while len(batch) < limit:
+                r = self._fifo_head(k)
+                if r is None or r.t_in + t_cut > now:
+                    break
+                self._fifo[k].popleft()
+                if self._eligible(r.tenant):
+                    self._serve(r, batch)
+                else:
+                    aside.append(r)
+            self._fifo[k].extendleft(reversed(aside))
+            if batch:
+                self._dispatch(CPU, k, batch, now, out)
+
+    def _dispatch(self, p: int, k: int, batch: list[_Req], now: float,
+                  out: list[Dispatch | Reject]) -> None:
+        a, b, c, d = self._coef[p]
+        size = len(batch)
+        length = max(r.req.prompt_tokens for r in batch)
+        steps = max(r.out for r in batch)
+        seq_steps = sum(r.out for r in batch)
+        predicted = a + b * (size * length) + c * steps + d * seq_steps
+        bid = self._next_batch
+        self._next_batch += 1
+        for r in batch:
+            r.batch = bid
+        self._used[p] += size
+        self._inflight[bid] = _Batch(p, batch, now + predicted)
+        if p == CPU:
+            self._cpu_meter.add(now, float(size))
+        out.append(Dispatch(bid, PATHS[p], k, tuple(r.req.id for r in batch), predicted))
+

@@ -1,0 +1,217 @@
+"""Inputs and outputs of the scheduler, shared by both implementations.
+
+All times are seconds on the caller's clock (``time.monotonic()`` in the gateway, simulated
+time in the simulator); the scheduler never reads a clock itself. Token counts are integers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+#: The two execution paths, in the index order both implementations use internally.
+PATHS: tuple[str, str] = ("cpu", "gpu")
+
+#: ln(100): the factor between the mean and the 99th percentile of an exponential tail.
+#: Defined once here so that the Python and the compiled core use the very same double.
+LN100: float = math.log(100.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request as the scheduler sees it.
+
+    ``weight`` is the tenant's budget in tokens/s (its share under overload);
+    ``expected_output_tokens == 0`` asks the scheduler to estimate the output length;
+    ``priority``: lower is more urgent, 0 is the default class; ``deadline`` is absolute;
+    ``budget_wait`` is how long the budget limiter already held the request (it is part of
+    the contract, and the scheduler's own wait is measured from ``arrival + budget_wait``).
+    """
+
+    id: str
+    tenant: str
+    weight: float
+    prompt_tokens: int
+    max_tokens: int
+    arrival: float
+    expected_output_tokens: int = 0
+    priority: int = 0
+    deadline: float | None = None
+    budget_wait: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not self.id:
+            raise ValueError("request id must be a non-empty str")
+        if not self.weight > 0.0 or not math.isfinite(self.weight):
+            raise ValueError(f"weight must be a positive finite tokens/s budget, got {self.weight}")
+        if self.prompt_tokens < 1 or self.max_tokens < 1:
+            raise ValueError("prompt_tokens and max_tokens must be at least 1")
+        if self.expected_output_tokens < 0 or self.budget_wait < 0.0:
+            raise ValueError("expected_output_tokens and budget_wait must not be negative")
+        if not math.isfinite(self.arrival):
+            raise ValueError("arrival must be finite")
+
+
+@dataclass(frozen=True, slots=True)
+class Contract:
+    """The latency promise made at admission, in seconds from ``arrival``, budget wait included."""
+
+    request_id: str
+    bucket: int
+    path: str
+    ttft_s: float
+    total_s: float
+    p99_s: float
+    tokens_ahead: int
+    budget_wait_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """Run these requests (in this order) as one batch on ``path``; ``predicted_s`` is the
+    batch time the fitted cost model expects (prefill + decode)."""
+
+    batch_id: int
+    path: str
+    bucket: int
+    request_ids: tuple[str, ...]
+    predicted_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """A request the scheduler will not run. ``reason`` is a stable code: ``duplicate``,
+    ``too_long``, ``queue_full`` or ``deadline``; ``estimate_s`` is the completion estimate
+    (from arrival) that motivated it, 0 where none applies."""
+
+    request_id: str
+    reason: str
+    message: str
+    retry_after_s: float
+    estimate_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTimings:
+    """What a worker reports when a batch finishes.
+
+    ``prompt_tokens`` is the padded length per sequence; ``decode_s`` is the total over
+    ``decode_steps`` steps; ``output_tokens`` lists each request's output in dispatch order.
+    ``mean_running`` is the mean number of sequences alive per decode step; 0 means "derive
+    it": sequences that stop early leave the batch, so the running total over all steps is
+    then ``sum(output_tokens)``. A failed batch is reported with zero sizes: its slots are
+    returned and nothing is fitted.
+    """
+
+    batch_id: int
+    path: str
+    batch_size: int
+    prompt_tokens: int
+    prefill_s: float
+    decode_steps: int
+    decode_s: float
+    output_tokens: tuple[int, ...]
+    mean_running: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.batch_size, self.prompt_tokens, self.decode_steps) < 0:
+            raise ValueError("batch_size, prompt_tokens and decode_steps must not be negative")
+        if min(self.prefill_s, self.decode_s, self.mean_running) < 0.0:
+            raise ValueError("timings must not be negative")
+        if any(n < 0 for n in self.output_tokens):
+            raise ValueError("output token counts must not be negative")
+
+
+@dataclass(frozen=True, slots=True)
+class PathConfig:
+    """Prior cost model and batch limit of one path.
+
+    Prefill of ``B`` sequences padded to ``L`` tokens takes ``prefill_a + prefill_b·B·L``
+    seconds; one decode step with ``B`` running sequences takes ``decode_c + decode_d·B``.
+    The scheduler refits all four online; these values seed the fit.
+    """
+
+    prefill_a: float
+    prefill_b: float
+    decode_c: float
+    decode_d: float
+    max_batch: int
+
+    def __post_init__(self) -> None:
+        if min(self.prefill_a, self.decode_c) < 0.0 or min(self.prefill_b, self.decode_d) <= 0.0:
+            raise ValueError("cost priors: intercepts must be >= 0 and slopes > 0")
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+
+
+def _default_cpu() -> PathConfig:
+    # Small model on a few CPU cores: cheap to start, expensive per token.
+    return PathConfig(prefill_a=0.004, prefill_b=4e-5, decode_c=0.006, decode_d=0.0015, max_batch=8)
+
+
+def _default_gpu() -> PathConfig:
+    # Launch and transfer cost dominate small batches; the marginal token is nearly free.
+    return PathConfig(prefill_a=0.030, prefill_b=1e-6, decode_c=0.008, decode_d=1e-4, max_batch=64)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Scheduler settings, validated once at construction.
+
+    bucket_bounds: inclusive upper prompt lengths of the buckets; longer prompts are rejected.
+    ttft_p99_slo_s: SLO on the 99th percentile of the scheduler's time to first token; the
+        tail-cut time T_cut is solved from it.
+    aging_tokens_per_s: how many tokens of cost one second of waiting forgives.
+    priority_tokens: cost added per priority class (priority 1 counts as this much longer).
+    fair_input_weight, fair_output_weight: weights of prompt and output tokens in the
+        virtual token counters; fair_slack_tokens: how many (weighted) tokens a tenant may
+        be served ahead of the most-behind backlogged tenant before it must wait (about one
+        full GPU batch: smaller values keep shares tighter and break batches up).
+    rate_window_s: time constant of the arrival-rate estimates.
+    ewma_alpha: smoothing of observed output lengths and of the request mix.
+    default_output_tokens: output estimate before anything was observed.
+    fit_forgetting: per-observation decay of old timings in the cost fits;
+        prior_weight: how many observations the config priors count as.
+    """
+
+    bucket_bounds: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    cpu: PathConfig = field(default_factory=_default_cpu)
+    gpu: PathConfig = field(default_factory=_default_gpu)
+    ttft_p99_slo_s: float = 2.0
+    aging_tokens_per_s: float = 1000.0
+    priority_tokens: float = 4096.0
+    max_queued: int = 250_000
+    fair_input_weight: float = 1.0
+    fair_output_weight: float = 2.0
+    fair_slack_tokens: float = 65536.0
+    rate_window_s: float = 10.0
+    ewma_alpha: float = 0.1
+    default_output_tokens: int = 64
+    fit_forgetting: float = 0.98
+    prior_weight: float = 4.0
+
+    def __post_init__(self) -> None:
+        bounds = self.bucket_bounds
+        if not bounds or bounds[0] < 1 or list(bounds) != sorted(set(bounds)):
+            raise ValueError("bucket_bounds must be positive and strictly increasing")
+        positive = {
+            "ttft_p99_slo_s": self.ttft_p99_slo_s,
+            "aging_tokens_per_s": self.aging_tokens_per_s,
+            "rate_window_s": self.rate_window_s,
+            "prior_weight": self.prior_weight,
+        }
+        for name, value in positive.items():
+            if not value > 0.0 or not math.isfinite(value):
+                raise ValueError(f"{name} must be positive and finite, got {value}")
+        if min(self.priority_tokens, self.fair_input_weight, self.fair_output_weight) < 0.0:
+            raise ValueError("priority_tokens and fairness weights must not be negative")
+        if self.fair_input_weight + self.fair_output_weight <= 0.0 or self.fair_slack_tokens < 0.0:
+            raise ValueError("fairness needs a positive token weight and a slack >= 0")
+        if not 0.0 < self.ewma_alpha <= 1.0 or not 0.0 < self.fit_forgetting <= 1.0:
+            raise ValueError("ewma_alpha and fit_forgetting must lie in (0, 1]")
+        if self.max_queued < 1 or self.default_output_tokens < 1:
+            raise ValueError("max_queued and default_output_tokens must be at least 1")
+
+    def path(self, index: int) -> PathConfig:
+        """The config of path ``PATHS[index]``."""
+        return self.gpu if index else self.cpu

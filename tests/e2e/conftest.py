@@ -1,0 +1,98 @@
+"""`tokengate serve` (or `tokengate gateway`) as a real subprocess, driven over HTTP."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.embedded_redis import free_port
+from workers.model_store import ModelSpec
+
+
+ADMIN_TOKEN = "e2e-admin-token-0123456789"
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen[str]
+    base_url: str
+    model: str
+    log: Path
+    key: str = ""  # the demo tenant's key, from `serve`'s banner
+
+    def stop(self, timeout_s: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(timeout=timeout_s)
+
+    def auth(self, token: str | None = None) -> dict[str, str]:
+        return {"authorization": f"Bearer {token or self.key}"}
+
+
+def launch(args: list[str], tmp: Path) -> Served:
+    port = free_port()
+    log = tmp / f"tokengate-{port}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", *args, "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+    return Served(proc, f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct", log)
+
+
+def wait_ready(served: Served, ready_path: str = "/readyz", timeout_s: float = 180) -> Served:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if served.proc.poll() is not None:
+            raise AssertionError(f"tokengate exited early:\n{served.log.read_text()[-4000:]}")
+        try:
+            if httpx.get(served.base_url + ready_path, timeout=1).status_code == 200:
+                return served
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    served.proc.kill()
+    raise AssertionError(f"tokengate not ready in {timeout_s} s:\n{served.log.read_text()[-4000:]}")
+
+
+def start(
+    args: list[str], tmp: Path, ready_path: str = "/readyz", timeout_s: float = 180
+) -> Served:
+    return wait_ready(launch(args, tmp), ready_path, timeout_s)
+
+
+def banner_key(served: Served, timeout_s: float = 10) -> str:
+    """The demo tenant's key as `serve` prints it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = re.search(r"Bearer (tg-[0-9a-f]{8}-[A-Za-z0-9_-]{43})'", served.log.read_text())
+        if found:
+            return found.group(1)
+        time.sleep(0.1)
+    raise AssertionError(f"no API key in the banner:\n{served.log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def served(model_spec: ModelSpec, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The whole product from one command, with its private Redis and the real model."""
+    s = start(
+        ["serve", "--slots", "8", "--max-body-bytes", "65536", "--admin-token", ADMIN_TOKEN],
+        tmp_path_factory.mktemp("serve"),
+    )
+    s.key = banner_key(s)
+    yield s
+    s.stop()

@@ -1,0 +1,86 @@
+"""A gateway in this process (httpx's ASGI transport) on the test Redis, with an echo worker
+in a thread: the HTTP surface without subprocesses or a model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.app import Gateway, create_app
+from gateway.prompts import PromptBuilder
+from gateway.settings import GatewaySettings
+from tests.integration.helpers import running_worker
+from workers.engine import EchoEngine
+from workers.model_store import ModelSpec
+
+ADMIN = "integration-admin-token"
+ECHO_TOKENS = 8
+
+
+@dataclass
+class Harness:
+    gw: Gateway
+    http: httpx.AsyncClient
+    model: str
+
+    async def admin(
+        self, method: str, path: str, body: Any = None, token: str | None = ADMIN
+    ) -> httpx.Response:
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        return await self.http.request(method, "/admin" + path, json=body, headers=headers)
+
+    async def tenant(self, name: str, **fields: Any) -> tuple[dict[str, Any], str]:
+        """A new tenant (rate 1000 tokens/s unless given) and a key for it."""
+        r = await self.admin("POST", "/tenants", {"name": name, "rate": 1000, **fields})
+        assert r.status_code == 201, r.text
+        doc = r.json()
+        k = await self.admin("POST", f"/tenants/{doc['id']}/keys", {"name": "test"})
+        assert k.status_code == 201, k.text
+        return doc, k.json()["key"]
+
+    async def complete(self, key: str | None, **body: Any) -> httpx.Response:
+        doc = {"model": self.model, "prompt": [1, 2, 3, 4, 5], "max_tokens": 10, **body}
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        return await self.http.post("/v1/completions", json=doc, headers=headers)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def prompts(model_spec: ModelSpec) -> PromptBuilder:
+    return PromptBuilder.load(model_spec.path)
+
+
+@pytest.fixture
+async def harness(
+    redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec
+) -> AsyncIterator[Harness]:
+    settings = GatewaySettings(
+        redis_url=redis_url, model_name=model_spec.name, admin_token=ADMIN, request_timeout_s=10
+    )
+    client = aioredis.Redis.from_url(redis_url)
+    gw = Gateway(settings, prompts, client)
+    app = create_app(gw)
+    with running_worker(redis_url, EchoEngine(tokens=ECHO_TOKENS)):
+        await gw.dispatcher.start()
+        deadline = time.monotonic() + 10
+        while not gw.dispatcher.workers:
+            assert time.monotonic() < deadline, "the echo worker never sent a heartbeat"
+            await asyncio.sleep(0.05)
+            await gw.dispatcher.refresh_workers()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+            yield Harness(gw, http, model_spec.name)
+        await gw.drain()
+        await gw.dispatcher.close()
+    await client.aclose()

@@ -1,0 +1,140 @@
+"""The admin API over HTTP (in process, real Redis): auth, validation, every route."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.gateway.conftest import ADMIN, Harness
+
+pytestmark = [pytest.mark.redis, pytest.mark.anyio]
+
+ROUTES = [
+    ("POST", "/tenants"),
+    ("GET", "/tenants"),
+    ("GET", "/tenants/acme"),
+    ("PATCH", "/tenants/acme"),
+    ("DELETE", "/tenants/acme"),
+    ("GET", "/tenants/acme/usage"),
+    ("POST", "/tenants/acme/keys"),
+    ("GET", "/tenants/acme/keys"),
+    ("DELETE", "/keys/0123abcd"),
+    ("GET", "/workers"),
+    ("GET", "/scheduler"),
+    ("GET", "/no-such-route"),
+]
+
+
+@pytest.mark.parametrize(("method", "path"), ROUTES)
+async def test_every_admin_route_needs_the_admin_token(
+    harness: Harness, method: str, path: str
+) -> None:
+    _, key = await harness.tenant("acme")
+    for token in (None, "wrong-token-wrong-token", ADMIN + "x", key):
+        r = await harness.admin(method, path, {"name": "x", "rate": 1}, token=token)
+        assert r.status_code == 401, (token, r.text)
+        assert r.json()["error"]["code"] in ("invalid_admin_token",)
+    assert (await harness.admin("GET", "/tenants/acme")).json()["name"] == "acme"  # unchanged
+
+
+async def test_tenant_lifecycle(harness: Harness) -> None:
+    r = await harness.admin(
+        "POST", "/tenants", {"name": "acme", "rate": 50, "limits": {"max_concurrent": 2}}
+    )
+    assert r.status_code == 201
+    t = r.json()
+    assert t["object"] == "tenant" and t["burst"] == 500 and t["limits"]["max_concurrent"] == 2
+    got = (await harness.admin("GET", "/tenants/acme")).json()
+    assert got["id"] == t["id"] and got["state"] == {
+        "remaining_tokens": 500,
+        "reset_s": 0.0,
+        "in_flight": 0,
+    }
+    assert [x["name"] for x in (await harness.admin("GET", "/tenants")).json()["data"]] == ["acme"]
+    r = await harness.admin(
+        "PATCH", f"/tenants/{t['id']}", {"rate": 5, "limits": {"max_concurrent": None}}
+    )
+    assert (
+        r.status_code == 200
+        and r.json()["rate"] == 5.0
+        and r.json()["limits"]["max_concurrent"] is None
+    )
+    r = await harness.admin("DELETE", "/tenants/acme")
+    assert r.json() == {"id": t["id"], "object": "tenant", "name": "acme", "deleted": True}
+    assert (await harness.admin("GET", f"/tenants/{t['id']}")).status_code == 404
+
+
+async def test_validation_conflicts_and_unknowns(harness: Harness) -> None:
+    await harness.tenant("acme")
+    await harness.tenant("beta")
+    cases = [
+        ("POST", "/tenants", {"name": "acme", "rate": 1}, 409, "name"),
+        ("POST", "/tenants", {"name": "new", "rate": -1}, 400, "rate"),
+        ("POST", "/tenants", {"name": "new", "rate": 1, "limits": {"x": 1}}, 400, "limits.x"),
+        ("POST", "/tenants", [1, 2], 400, None),
+        ("PATCH", "/tenants/beta", {"name": "acme"}, 409, "name"),
+        ("PATCH", "/tenants/beta", {"burst": None}, 400, "burst"),
+        ("PATCH", "/tenants/nobody", {"rate": 1}, 404, "tenant"),
+        ("GET", "/tenants/nobody", None, 404, "tenant"),
+        ("GET", "/tenants/tn_0000000000000000", None, 404, "tenant"),
+        ("DELETE", "/tenants/nobody", None, 404, "tenant"),
+        ("GET", "/tenants/nobody/usage", None, 404, "tenant"),
+        ("GET", "/tenants/acme/usage?since=yesterday", None, 400, "since"),
+        ("POST", "/tenants/nobody/keys", None, 404, "tenant"),
+        ("POST", "/tenants/acme/keys", {"label": "x"}, 400, "label"),
+        ("GET", "/tenants/nobody/keys", None, 404, "tenant"),
+        ("DELETE", "/keys/0123abcd", None, 404, "prefix"),
+        ("DELETE", "/keys/not-a-prefix", None, 404, "prefix"),
+    ]
+    for method, path, body, status, param in cases:
+        r = await harness.admin(method, path, body)
+        assert r.status_code == status, (method, path, r.text)
+        err = r.json()["error"]
+        assert set(err) >= {"message", "type", "param", "code"} and err["param"] == param, (
+            path,
+            err,
+        )
+    bad_json = await harness.http.post(
+        "/admin/tenants",
+        content=b"{",
+        headers={"authorization": f"Bearer {ADMIN}", "content-type": "application/json"},
+    )
+    assert bad_json.status_code == 400
+
+
+async def test_keys_are_shown_once_listed_by_prefix_and_revocable(harness: Harness) -> None:
+    t, key = await harness.tenant("acme")
+    listed = (await harness.admin("GET", "/tenants/acme/keys")).json()["data"]
+    assert len(listed) == 1 and listed[0]["prefix"] == key[3:11] and "key" not in listed[0]
+    assert key not in str(listed)
+    assert (await harness.complete(key)).status_code == 200
+    r = await harness.admin("DELETE", f"/keys/{listed[0]['prefix']}")
+    assert r.status_code == 200 and r.json()["deleted"] is True
+    assert (await harness.complete(key)).status_code == 401
+    assert (await harness.admin("GET", "/tenants/acme/keys")).json()["data"] == []
+
+
+async def test_usage_per_minute(harness: Harness) -> None:
+    t, key = await harness.tenant("acme", rate=1, burst=40, max_queue_delay_s=0)
+    assert (await harness.complete(key, max_tokens=20)).status_code == 200
+    assert (await harness.complete(key, max_tokens=30)).status_code == 429
+    r = await harness.admin("GET", "/tenants/acme/usage")
+    body = r.json()
+    assert body["tenant"] == t["id"] and body["object"] == "list"
+    assert body["totals"] == {
+        "requests": 1,
+        "rate_limited": 1,
+        "prompt_tokens": 5,
+        "completion_tokens": 8,
+        "total_tokens": 13,
+    }
+    assert sum(row["requests"] for row in body["data"]) == 1
+
+
+async def test_workers_and_scheduler(harness: Harness) -> None:
+    workers = (await harness.admin("GET", "/workers")).json()["data"]
+    assert len(workers) == 1 and workers[0]["engine"] == "echo" and workers[0]["pool"] == "cpu"
+    snap = (await harness.admin("GET", "/scheduler")).json()
+    assert snap["gateway"] and snap["gateways_sharing_capacity"] == 1
+    assert len(snap["buckets"]) == 8 and {"b1", "b2", "queued"} <= set(snap["buckets"][0])
+    assert snap["paths"]["cpu"]["capacity"] == workers[0]["slots"]  # fed from the heartbeat
+    assert {"prefill", "decode"} <= set(snap["paths"]["gpu"])

@@ -1,0 +1,72 @@
+"""A real worker (echo engine) against a real redis-server."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from tests.integration.helpers import collect, running_worker, send
+from workers import protocol as p
+from workers.engine import EchoEngine
+
+pytestmark = pytest.mark.redis
+
+REPLIES = p.replies_stream("gw-test")
+
+
+def _job(batch: str, rids: list[str], stream: bool = False, max_tokens: int = 8) -> p.BatchJob:
+    seqs = tuple(p.SeqJob(r, (1, 2, 3), p.SamplingParams(max_tokens), stream=stream) for r in rids)
+    return p.BatchJob(batch, REPLIES, 0, seqs)
+
+
+def test_worker_answers_reports_and_acks(redis_client: redis.Redis, redis_url: str) -> None:
+    with running_worker(redis_url, EchoEngine(tokens=3)):
+        send(redis_client, _job("b1", ["r1", "r2"]))
+        send(redis_client, _job("b2", ["r3"], stream=True))
+        events = collect(redis_client, REPLIES, until_batches=2)
+    done = {e.rid: e for e in events if isinstance(e, p.Finished)}
+    assert set(done) == {"r1", "r2", "r3"}
+    assert done["r1"].text == " echo" * 3 and done["r3"].text == ""
+    assert "".join(e.text for e in events if isinstance(e, p.Delta) and e.rid == "r3") == " echo" * 3
+    reports = {e.batch_id: e for e in events if isinstance(e, p.BatchReport)}
+    assert reports["b1"].batch_size == 2 and reports["b1"].output_tokens == (3, 3)
+    # every entry acknowledged only after its replies
+    assert redis_client.xpending(p.jobs_stream("cpu"), p.GROUP)["pending"] == 0
+
+
+def test_heartbeat_announces_and_stop_deregisters(redis_client: redis.Redis, redis_url: str) -> None:
+    with running_worker(redis_url, EchoEngine(), worker_id="w-hb"):
+        deadline = time.monotonic() + 10
+        raw = None
+        while raw is None and time.monotonic() < deadline:
+            raw = redis_client.get(p.worker_key("w-hb"))
+            time.sleep(0.05)
+        assert raw is not None
+        hb = p.decode_heartbeat(raw)
+        assert (hb.pool, hb.engine, hb.slots) == ("cpu", "echo", 256)
+        assert redis_client.zscore(p.WORKERS_ZSET, "w-hb") is not None
+        assert 0 < redis_client.pttl(p.worker_key("w-hb")) <= 5000
+    assert redis_client.get(p.worker_key("w-hb")) is None
+    assert redis_client.zscore(p.WORKERS_ZSET, "w-hb") is None
+
+
+def test_unreadable_job_is_dropped_not_fatal(redis_client: redis.Redis, redis_url: str) -> None:
+    with running_worker(redis_url, EchoEngine(tokens=1)):
+        redis_client.xadd(p.jobs_stream("cpu"), {"v": "1", "m": b"{broken"})
+        send(redis_client, _job("b-ok", ["ok"]))
+        events = collect(redis_client, REPLIES, until_batches=1)
+    assert [e.rid for e in events if isinstance(e, p.Finished)] == ["ok"]
+
+
+def test_two_workers_share_a_pool(redis_client: redis.Redis, redis_url: str) -> None:
+    with running_worker(redis_url, EchoEngine(tokens=1), worker_id="wa") as a, running_worker(
+        redis_url, EchoEngine(tokens=1), worker_id="wb"
+    ) as b:
+        for i in range(40):
+            send(redis_client, _job(f"b{i}", [f"r{i}"]))
+        events = collect(redis_client, REPLIES, until_batches=40)
+    workers = {e.worker for e in events if isinstance(e, p.BatchReport)}
+    assert {e.rid for e in events if isinstance(e, p.Finished)} == {f"r{i}" for i in range(40)}
+    assert workers <= {a.settings.worker_id, b.settings.worker_id} and len(workers) >= 1

@@ -1,0 +1,83 @@
+"""`tokengate tenants|keys`: arguments to (method, path, body), no I/O."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gateway.admin_cli import request_for
+from gateway.cli import build_parser
+
+
+def parse(*argv: str) -> tuple[str, str, dict[str, Any] | None]:
+    return request_for(build_parser().parse_args(list(argv)))
+
+
+def test_create_sends_only_what_was_given() -> None:
+    assert parse("tenants", "create", "acme", "--rate", "100") == (
+        "POST",
+        "/admin/tenants",
+        {"name": "acme", "rate": 100.0},
+    )
+    method, path, body = parse(
+        "tenants",
+        "create",
+        "acme",
+        "--rate",
+        "5",
+        "--burst",
+        "50",
+        "--max-concurrent",
+        "2",
+        "--allowed-models",
+        "a,b",
+    )
+    assert body == {
+        "name": "acme",
+        "rate": 5.0,
+        "burst": 50,
+        "limits": {"max_concurrent": 2, "allowed_models": ["a", "b"]},
+    }
+
+
+def test_update_can_clear_a_limit() -> None:
+    assert parse("tenants", "update", "acme", "--max-concurrent", "none", "--name", "acme2") == (
+        "PATCH",
+        "/admin/tenants/acme",
+        {"name": "acme2", "limits": {"max_concurrent": None}},
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (("tenants", "list"), ("GET", "/admin/tenants", None)),
+        (("tenants", "get", "acme"), ("GET", "/admin/tenants/acme", None)),
+        (("tenants", "delete", "acme"), ("DELETE", "/admin/tenants/acme", None)),
+        (
+            ("tenants", "usage", "acme", "--since", "60"),
+            ("GET", "/admin/tenants/acme/usage?since=60", None),
+        ),
+        (
+            ("keys", "issue", "acme", "--name", "ci"),
+            ("POST", "/admin/tenants/acme/keys", {"name": "ci"}),
+        ),
+        (("keys", "list", "acme"), ("GET", "/admin/tenants/acme/keys", None)),
+        (("keys", "revoke", "0123abcd"), ("DELETE", "/admin/keys/0123abcd", None)),
+    ],
+)
+def test_commands_map_to_admin_routes(argv: tuple[str, ...], want: tuple[str, str, object]) -> None:
+    assert parse(*argv) == want
+
+
+def test_connection_options_come_after_the_command() -> None:
+    args = build_parser().parse_args(
+        ["tenants", "list", "--url", "http://x:1", "--admin-token", "t"]
+    )
+    assert (args.url, args.admin_token) == ("http://x:1", "t")
+
+
+def test_a_bad_limit_is_a_usage_error() -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["tenants", "update", "a", "--max-concurrent", "lots"])

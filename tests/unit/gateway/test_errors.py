@@ -1,0 +1,30 @@
+import orjson
+import pytest
+
+from gateway import errors as e
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "type_", "code"),
+    [
+        (e.InvalidRequest("x", param="p"), 400, "invalid_request_error", None),
+        (e.Unauthorized("x"), 401, "invalid_request_error", "invalid_api_key"),
+        (e.ModelNotFound("x"), 404, "invalid_request_error", "model_not_found"),
+        (e.PayloadTooLarge("x"), 413, "invalid_request_error", "payload_too_large"),
+        (e.RateLimited("x"), 429, "requests", "rate_limit_exceeded"),
+        (e.Unavailable("x"), 503, "server_error", "service_unavailable"),
+        (e.Timeout("x"), 503, "server_error", "timeout"),
+    ],
+)
+def test_one_mapping_to_status_and_openai_body(exc: e.GatewayError, status: int, type_: str, code: str | None) -> None:
+    response = e.error_response(exc)
+    assert response.status_code == status
+    body = orjson.loads(response.body)
+    assert body == {"error": {"message": "x", "type": type_, "param": exc.param, "code": code}}
+
+
+def test_headers_and_extra_fields_travel() -> None:
+    exc = e.RateLimited("slow down", headers={"retry-after": "2"}, extra={"estimate_s": 1.5})
+    response = e.error_response(exc)
+    assert response.headers["retry-after"] == "2"
+    assert orjson.loads(response.body)["error"]["estimate_s"] == 1.5

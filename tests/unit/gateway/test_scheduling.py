@@ -1,0 +1,100 @@
+"""The gateway's translation to and from the scheduling core (pure: no Redis, no clock)."""
+
+from __future__ import annotations
+
+from sched_core import Contract, Reject
+from gateway.scheduling import Origin, SchedulerShell, capacity_share
+from workers import protocol as p
+
+WHO = Origin(tenant="t1", weight=1000.0)
+
+
+def _hb(wid: str, pool: str, slots: int) -> p.Heartbeat:
+    return p.Heartbeat(wid, pool, "cpu", "float32", "echo", "m", slots, slots, 0.0, 0.0)
+
+
+def _seq(rid: str, n: int = 20, max_tokens: int = 8) -> p.SeqJob:
+    return p.SeqJob(rid, tuple(range(1, n + 1)), p.SamplingParams(max_tokens))
+
+
+def _shell(**kw: object) -> SchedulerShell:
+    shell = SchedulerShell("gw1", "tg:replies:gw1", **kw)  # type: ignore[arg-type]
+    shell.capacity({"w": _hb("w", "cpu", 8)}, gateways=1, now=0.0)
+    return shell
+
+
+def test_capacity_is_split_over_live_gateways_rounding_up() -> None:
+    workers = {"a": _hb("a", "cpu", 32), "b": _hb("b", "cpu", 32), "g": _hb("g", "gpu", 5)}
+    assert capacity_share(workers, 1) == {"cpu": 64, "gpu": 5}
+    assert capacity_share(workers, 3) == {"cpu": 22, "gpu": 2}
+    assert capacity_share({}, 0) == {"cpu": 0, "gpu": 0}
+
+
+def test_admitted_requests_leave_as_stream_jobs_in_dispatch_order() -> None:
+    shell = _shell()
+    contracts = [shell.arrive(_seq(f"r{i}"), WHO, now=0.0) for i in range(3)]
+    assert all(isinstance(c, Contract) for c in contracts)
+    sends: list = []
+    t = 0.0
+    while len(shell):
+        t += 0.05
+        more, rejects = shell.tick(t)
+        sends += more
+        assert not rejects
+    rids = [s.rid for send in sends for s in send.job.seqs]
+    assert sorted(rids) == ["r0", "r1", "r2"]
+    for send in sends:
+        assert send.pool == "cpu"  # the only pool with capacity
+        assert send.job.reply_to == "tg:replies:gw1"
+        assert send.job.batch_id.startswith("gw1:")
+
+
+def test_completed_feeds_own_batches_and_ignores_foreign_ones() -> None:
+    shell = _shell()
+    shell.arrive(_seq("r"), WHO, now=0.0)
+    t, sends = 0.0, []
+    while not sends:
+        t += 0.05
+        sends, _ = shell.tick(t)
+    job = sends[0].job
+    before = shell.core.snapshot()["paths"]["cpu"]["in_flight"]
+    foreign = p.BatchReport("other:1", "cpu", "w", 1, 20, 0.01, 8, 0.1, (8,))
+    shell.completed(foreign, t + 1)
+    handoff = p.BatchReport(job.batch_id + "/r", "gpu", "w", 1, 20, 0.0, 8, 0.1, (8,))
+    shell.completed(handoff, t + 1)
+    assert shell.core.snapshot()["paths"]["cpu"]["in_flight"] == before == 1
+    shell.completed(p.BatchReport(job.batch_id, "cpu", "w", 1, 20, 0.01, 8, 0.1, (8,)), t + 1)
+    assert shell.core.snapshot()["paths"]["cpu"]["in_flight"] == 0
+
+
+def test_cancel_while_queued_means_never_dispatched() -> None:
+    shell = _shell()
+    shell.capacity({}, gateways=1, now=0.0)  # no capacity: everything waits
+    shell.arrive(_seq("gone"), WHO, now=0.0)
+    assert shell.cancel("gone", 0.1)
+    assert not shell.cancel("gone", 0.2)  # repeated cancel is harmless
+    shell.capacity({"w": _hb("w", "cpu", 8)}, gateways=1, now=0.3)
+    sends, rejects = shell.tick(1.0)
+    assert not sends and not rejects
+
+
+def test_a_deadline_the_contract_cannot_meet_is_rejected_at_once() -> None:
+    shell = _shell()
+    decision = shell.arrive(_seq("hurry", n=2000, max_tokens=500), Origin("t1", 100.0, deadline_s=0.001), 0.0)
+    assert isinstance(decision, Reject) and decision.reason == "deadline"
+    assert decision.estimate_s > 0.001
+
+
+def test_long_prompts_are_handed_to_the_gpu_pool_when_asked() -> None:
+    shell = SchedulerShell("gw1", "tg:replies:gw1", handoff_min_prompt=10)
+    shell.capacity({"c": _hb("c", "cpu", 8), "g": _hb("g", "gpu", 1)}, 1, 0.0)
+    shell.core.worker_capacity("gpu", 0, 0.0)  # keep the batch on the cpu path
+    shell.arrive(_seq("long", n=40), WHO, 0.0)
+    shell.arrive(_seq("short", n=5), WHO, 0.0)
+    t, sends = 0.0, []
+    while len(shell):
+        t += 0.05
+        more, _ = shell.tick(t)
+        sends += more
+    handoffs = {s.rid: s.handoff for send in sends for s in send.job.seqs}
+    assert handoffs == {"long": "gpu", "short": None}

@@ -1,0 +1,29 @@
+import dataclasses
+
+import pytest
+
+from gateway.settings import GatewaySettings
+
+
+def test_defaults_are_valid_and_frozen() -> None:
+    s = GatewaySettings(redis_url="redis://x", model_name="m")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.port = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"redis_url": ""}, {"port": 0}, {"max_body_bytes": 10}, {"request_timeout_s": 0}, {"default_max_tokens": 0}],
+)
+def test_invalid_settings_are_refused_at_start(kw: dict[str, object]) -> None:
+    args = {"redis_url": "redis://x", "model_name": "m", **kw}
+    with pytest.raises(ValueError):
+        GatewaySettings(**args)  # type: ignore[arg-type]
+
+
+def test_the_admin_token_is_checked_and_never_shown() -> None:
+    with pytest.raises(ValueError):
+        GatewaySettings(redis_url="redis://x", model_name="m", admin_token="short")
+    token = "a-long-admin-token-0123"
+    s = GatewaySettings(redis_url="redis://x", model_name="m", admin_token=token)
+    assert token not in repr(s)

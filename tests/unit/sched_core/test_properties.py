@@ -1,0 +1,265 @@
+"""Property tests: random event sequences into both implementations at once.
+
+Every call goes to the reference and to the compiled core; the two must return equal
+decisions, contracts and reports (floats to the bit). Along the way the lifecycle of every
+request is checked (admitted once, then dispatched, rejected or cancelled exactly once),
+then the queue must drain once capacity is offered, and backlogged tenants must stay
+within the fair-share bound.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import sched_core
+from sched_core import (
+    BatchTimings,
+    Contract,
+    Dispatch,
+    PathConfig,
+    Reject,
+    Request,
+    SchedulerConfig,
+)
+
+TENANTS = ("t0", "t1", "t2", "t3")
+
+
+@dataclass
+class Lockstep:
+    """Both implementations behind one interface; every answer is compared."""
+
+    config: SchedulerConfig
+    now: float = 0.0
+    impls: list[Any] = field(default_factory=list)
+    open: set[str] = field(default_factory=set)  # admitted, not yet dispatched/ended
+    running: dict[int, Dispatch] = field(default_factory=dict)
+    capacity: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "gpu": 0})
+    used: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "gpu": 0})
+
+    def __post_init__(self) -> None:
+        self.impls = [cls(self.config) for cls in sched_core.IMPLEMENTATIONS.values()]
+
+    def call(self, method: str, *args: Any) -> Any:
+        return self.same(method, [getattr(s, method)(*args) for s in self.impls])
+
+    def queued(self) -> int:
+        return int(self.same("queued", [s.queued for s in self.impls]))
+
+    @staticmethod
+    def same(what: str, answers: list[Any]) -> Any:
+        first, *others = answers
+        for other in others:
+            assert other == first, f"{what}: {other!r} != {first!r}"
+        return first
+
+    def arrive(self, r: Request) -> None:
+        result = self.call("arrive", r, self.now)
+        if isinstance(result, Contract):
+            assert r.id not in self.open and not self.is_running(r.id)
+            assert result.ttft_s <= result.total_s <= result.p99_s
+            self.open.add(r.id)
+        else:
+            assert result.reason in {"duplicate", "too_long", "queue_full", "deadline"}
+
+    def tick(self) -> None:
+        for d in self.call("tick", self.now):
+            if isinstance(d, Reject):
+                assert d.reason == "deadline"
+                self.open.remove(d.request_id)
+                continue
+            assert set(d.request_ids) <= self.open and len(set(d.request_ids)) == len(
+                d.request_ids)
+            self.open -= set(d.request_ids)
+            size = len(d.request_ids)
+            assert 1 <= size <= self.config.path(sched_core.PATHS.index(d.path)).max_batch
+            assert self.used[d.path] + size <= self.capacity[d.path]
+            self.used[d.path] += size
+            self.running[d.batch_id] = d
+
+    def complete(self, batch_id: int, rng: random.Random) -> None:
+        d = self.running.pop(batch_id)
+        self.used[d.path] -= len(d.request_ids)
+        outs = tuple(rng.randint(0, 300) for _ in d.request_ids)
+        self.call("completed", BatchTimings(
+            d.batch_id, d.path, len(outs), 64 * (d.bucket + 1), rng.uniform(0.001, 1.0),
+            max(outs), rng.uniform(0.001, 2.0), outs), self.now)
+
+    def set_capacity(self, path: str, slots: int) -> None:
+        self.capacity[path] = slots
+        self.call("worker_capacity", path, slots, self.now)
+
+    def is_running(self, rid: str) -> bool:
+        return any(rid in d.request_ids for d in self.running.values())
+
+    def check_reports(self, ids: list[str]) -> None:
+        self.call("snapshot")
+        assert self.queued() == len(self.open)
+        for rid in ids:
+            self.call("explain", rid)
+
+
+configs = st.builds(
+    SchedulerConfig,
+    bucket_bounds=st.sampled_from([(64, 128, 256, 512, 1024, 2048, 4096, 8192), (100, 1000)]),
+    cpu=st.builds(PathConfig, prefill_a=st.sampled_from([0.0, 0.004]),
+                  prefill_b=st.just(4e-5), decode_c=st.sampled_from([0.0, 0.006]),
+                  decode_d=st.just(0.0015), max_batch=st.integers(1, 8)),
+    gpu=st.builds(PathConfig, prefill_a=st.sampled_from([0.03, 0.3]), prefill_b=st.just(1e-6),
+                  decode_c=st.just(0.008), decode_d=st.just(1e-4),
+                  max_batch=st.integers(1, 64)),
+    ttft_p99_slo_s=st.sampled_from([0.3, 2.0, 30.0]),
+    max_queued=st.sampled_from([3, 1000]),
+    fair_slack_tokens=st.sampled_from([0.0, 500.0, 65536.0]),
+    rate_window_s=st.sampled_from([0.05, 10.0]),
+)
+
+arrivals = st.tuples(
+    st.just("arrive"), st.integers(0, len(TENANTS) - 1),
+    st.one_of(st.integers(1, 900), st.integers(1, 9000)),
+    st.integers(1, 300), st.sampled_from([0, 0, 1, 40, 300]), st.integers(0, 2),
+    st.one_of(st.none(), st.floats(0.0, 5.0)), st.sampled_from([0.0, 0.0, 0.3]),
+    st.floats(0.0, 0.2), st.booleans())
+events = st.lists(st.one_of(
+    arrivals,
+    arrivals,
+    st.tuples(st.just("tick"), st.floats(0.0, 0.5)),
+    st.tuples(st.just("complete"), st.integers(0, 10**6)),
+    st.tuples(st.just("cancel"), st.integers(0, 10**6)),
+    st.tuples(st.just("capacity"), st.sampled_from(["cpu", "gpu"]), st.integers(0, 12)),
+), min_size=20, max_size=100)
+
+
+@given(config=configs, script=events, seed=st.integers(0, 2**16))
+def test_both_implementations_decide_alike_and_every_request_ends_once(
+        config: SchedulerConfig, script: list[tuple[Any, ...]], seed: int) -> None:
+    rng = random.Random(seed)
+    run = Lockstep(config)
+    ids: list[str] = []
+    for event in script:
+        kind = event[0]
+        if kind == "arrive":
+            _, t, prompt, max_tokens, out, prio, deadline, budget_wait, dt, again = event
+            run.now += dt
+            rid = rng.choice(ids) if again and ids else f"r{len(ids)}"
+            ids.append(rid)
+            run.arrive(Request(
+                rid, TENANTS[t], weight=100.0 * (t + 1), prompt_tokens=prompt,
+                max_tokens=max_tokens, arrival=run.now - budget_wait,
+                expected_output_tokens=out, priority=prio,
+                deadline=None if deadline is None else run.now + deadline,
+                budget_wait=budget_wait))
+        elif kind == "tick":
+            run.now += event[1]
+            run.tick()
+        elif kind == "complete" and run.running:
+            run.complete(sorted(run.running)[event[1] % len(run.running)], rng)
+        elif kind == "cancel" and ids:
+            rid = ids[event[1] % len(ids)]
+            if run.call("cancel", rid, run.now):
+                run.open.remove(rid)
+        elif kind == "capacity":
+            run.set_capacity(event[1], event[2])
+        run.queued()
+    run.check_reports(ids)
+
+    # With capacity offered and batches completing, everything queued leaves in bounded
+    # time: nothing waits forever (aging, fairness and the release rule all give way).
+    if run.capacity["cpu"] == 0 and run.capacity["gpu"] == 0:
+        run.set_capacity("gpu", 4)
+    for _ in range(400):
+        if not run.open and not run.running:
+            break
+        run.now += 0.05
+        run.tick()
+        for batch_id in sorted(run.running):
+            run.complete(batch_id, rng)
+    assert not run.open and not run.running, "requests left waiting while capacity is offered"
+    run.check_reports(ids)
+
+
+@given(
+    weights=st.lists(st.sampled_from([100.0, 300.0, 1000.0, 5000.0]), min_size=2, max_size=5),
+    sizes=st.lists(st.tuples(st.integers(1, 4000), st.integers(1, 200)), min_size=30,
+                   max_size=120),
+    slack=st.sampled_from([0.0, 300.0, 4000.0, 65536.0]),
+    capacity=st.tuples(st.integers(0, 8), st.integers(1, 64)),
+)
+def test_backlogged_tenants_stay_within_the_fair_share_bound(
+        weights: list[float], sizes: list[tuple[int, int]], slack: float,
+        capacity: tuple[int, int]) -> None:
+    """Counters start equal and outputs match the estimates (no corrections), so a
+    tenant's counter is its served tokens over its budget. A tenant is served only while
+    its counter is within slack/weight of the smallest backlogged one, so
+    ``served_f/w_f − served_g/w_g ≤ slack/w_f + (largest charge of f)`` while both wait."""
+    config = SchedulerConfig(fair_slack_tokens=slack)
+    run = Lockstep(config)
+    run.set_capacity("cpu", capacity[0])
+    run.set_capacity("gpu", capacity[1])
+    charge: dict[str, float] = {}
+    expected: dict[str, int] = {}
+    for i, (prompt, out) in enumerate(sizes):
+        t = i % len(weights)
+        tenant = f"t{t}"
+        run.arrive(Request(f"r{i}", tenant, weights[t], prompt, out, 0.0,
+                           expected_output_tokens=out))
+        expected[f"r{i}"] = out
+        charge[tenant] = max(charge.get(tenant, 0.0), (prompt + 2 * out) / weights[t])
+    served = dict.fromkeys(charge, 0.0)
+    for _ in range(300):
+        if not run.open:
+            break
+        run.now += 0.05
+        for d in run.call("tick", run.now):
+            for rid in d.request_ids:
+                run.open.remove(rid)
+            outs = tuple(expected[rid] for rid in d.request_ids)
+            run.call("completed", BatchTimings(d.batch_id, d.path, len(outs), 100, 0.01,
+                                               max(outs), 0.01, outs), run.now)
+            for rid, prompt_out in zip(d.request_ids, outs, strict=True):
+                i = int(rid[1:])
+                t = i % len(weights)
+                served[f"t{t}"] += (sizes[i][0] + 2 * prompt_out) / weights[t]
+        tenants = run.call("snapshot")["fairness"]["tenants"]
+        backlogged = [t for t, v in tenants.items() if v["queued"] > 0]
+        for f in backlogged:
+            assert abs(tenants[f]["counter"] - served[f]) <= 1e-6 * (1.0 + served[f])
+            w = weights[int(f[1:])]
+            for g in backlogged:
+                assert served[f] - served[g] <= slack / w + charge[f] + 1e-9
+    assert not run.open
+
+
+@pytest.mark.parametrize(("seed", "rate", "slo"), [(1, 400.0, 2.0), (2, 30.0, 2.0),
+                                                   (3, 100.0, 20.0)])
+def test_long_runs_agree(seed: int, rate: float, slo: float) -> None:
+    """Thousands of events, overloaded to light: holds, tail cuts, fairness, refits."""
+    rng = random.Random(seed)
+    run = Lockstep(SchedulerConfig(rate_window_s=1.0, fair_slack_tokens=2000.0,
+                                   ttft_p99_slo_s=slo))
+    run.set_capacity("cpu", 8)
+    run.set_capacity("gpu", 32)
+    for i in range(3000):
+        run.now += rng.expovariate(rate)
+        roll = rng.random()
+        if roll < 0.6:
+            t = rng.randrange(len(TENANTS))
+            run.arrive(Request(
+                f"r{i}", TENANTS[t], 200.0 * (t + 1), rng.randint(1, 8192),
+                rng.randint(1, 256), run.now, rng.choice([0, 16, 128]),
+                deadline=run.now + rng.uniform(0.5, 5.0) if rng.random() < 0.1 else None))
+        elif roll < 0.85:
+            run.tick()
+        elif roll < 0.97 and run.running:
+            run.complete(rng.choice(sorted(run.running)), rng)
+        else:
+            rid = f"r{rng.randrange(i + 1)}"
+            if run.call("cancel", rid, run.now):
+                run.open.remove(rid)
+    run.check_reports([f"r{i}" for i in range(0, 3000, 7)])

@@ -1,0 +1,37 @@
+from workers.engine import EchoEngine
+from workers.protocol import Delta, Finished, SamplingParams, SeqJob
+
+
+def test_echo_answers_a_fixed_number_of_tokens() -> None:
+    engine = EchoEngine(tokens=4)
+    engine.add(SeqJob("a", (1, 2), SamplingParams(10)))
+    engine.add(SeqJob("b", (1,), SamplingParams(2), stream=True))
+    result = engine.step()
+    done = {e.rid: e for e in result.events if isinstance(e, Finished)}
+    assert done["a"].text == " echo" * 4 and done["a"].completion_tokens == 4
+    assert done["a"].finish_reason == "stop"
+    assert done["b"].completion_tokens == 2 and done["b"].finish_reason == "length"
+    assert [e.tokens for e in result.events if isinstance(e, Delta)] == [1, 2]
+    assert not engine.busy
+
+
+def test_echo_cancel_ends_the_sequence_with_a_cancelled_event() -> None:
+    engine = EchoEngine()
+    engine.add(SeqJob("a", (1,), SamplingParams(3)))
+    assert engine.cancel("a") and not engine.cancel("a")
+    events = engine.step().events
+    assert events == [Finished("a", "", "cancelled", 1, 0)]
+    assert not engine.busy
+
+
+def test_stepping_echo_emits_one_token_per_step_and_resumes() -> None:
+    engine = EchoEngine(tokens=3, step_s=1e-6)
+    engine.add(SeqJob("s", (1,), SamplingParams(10), stream=True))
+    first = engine.step()
+    assert [e.tokens for e in first.events if isinstance(e, Delta)] == [1]
+    assert first.progress["s"] == ((0,), len(" echo"))
+    resumed = EchoEngine(tokens=3, step_s=1e-6)
+    resumed.add(SeqJob("s", (1,), SamplingParams(10), stream=True, resume_ids=(0,), resume_chars=5))
+    events = resumed.step().events + resumed.step().events
+    assert [e.tokens for e in events if isinstance(e, Delta)] == [2, 3]
+    assert [e.completion_tokens for e in events if isinstance(e, Finished)] == [3]

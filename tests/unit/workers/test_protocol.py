@@ -1,0 +1,72 @@
+import orjson
+import pytest
+
+from workers import protocol as p
+
+
+def _job() -> p.BatchJob:
+    return p.BatchJob(
+        batch_id="gw:1",
+        reply_to=p.replies_stream("gw"),
+        bucket=2,
+        seqs=(
+            p.SeqJob("r1", (1, 2, 3), p.SamplingParams(8, 0.0, 1.0, None, ()), stream=True),
+            p.SeqJob("r2", (4,), p.SamplingParams(5, 0.7, 0.9, 42, ("\n", "END"))),
+        ),
+    )
+
+
+def _wire(fields: dict[str, bytes]) -> dict[bytes, bytes]:
+    return {k.encode(): v for k, v in fields.items()}
+
+
+def test_job_round_trip() -> None:
+    job = _job()
+    assert p.decode_job(_wire(p.encode_job(job))) == job
+
+
+def test_optional_sequence_fields_round_trip_and_stay_off_the_wire_when_unset() -> None:
+    seq = p.SeqJob("r", (1,), p.SamplingParams(4), resume_ids=(5, 6), resume_chars=3, handoff="gpu", kv_key="tg:kv:r")
+    job = p.BatchJob("b", "tg:replies:g", 0, (seq,))
+    assert p.decode_job(_wire(p.encode_job(job))) == job
+    assert job.handoff_pool("r") == "gpu"
+    plain = p.encode_job(_job())["m"]
+    assert b"handoff" not in plain and b"resume_ids" not in plain
+
+
+def test_events_round_trip() -> None:
+    events: list[p.Event] = [
+        p.Delta("r1", "he", 1),
+        p.Finished("r1", "", "length", 3, 8),
+        p.Failed("r2", "poison", "failed 3 deliveries"),
+        p.BatchReport("gw:1", "cpu", "w1", 2, 3, 0.01, 7, 0.2, (8, 5)),
+    ]
+    assert p.decode_events(_wire(p.encode_events(events))) == events
+
+
+def test_heartbeat_round_trip() -> None:
+    hb = p.Heartbeat("w1", "cpu", "cpu", "float32", "echo", "m", 32, 30, 12.5, 1.0, "no AMX")
+    assert p.decode_heartbeat(p.encode_heartbeat(hb)) == hb
+
+
+def test_wrong_version_is_refused() -> None:
+    fields = _wire(p.encode_job(_job()))
+    fields[b"v"] = b"99"
+    with pytest.raises(p.ProtocolError, match="version"):
+        p.decode_job(fields)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"not json", b"[1, 2]", orjson.dumps({"batch_id": "x"}), orjson.dumps({"events": [{"kind": "nope"}]})],
+)
+def test_malformed_entries_raise_protocol_error(body: bytes) -> None:
+    with pytest.raises(p.ProtocolError):
+        p.decode_job({b"v": b"1", b"m": body})
+    with pytest.raises(p.ProtocolError):
+        p.decode_events({b"v": b"1", b"m": body})
+
+
+def test_stream_names() -> None:
+    assert p.jobs_stream("gpu") == "tg:jobs:gpu"
+    assert p.replies_stream("g1") == "tg:replies:g1"

@@ -1,0 +1,28 @@
+"""`python -m workers`: the worker entry used by `tokengate serve` for its children."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from workers import cli
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m workers")
+    parser.add_argument("--log-level", default=cli.env_default("log_level", "INFO"))
+    parser.add_argument("--redis-url", default=cli.env_default("redis_url"), required=cli.env_default("redis_url") is None)
+    cli.add_model_args(parser)
+    cli.add_worker_args(parser)
+    args = parser.parse_args()
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cli.run(cli.settings_from_args(args))
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

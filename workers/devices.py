@@ -1,0 +1,65 @@
+"""Which device and dtype a worker runs on, decided from facts passed in (pure) plus probes."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+AMX_FLAGS = frozenset({"amx_bf16", "amx_tile"})
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceChoice:
+    device: str  # "cpu" | "cuda"
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    ipex: bool  # intel-extension-for-pytorch optimizes the model
+    reason: str  # one line for logs, heartbeats and /admin/workers
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def choose(
+    pool: str,
+    flags: frozenset[str],
+    cuda: bool,
+    ipex_installed: bool,
+    cuda_bf16: bool = True,
+) -> DeviceChoice:
+    """CPU pool: bf16 on AMX (with IPEX when installed), fp32 otherwise.
+    GPU pool: CUDA in bf16 (fp16 where bf16 is unsupported) when present, else the CPU rules."""
+    if pool == "gpu" and cuda:
+        dtype = "bfloat16" if cuda_bf16 else "float16"
+        return DeviceChoice("cuda", dtype, False, f"CUDA available: {dtype} on the GPU")
+    prefix = "no CUDA device; " if pool == "gpu" else ""
+    if AMX_FLAGS <= flags:
+        if ipex_installed:
+            return DeviceChoice(
+                "cpu", "bfloat16", True, prefix + "AMX found: bf16 with intel-extension-for-pytorch"
+            )
+        return DeviceChoice(
+            "cpu", "bfloat16", False, prefix + "AMX found: bf16 (intel-extension-for-pytorch not installed)"
+        )
+    missing = ", ".join(sorted(AMX_FLAGS - flags))
+    return DeviceChoice("cpu", "float32", False, prefix + f"no AMX (missing {missing}): fp32 on the CPU")
+
+
+def probe(pool: str) -> DeviceChoice:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return choose(
+        pool,
+        cpu_flags(),
+        cuda=cuda,
+        ipex_installed=importlib.util.find_spec("intel_extension_for_pytorch") is not None,
+        cuda_bf16=cuda and torch.cuda.is_bf16_supported(),
+    )

@@ -1,0 +1,141 @@
+"""The engine interface a worker drives, and the model-free echo engine used by benchmarks.
+
+An engine runs iteration-level (continuous) batching: ``add`` queues a sequence, each
+``step`` admits waiting sequences (prefill) and advances every running one by one token.
+Engines do no I/O; the worker moves their events to Redis.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from workers.protocol import Delta, Finished, SeqJob
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    rids: tuple[str, ...]
+    padded_tokens: int  # tokens per sequence after padding
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """A sequence whose prefill ran here and whose decoding continues on another pool."""
+
+    seq: SeqJob  # with resume_ids = the tokens generated here (the first one)
+    kv: dict[str, Any]  # tensors "k{layer}"/"v{layer}", shape [1, heads, prompt_len, head_dim]
+
+
+@dataclass(slots=True)
+class StepResult:
+    events: list[Delta | Finished] = field(default_factory=list)
+    prefills: list[Prefill] = field(default_factory=list)
+    decode_rids: tuple[str, ...] = ()  # sequences advanced by this step's decode pass
+    decode_s: float = 0.0
+    # streaming sequences still running after this step: (generated ids, characters sent),
+    # recorded in Redis so a peer can resume them exactly if this worker dies
+    progress: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)
+    handoffs: list[Handoff] = field(default_factory=list)
+
+
+class Engine(Protocol):
+    name: str
+    slots: int
+    device: str
+    dtype: str
+    choice: str  # why this device and dtype
+
+    def add(self, seq: SeqJob, kv: dict[str, Any] | None = None) -> None:
+        """Queue a sequence; with ``kv`` (a handed-over prefill) it skips prefill."""
+        ...
+
+    def cancel(self, rid: str) -> bool: ...
+
+    def step(self) -> StepResult: ...
+
+    def reset(self) -> None:
+        """Drop every sequence (after an engine error)."""
+        ...
+
+    @property
+    def busy(self) -> bool: ...
+
+    @property
+    def free_slots(self) -> int: ...
+
+
+class EchoEngine:
+    """Answers without a model, ``tokens`` tokens of fixed text per sequence.
+
+    With ``step_s == 0`` every sequence is answered whole in one step: its own time is
+    microseconds, which ``bench/overhead.py`` subtracts to isolate the gateway's cost.
+    With ``step_s > 0`` it behaves like a decoding engine: one token per running sequence
+    per step, each step taking ``step_s`` (for fault-injection tests and benchmarks).
+    """
+
+    name = "echo"
+    device = "cpu"
+    dtype = "none"
+    choice = "echo engine: no model"
+    piece = " echo"
+
+    def __init__(self, tokens: int = 16, slots: int = 256, step_s: float = 0.0) -> None:
+        self.tokens = tokens
+        self.slots = slots
+        self.step_s = step_s
+        self._running: dict[str, tuple[SeqJob, int]] = {}  # rid -> (job, tokens generated)
+        self._cancelled: list[tuple[SeqJob, int]] = []
+
+    def add(self, seq: SeqJob, kv: dict[str, Any] | None = None) -> None:
+        self._running[seq.rid] = (seq, len(seq.resume_ids))
+
+    def cancel(self, rid: str) -> bool:
+        entry = self._running.pop(rid, None)
+        if entry is None:
+            return False
+        self._cancelled.append(entry)
+        return True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._running or self._cancelled)
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.slots - len(self._running))
+
+    def reset(self) -> None:
+        self._running.clear()
+        self._cancelled.clear()
+
+    def step(self) -> StepResult:
+        result = StepResult()
+        for seq, done in self._cancelled:
+            result.events.append(Finished(seq.rid, "", "cancelled", len(seq.prompt_ids), done))
+        self._cancelled.clear()
+        if self.step_s > 0:
+            time.sleep(self.step_s)
+        for rid, (seq, done) in list(self._running.items()):
+            limit = min(self.tokens, seq.params.max_tokens)
+            if done == len(seq.resume_ids):
+                result.prefills.append(Prefill((rid,), len(seq.prompt_ids), 0.0))
+            n = limit - done if self.step_s == 0 else min(1, limit - done)
+            if seq.stream:
+                for i in range(n):
+                    result.events.append(Delta(rid, self.piece, done + i + 1))
+            done += n
+            if done < limit:
+                self._running[rid] = (seq, done)
+                result.progress[rid] = (tuple(range(done)), len(self.piece) * done)
+                continue
+            del self._running[rid]
+            text = "" if seq.stream else self.piece * done
+            reason = "length" if done == seq.params.max_tokens else "stop"
+            result.events.append(Finished(rid, text, reason, len(seq.prompt_ids), done))
+        if self.step_s > 0 and self._running:
+            result.decode_rids = tuple(self._running)
+            result.decode_s = self.step_s
+        return result

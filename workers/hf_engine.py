@@ -1,0 +1,338 @@
+"""A `transformers` causal LM behind iteration-level (continuous) batching.
+
+Running sequences share one left-padded KV cache (a ``DynamicCache``). Each ``step``:
+one decode forward for the running batch, then a prefill forward for newly admitted
+sequences, whose cache rows are padded on the left and concatenated to the running batch.
+Finished or cancelled rows are dropped with ``batch_select_indices``; all-padding columns
+on the left are trimmed. Every sequence gets exactly one token per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from workers.devices import DeviceChoice
+from workers.engine import Handoff, Prefill, StepResult
+from workers.protocol import Delta, Finished, SeqJob
+from workers.text import IncrementalText
+
+log = logging.getLogger("tokengate.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class _Seq:
+    job: SeqJob
+    generator: torch.Generator | None
+    text: IncrementalText
+    out_ids: list[int] = field(default_factory=list)
+    cancelled: bool = False
+    finished: bool = False
+    eos: bool = False  # ended by an end-of-sequence token (counted, not shown)
+    kv: dict[str, torch.Tensor] | None = None  # a handed-over prefill: skip our own
+
+
+class HFEngine:
+    name = "transformers"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        choice: DeviceChoice,
+        slots: int = 32,
+        max_prefill_tokens: int = 8192,
+    ) -> None:
+        self.slots = slots
+        self.device = choice.device
+        self.dtype = choice.dtype
+        self.choice = choice.reason
+        self.max_prefill_tokens = max_prefill_tokens
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[choice.dtype])
+        model.eval()
+        model.to(choice.device)
+        if choice.ipex:
+            import intel_extension_for_pytorch as ipex  # optional extra
+
+            model = ipex.optimize(model, dtype=_DTYPES[choice.dtype])
+        self.model = model
+        self.max_len = int(getattr(model.config, "max_position_embeddings", 8192))
+        eos = model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            eos_ids.add(self.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos_ids)
+        self.pad_id = self.tokenizer.pad_token_id or 0
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None  # [B, T] 1 = real token
+
+    # -- interface ----------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.slots - len(self._running) - len(self._waiting))
+
+    def add(self, job: SeqJob, kv: dict[str, Any] | None = None) -> None:
+        generator = None
+        if not job.params.greedy:
+            generator = torch.Generator(device="cpu")
+            if job.params.seed is not None:
+                generator.manual_seed(job.params.seed)
+            else:
+                generator.seed()
+        seq = _Seq(job, generator, IncrementalText(job.params.stop), out_ids=list(job.resume_ids), kv=kv)
+        seq.text.sent = job.resume_chars
+        self._waiting.append(seq)
+
+    def cancel(self, rid: str) -> bool:
+        for seq in self._waiting:
+            if seq.job.rid == rid and not seq.cancelled:
+                seq.cancelled = True
+                return True
+        for seq in self._running:
+            if seq.job.rid == rid and not seq.cancelled:
+                seq.cancelled = True
+                return True
+        return False
+
+    def reset(self) -> None:
+        self._waiting.clear()
+        self._running = []
+        self._cache, self._mask = None, None
+
+    @torch.inference_mode()
+    def step(self) -> StepResult:
+        result = StepResult()
+        self._drop_cancelled(result)
+        if self._running:
+            t0 = time.perf_counter()
+            logits = self._decode()
+            result.decode_s = time.perf_counter() - t0
+            result.decode_rids = tuple(s.job.rid for s in self._running)
+            self._advance(self._running, logits, result)
+        admitted = self._admit()
+        carried = [s for s in admitted if s.kv is not None]
+        admitted = [s for s in admitted if s.kv is None]
+        for seq in carried:  # decoding continues here from a peer's prefill
+            cache, mask = self._from_kv(seq)
+            self._merge([seq], cache, mask)
+        if admitted:
+            t0 = time.perf_counter()
+            logits, cache, mask = self._prefill(admitted)
+            result.prefills.append(
+                Prefill(tuple(s.job.rid for s in admitted), mask.shape[1], time.perf_counter() - t0)
+            )
+            self._advance(admitted, logits, result)
+            self._hand_off(admitted, cache, mask, result)
+            self._merge(admitted, cache, mask)
+        self._drop_finished()
+        for seq in self._running:
+            if seq.job.stream:
+                result.progress[seq.job.rid] = (tuple(seq.out_ids), seq.text.sent)
+        return result
+
+    # -- batching -----------------------------------------------------------------------
+
+    def _admit(self) -> list[_Seq]:
+        admitted: list[_Seq] = []
+        longest = 0
+        while self._waiting and len(self._running) + len(admitted) < self.slots:
+            seq = self._waiting[0]
+            if seq.cancelled:
+                self._waiting.popleft()
+                continue
+            n = len(seq.job.prompt_ids) + len(seq.job.resume_ids)
+            if admitted and max(longest, n) * (len(admitted) + 1) > self.max_prefill_tokens:
+                break
+            longest = max(longest, n)
+            admitted.append(self._waiting.popleft())
+        return admitted
+
+    def _prefill(self, seqs: list[_Seq]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
+        inputs = [s.job.prompt_ids + s.job.resume_ids for s in seqs]
+        length = max(len(x) for x in inputs)
+        ids = torch.full((len(seqs), length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), length), dtype=torch.long)
+        for row, x in enumerate(inputs):
+            ids[row, length - len(x) :] = torch.tensor(x, dtype=torch.long)
+            mask[row, length - len(x) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :], out.past_key_values, mask
+
+    def _hand_off(self, seqs: list[_Seq], cache: DynamicCache, mask: torch.Tensor, result: StepResult) -> None:
+        """Prefill-only sequences leave with their KV rows (left padding stripped)."""
+        for row, seq in enumerate(seqs):
+            if seq.job.handoff is None or seq.finished:
+                continue
+            n = int(mask[row].sum())
+            kv: dict[str, Any] = {}
+            for i, layer in enumerate(cache.layers):
+                kv[f"k{i}"] = layer.keys[row : row + 1, :, -n:, :].contiguous().cpu()
+                kv[f"v{i}"] = layer.values[row : row + 1, :, -n:, :].contiguous().cpu()
+            job = replace(seq.job, handoff=None, resume_ids=tuple(seq.out_ids), resume_chars=seq.text.sent)
+            result.handoffs.append(Handoff(job, kv))
+            seq.finished = True
+
+    def _from_kv(self, seq: _Seq) -> tuple[DynamicCache, torch.Tensor]:
+        assert seq.kv is not None
+        dtype = _DTYPES[self.dtype]
+        layers = [
+            (seq.kv[f"k{i}"].to(self.device, dtype), seq.kv[f"v{i}"].to(self.device, dtype))
+            for i in range(len(seq.kv) // 2)
+        ]
+        seq.kv = None
+        n = layers[0][0].shape[-2]
+        return DynamicCache(ddp_cache_data=layers), torch.ones((1, n), dtype=torch.long, device=self.device)
+
+    def _decode(self) -> torch.Tensor:
+        assert self._cache is not None and self._mask is not None
+        last = torch.tensor([[s.out_ids[-1]] for s in self._running], dtype=torch.long)
+        ones = torch.ones((len(self._running), 1), dtype=self._mask.dtype, device=self.device)
+        self._mask = torch.cat([self._mask, ones], dim=1)
+        positions = self._mask.sum(-1, keepdim=True) - 1
+        out = self.model(
+            input_ids=last.to(self.device),
+            attention_mask=self._mask,
+            position_ids=positions,
+            past_key_values=self._cache,
+            use_cache=True,
+        )
+        self._cache = out.past_key_values
+        return out.logits[:, -1, :]
+
+    def _merge(self, seqs: list[_Seq], cache: DynamicCache, mask: torch.Tensor) -> None:
+        if self._cache is None or self._mask is None or not self._running:
+            self._cache, self._mask, self._running = cache, mask, list(seqs)
+            return
+        old_len, new_len = self._mask.shape[1], mask.shape[1]
+        width = max(old_len, new_len)
+        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for old, new in zip(self._cache.layers, cache.layers, strict=True):
+            keys = torch.cat([_left_pad(old.keys, width), _left_pad(new.keys, width)], dim=0)
+            values = torch.cat([_left_pad(old.values, width), _left_pad(new.values, width)], dim=0)
+            layers.append((keys, values))
+        self._cache = DynamicCache(ddp_cache_data=layers)
+        self._mask = torch.cat([_left_pad_mask(self._mask, width), _left_pad_mask(mask, width)], dim=0)
+        self._running.extend(seqs)
+
+    def _drop_cancelled(self, result: StepResult) -> None:
+        for seq in list(self._waiting):
+            if seq.cancelled:
+                self._waiting.remove(seq)
+                result.events.append(self._finish(seq, "cancelled"))
+        for seq in self._running:
+            if seq.cancelled and not seq.finished:
+                result.events.append(self._finish(seq, "cancelled"))
+        self._drop_finished()
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, s in enumerate(self._running) if not s.finished]
+        if len(keep) == len(self._running):
+            return
+        self._running = [self._running[i] for i in keep]
+        if not keep:
+            self._cache, self._mask = None, None
+            return
+        assert self._cache is not None and self._mask is not None
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self._cache.batch_select_indices(index)
+        self._mask = self._mask[index]
+        # trim columns that are padding in every remaining row
+        first = int(self._mask.any(dim=0).long().argmax())
+        if first > 0:
+            self._mask = self._mask[:, first:]
+            for layer in self._cache.layers:
+                layer.keys = layer.keys[..., first:, :]
+                layer.values = layer.values[..., first:, :]
+
+    # -- sampling and text --------------------------------------------------------------
+
+    def _advance(self, seqs: list[_Seq], logits: torch.Tensor, result: StepResult) -> None:
+        tokens = self._sample(seqs, logits)
+        for seq, token in zip(seqs, tokens, strict=True):
+            if seq.finished:
+                continue
+            reason: str | None = None
+            if token in self.eos_ids and not seq.job.params.ignore_eos:
+                reason = "stop"
+                seq.eos = True
+            else:
+                seq.out_ids.append(token)
+            text = self.tokenizer.decode(seq.out_ids, skip_special_tokens=True)
+            total = len(seq.job.prompt_ids) + len(seq.out_ids)
+            if reason is None and (
+                len(seq.out_ids) >= seq.job.params.max_tokens or total >= self.max_len
+            ):
+                reason = "length"
+            delta = seq.text.update(text, final=reason is not None)
+            if seq.text.stopped:
+                reason = "stop"
+            if seq.job.stream and delta:
+                result.events.append(Delta(seq.job.rid, delta, len(seq.out_ids)))
+            if reason is not None:
+                result.events.append(self._finish(seq, reason, text))
+
+    def _finish(self, seq: _Seq, reason: str, text: str = "") -> Finished:
+        seq.finished = True
+        if seq.job.stream:
+            text = ""  # already sent as deltas
+        elif seq.text.stopped:
+            text = text[: seq.text.sent]
+        generated = len(seq.out_ids) + int(seq.eos)
+        return Finished(seq.job.rid, text, reason, len(seq.job.prompt_ids), generated)
+
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> list[int]:
+        greedy = logits.argmax(dim=-1).tolist()
+        out: list[int] = []
+        for row, seq in enumerate(seqs):
+            p = seq.job.params
+            if p.greedy or seq.generator is None:
+                out.append(int(greedy[row]))
+                continue
+            probs = torch.softmax(logits[row].float() / p.temperature, dim=-1).cpu()
+            if p.top_p < 1.0:
+                sorted_p, order = probs.sort(descending=True)
+                keep = sorted_p.cumsum(0) - sorted_p < p.top_p
+                sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+                probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+            out.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
+        return out
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    pad = width - t.shape[-2]
+    if pad == 0:
+        return t
+    zeros = t.new_zeros((*t.shape[:-2], pad, t.shape[-1]))
+    return torch.cat([zeros, t], dim=-2)
+
+
+def _left_pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
+    pad = width - mask.shape[1]
+    if pad == 0:
+        return mask
+    return torch.cat([mask.new_zeros((mask.shape[0], pad)), mask], dim=1)

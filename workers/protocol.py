@@ -1,0 +1,280 @@
+"""The stream message format shared by the gateway and the workers (see docs/protocol.md).
+
+Every stream entry has two fields: ``v`` (the protocol version) and ``m`` (an orjson
+document). Workers never import ``gateway``; the gateway imports this module.
+Translation between these documents and the dataclasses below happens here and only here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+VERSION = 1
+
+POOLS = ("cpu", "gpu")
+GROUP = "workers"  # the consumer group every jobs stream carries
+WORKERS_ZSET = "tg:workers"  # worker id -> last heartbeat (Redis server time, seconds)
+DEAD_LETTER_STREAM = "tg:dead"
+
+
+def jobs_stream(pool: str) -> str:
+    return f"tg:jobs:{pool}"
+
+
+def replies_stream(gateway_id: str) -> str:
+    return f"tg:replies:{gateway_id}"
+
+
+def worker_key(worker_id: str) -> str:
+    return f"tg:worker:{worker_id}"
+
+
+class ProtocolError(ValueError):
+    """An entry that does not follow this module's format (wrong version, missing field)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, trace replay)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SeqJob:
+    """One sequence of a batch: a tokenized prompt and how to sample its continuation."""
+
+    rid: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    stream: bool = False
+    # tokens already generated and characters of text already delivered: set when a
+    # worker resumes a sequence (a dead peer's, or one handed over after prefill)
+    resume_ids: tuple[int, ...] = ()
+    resume_chars: int = 0
+    handoff: str | None = None  # run prefill only, then hand the KV cache to this pool
+    kv_key: str | None = None  # where a handed-over KV cache waits (Redis string)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchJob:
+    batch_id: str
+    reply_to: str
+    bucket: int
+    seqs: tuple[SeqJob, ...]
+
+    def handoff_pool(self, rid: str) -> str:
+        for s in self.seqs:
+            if s.rid == rid and s.handoff:
+                return s.handoff
+        raise KeyError(f"{rid} has no handoff pool in batch {self.batch_id}")
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New text of a streaming sequence; ``tokens`` counts completion tokens so far."""
+
+    rid: str
+    text: str
+    tokens: int
+    kind: Literal["delta"] = "delta"
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    rid: str
+    text: str  # the whole completion for non-streaming sequences, the unsent tail otherwise
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    kind: Literal["done"] = "done"
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    rid: str
+    code: str
+    message: str
+    kind: Literal["error"] = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchReport:
+    """Timings of a finished batch, fed back to the scheduler's cost model."""
+
+    batch_id: str
+    pool: str
+    worker: str
+    batch_size: int
+    prompt_tokens: int  # padded tokens per sequence
+    prefill_s: float
+    decode_steps: int
+    decode_s: float
+    output_tokens: tuple[int, ...]
+    mean_running: float = 0.0  # sequences decoding on the worker per step, all batches counted
+    kind: Literal["batch"] = "batch"
+
+
+Event = Delta | Finished | Failed | BatchReport
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    worker: str
+    pool: str
+    device: str
+    dtype: str
+    engine: str
+    model: str
+    slots: int
+    free: int
+    tokens_per_s: float
+    started: float
+    choice: str = ""  # why this device and dtype (AMX found or not, CUDA or not)
+
+
+# -- encoding ---------------------------------------------------------------------------
+
+
+def _entry(doc: dict[str, Any]) -> dict[str, bytes]:
+    return {"v": str(VERSION).encode(), "m": orjson.dumps(doc)}
+
+
+def _doc(fields: dict[bytes, bytes]) -> dict[str, Any]:
+    version = fields.get(b"v")
+    if version != str(VERSION).encode():
+        raise ProtocolError(f"unsupported protocol version {version!r}")
+    try:
+        doc = orjson.loads(fields[b"m"])
+    except (KeyError, orjson.JSONDecodeError) as exc:
+        raise ProtocolError(f"unreadable entry: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise ProtocolError("entry body is not an object")
+    return doc
+
+
+def _encode_seq(s: SeqJob) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "rid": s.rid,
+        "prompt_ids": list(s.prompt_ids),
+        "stream": s.stream,
+        "max_tokens": s.params.max_tokens,
+        "temperature": s.params.temperature,
+        "top_p": s.params.top_p,
+        "seed": s.params.seed,
+        "stop": list(s.params.stop),
+    }
+    # optional fields travel only when set
+    if s.resume_ids:
+        doc["resume_ids"] = list(s.resume_ids)
+        doc["resume_chars"] = s.resume_chars
+    if s.params.ignore_eos:
+        doc["ignore_eos"] = True
+    if s.handoff:
+        doc["handoff"] = s.handoff
+    if s.kv_key:
+        doc["kv_key"] = s.kv_key
+    return doc
+
+
+def encode_job(job: BatchJob) -> dict[str, bytes]:
+    return _entry(
+        {
+            "batch_id": job.batch_id,
+            "reply_to": job.reply_to,
+            "bucket": job.bucket,
+            "seqs": [_encode_seq(s) for s in job.seqs],
+        }
+    )
+
+
+def decode_job(fields: dict[bytes, bytes]) -> BatchJob:
+    doc = _doc(fields)
+    try:
+        return BatchJob(
+            batch_id=str(doc["batch_id"]),
+            reply_to=str(doc["reply_to"]),
+            bucket=int(doc["bucket"]),
+            seqs=tuple(
+                SeqJob(
+                    rid=str(s["rid"]),
+                    prompt_ids=tuple(int(t) for t in s["prompt_ids"]),
+                    stream=bool(s["stream"]),
+                    params=SamplingParams(
+                        max_tokens=int(s["max_tokens"]),
+                        temperature=float(s["temperature"]),
+                        top_p=float(s["top_p"]),
+                        seed=None if s["seed"] is None else int(s["seed"]),
+                        stop=tuple(str(x) for x in s["stop"]),
+                        ignore_eos=bool(s.get("ignore_eos", False)),
+                    ),
+                    resume_ids=tuple(int(t) for t in s.get("resume_ids", ())),
+                    resume_chars=int(s.get("resume_chars", 0)),
+                    handoff=s.get("handoff"),
+                    kv_key=s.get("kv_key"),
+                )
+                for s in doc["seqs"]
+            ),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"malformed job: {exc!r}") from exc
+
+
+def encode_events(events: list[Event]) -> dict[str, bytes]:
+    out = []
+    for ev in events:
+        d = {f: getattr(ev, f) for f in ev.__slots__}  # type: ignore[union-attr]
+        out.append(d)
+    return _entry({"events": out})
+
+
+_EVENT_TYPES: dict[str, type] = {
+    "delta": Delta,
+    "done": Finished,
+    "error": Failed,
+    "batch": BatchReport,
+}
+
+
+def decode_events(fields: dict[bytes, bytes]) -> list[Event]:
+    doc = _doc(fields)
+    events: list[Event] = []
+    try:
+        for d in doc["events"]:
+            cls = _EVENT_TYPES[d["kind"]]
+            if cls is BatchReport:
+                d["output_tokens"] = tuple(d["output_tokens"])
+            events.append(cls(**d))
+    except (KeyError, TypeError) as exc:
+        raise ProtocolError(f"malformed reply: {exc!r}") from exc
+    return events
+
+
+def encode_heartbeat(hb: Heartbeat) -> bytes:
+    """A heartbeat is one string value (SET with a TTL), so it carries its version inside."""
+    doc = {f: getattr(hb, f) for f in hb.__slots__}  # type: ignore[attr-defined]
+    doc["v"] = VERSION
+    return orjson.dumps(doc)
+
+
+def decode_heartbeat(raw: bytes) -> Heartbeat:
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"unreadable heartbeat: {exc}") from exc
+    if not isinstance(doc, dict) or doc.pop("v", None) != VERSION:
+        raise ProtocolError("heartbeat of an unsupported protocol version")
+    try:
+        return Heartbeat(**doc)
+    except TypeError as exc:
+        raise ProtocolError(f"malformed heartbeat: {exc!r}") from exc

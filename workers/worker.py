@@ -1,0 +1,431 @@
+"""A pool worker: XREADGROUP batches, run them through an engine, publish replies, XACK.
+
+Delivery is at least once, effects exactly once (see ``workers/fencing.py``):
+- replies and the XACK of a finished batch are written by one fenced script, only while
+  the group's pending list still names this worker as the entry's owner;
+- a worker that dies leaves its entries pending; peers XAUTOCLAIM entries idle longer
+  than ``claim_idle_s`` and resume streaming sequences from their recorded progress;
+- a live worker keeps its long batches from being claimed by touching them (heartbeat
+  thread), so only a dead or stopped worker loses its entries;
+- an entry delivered more than ``max_deliveries`` times goes to the dead-letter stream
+  and its clients get an error naming their request id.
+
+Shutdown follows uvicorn: the first signal drains (no new batches, finish the running
+ones, ack, exit), the second exits at once, leaving unacked entries to peers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import redis
+
+from workers import protocol as p
+from workers.engine import Engine, Handoff, StepResult
+from workers.fencing import Fence, HandoffWrite, Progress, cancel_key, kv_key, progress_key
+
+log = logging.getLogger("tokengate.worker")
+
+CANCEL_CHANNEL = "tg:cancel"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    redis_url: str
+    pool: str = "cpu"
+    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    engine: str = "hf"  # "hf" | "echo"
+    model: str | None = None
+    model_name: str | None = None
+    cache_dir: Path | None = None
+    slots: int = 32
+    echo_tokens: int = 16
+    echo_step_s: float = 0.0
+    threads: int | None = None
+    heartbeat_s: float = 1.0
+    heartbeat_ttl_s: float = 5.0
+    block_ms: int = 500
+    reply_maxlen: int = 100_000
+    claim_idle_s: float = 15.0  # a pending entry idle this long belongs to a dead worker
+    claim_every_s: float = 1.0
+    max_deliveries: int = 3
+
+    def __post_init__(self) -> None:
+        if self.pool not in p.POOLS:
+            raise ValueError(f"pool must be one of {p.POOLS}, not {self.pool!r}")
+        if self.engine not in ("hf", "echo"):
+            raise ValueError(f"engine must be 'hf' or 'echo', not {self.engine!r}")
+        if self.slots < 1:
+            raise ValueError("slots must be at least 1")
+        if self.claim_idle_s <= 3 * self.heartbeat_s:
+            raise ValueError("claim idle time must exceed three heartbeat intervals")
+        if self.heartbeat_ttl_s <= self.heartbeat_s:
+            raise ValueError("heartbeat TTL must exceed the heartbeat interval")
+        if self.max_deliveries < 1:
+            raise ValueError("max deliveries must be at least 1")
+
+
+@dataclass(slots=True)
+class _Batch:
+    entry_id: bytes
+    job: p.BatchJob
+    pending: set[str]
+    prefill_s: float = 0.0
+    padded_tokens: int = 0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    running: int = 0  # sum over its decode steps of the sequences each step advanced
+    output_tokens: dict[str, int] = field(default_factory=dict)
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings, engine: Engine, client: redis.Redis, model: str) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.client = client
+        self.model = model
+        self.stream = p.jobs_stream(settings.pool)
+        self.fence = Fence(client, self.stream, settings.worker_id)
+        self._batches: dict[str, _Batch] = {}  # batch_id -> state
+        self._batch_of: dict[str, str] = {}  # rid -> batch_id
+        self._lock = threading.Lock()  # guards _batches for the heartbeat thread
+        self._cancels: deque[str] = deque()  # from the pub/sub thread
+        self._recent_cancels: dict[str, float] = {}
+        self._signals = 0
+        self._stop_threads = threading.Event()
+        self._tokens = 0
+        self._started = time.time()
+        self._next_claim = 0.0
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.info("draining: no new batches; finishing %d running", len(self._batches))
+        else:
+            log.info("second signal: exiting now; unacked entries go to peers")
+
+    def run(self) -> None:
+        self._ensure_group()
+        threads = [
+            threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True),
+            threading.Thread(target=self._cancel_loop, name="cancels", daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        log.info(
+            "worker %s serving pool %s (%s on %s/%s, %d slots; %s)",
+            self.settings.worker_id,
+            self.settings.pool,
+            self.engine.name,
+            self.engine.device,
+            self.engine.dtype,
+            self.engine.slots,
+            self.engine.choice,
+        )
+        try:
+            while self._signals < 2:
+                if self._signals == 0:
+                    self._reclaim()
+                    self._read(0 if self.engine.busy else self.settings.block_ms)
+                elif not self.engine.busy:
+                    break
+                self._apply_cancels()
+                if self.engine.busy:
+                    self._step()
+        finally:
+            self._stop_threads.set()
+            for t in threads:
+                t.join(timeout=2)
+            self._deregister()
+        log.info("worker %s stopped", self.settings.worker_id)
+
+    def _ensure_group(self) -> None:
+        try:
+            self.client.xgroup_create(self.stream, p.GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # -- jobs in ----------------------------------------------------------------------------
+
+    def _read(self, block_ms: int) -> None:
+        if self.engine.free_slots <= 0:
+            return
+        reply = self.client.xreadgroup(
+            p.GROUP, self.settings.worker_id, {self.stream: ">"}, count=1, block=block_ms or None
+        )
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                self._accept(entry_id, fields, {})
+
+    def _reclaim(self) -> None:
+        now = time.monotonic()
+        if now < self._next_claim or self.engine.free_slots <= 0:
+            return
+        self._next_claim = now + self.settings.claim_every_s
+        _next, entries, _deleted = self.client.xautoclaim(
+            self.stream,
+            p.GROUP,
+            self.settings.worker_id,
+            min_idle_time=int(self.settings.claim_idle_s * 1000),
+            start_id="0-0",
+            count=max(1, min(self.engine.free_slots, 16)),
+        )
+        for entry_id, fields in entries:
+            if not fields:  # trimmed away while pending
+                self.client.xack(self.stream, p.GROUP, entry_id)
+                continue
+            info = self.client.xpending_range(self.stream, p.GROUP, min=entry_id, max=entry_id, count=1)
+            deliveries = int(info[0]["times_delivered"]) if info else 1
+            log.warning("reclaimed %s from a silent worker (delivery %d)", entry_id.decode(), deliveries)
+            if deliveries > self.settings.max_deliveries:
+                self._dead_letter(entry_id, fields, deliveries)
+                continue
+            try:
+                rids = [s.rid for s in p.decode_job(fields).seqs]
+            except p.ProtocolError:
+                rids = []
+            self._accept(entry_id, fields, self.fence.progress(rids))
+
+    def _dead_letter(self, entry_id: bytes, fields: dict[bytes, bytes], deliveries: int) -> None:
+        try:
+            job: p.BatchJob | None = p.decode_job(fields)
+        except p.ProtocolError:
+            job = None
+        if self.fence.dead_letter(entry_id, fields.get(b"m", b""), job, deliveries):
+            log.error("entry %s failed %d deliveries: moved to %s", entry_id.decode(), deliveries, p.DEAD_LETTER_STREAM)
+
+    def _accept(self, entry_id: bytes, fields: dict[bytes, bytes], progress: dict[str, Progress]) -> None:
+        try:
+            job = p.decode_job(fields)
+        except p.ProtocolError as exc:
+            log.error("dropping unreadable entry %s: %s", entry_id, exc)
+            self.client.xack(self.stream, p.GROUP, entry_id)
+            return
+        batch = _Batch(entry_id, job, {s.rid for s in job.seqs})
+        with self._lock:
+            self._batches[job.batch_id] = batch
+        # cancels sent before this worker subscribed (or while it was down) left keys
+        cancelled = set(self._recent_cancels)
+        if self.client.exists(*(cancel_key(s.rid) for s in job.seqs)):
+            cancelled |= {s.rid for s in job.seqs if self.client.exists(cancel_key(s.rid))}
+        for seq in job.seqs:
+            self._batch_of[seq.rid] = job.batch_id
+            done = progress.get(seq.rid)
+            if done is not None:
+                seq = replace(seq, resume_ids=done.ids, resume_chars=done.chars)
+            self.engine.add(seq, self._load_kv(seq))
+            if seq.rid in cancelled:
+                self.engine.cancel(seq.rid)
+
+    def _load_kv(self, seq: p.SeqJob) -> dict[str, object] | None:
+        """A handed-over prefill; if it expired, the engine recomputes it (same tokens)."""
+        if seq.kv_key is None:
+            return None
+        blob = self.client.get(seq.kv_key)
+        if blob is None:
+            log.warning("KV cache of %s is gone; recomputing its prefill", seq.rid)
+            return None
+        from safetensors.torch import load
+
+        return dict(load(blob))
+
+    # -- cancellation ---------------------------------------------------------------------
+
+    def _cancel_loop(self) -> None:
+        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(CANCEL_CHANNEL)
+        try:
+            while not self._stop_threads.is_set():
+                msg = pubsub.get_message(timeout=0.5)
+                if msg is not None:
+                    self._cancels.append(msg["data"].decode())
+        except redis.RedisError as exc:
+            log.warning("cancel subscription lost: %s", exc)
+        finally:
+            pubsub.close()
+
+    def _apply_cancels(self) -> None:
+        now = time.monotonic()
+        while self._cancels:
+            rid = self._cancels.popleft()
+            self._recent_cancels[rid] = now
+            if rid in self._batch_of and self.engine.cancel(rid):
+                log.info("cancelled %s", rid)
+        if len(self._recent_cancels) > 10_000:
+            horizon = now - 600
+            self._recent_cancels = {r: t for r, t in self._recent_cancels.items() if t > horizon}
+
+    # -- stepping and replies -------------------------------------------------------------
+
+    def _step(self) -> None:
+        try:
+            result = self.engine.step()
+        except Exception:
+            log.exception("engine step failed; abandoning its batches to redelivery")
+            self.engine.reset()
+            self._abandon(list(self._batch_of))
+            return
+        try:
+            self._publish(result)
+        except redis.RedisError:
+            log.exception("publishing replies failed; abandoning running batches to redelivery")
+            self.engine.reset()
+            self._abandon(list(self._batch_of))
+
+    def _abandon(self, rids: list[str]) -> None:
+        """Forget batches without acking them: after the claim idle time a peer (or this
+        worker) takes them over, and their delivery count moves them toward dead letter."""
+        for bid in {self._batch_of.pop(r) for r in rids if r in self._batch_of}:
+            with self._lock:
+                batch = self._batches.pop(bid, None)
+            for rid in batch.pending if batch else ():
+                self._batch_of.pop(rid, None)
+                self.engine.cancel(rid)
+
+    def _publish(self, result: StepResult) -> None:
+        self._account(result)
+        events: dict[str, list[p.Event]] = {}
+        for ev in result.events:
+            bid = self._batch_of.get(ev.rid)
+            if bid is not None:
+                events.setdefault(bid, []).append(ev)
+        handoffs: dict[str, list[HandoffWrite]] = {}
+        for h in result.handoffs:
+            bid = self._batch_of.get(h.seq.rid)
+            if bid is not None:
+                handoffs.setdefault(bid, []).append(self._handoff_write(self._batches[bid], h))
+                events.setdefault(bid, [])
+        if not events:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        order: list[tuple[_Batch, bool]] = []
+        for bid, evs in events.items():
+            b = self._batches[bid]
+            finished = [ev.rid for ev in evs if isinstance(ev, p.Finished)]
+            moved = handoffs.get(bid, [])
+            b.pending.difference_update(finished)
+            b.pending.difference_update(h.rid for h in moved)
+            done = not b.pending
+            if done:
+                evs.append(self._report(b))
+            streamed = {ev.rid for ev in evs if isinstance(ev, p.Delta)}
+            progress = {rid: result.progress[rid] for rid in streamed if rid in result.progress}
+            delete = [progress_key(r) for r in finished] + [kv_key(r) for r in finished]
+            self.fence.publish(
+                pipe, b.entry_id, b.job.reply_to, evs, done, progress, delete, moved,
+                check_cancel=list(b.pending), maxlen=self.settings.reply_maxlen,
+            )
+            order.append((b, done))
+        for (b, done), outcome in zip(order, pipe.execute(), strict=True):
+            if outcome == -1:
+                log.warning("batch %s now belongs to a peer: dropping this worker's copy", b.job.batch_id)
+                self._abandon(list(b.pending) or [s.rid for s in b.job.seqs])
+                continue
+            for rid in outcome or []:
+                self.engine.cancel(rid.decode() if isinstance(rid, bytes) else rid)
+            if done:
+                with self._lock:
+                    self._batches.pop(b.job.batch_id, None)
+                for s in b.job.seqs:
+                    self._batch_of.pop(s.rid, None)
+
+    def _handoff_write(self, b: _Batch, h: Handoff) -> HandoffWrite:
+        """Prefill ran here; decoding continues on the handoff pool with this KV cache."""
+        from safetensors.torch import save
+
+        target = b.job.handoff_pool(h.seq.rid)
+        b.output_tokens[h.seq.rid] = len(h.seq.resume_ids)
+        key = kv_key(h.seq.rid)
+        job = p.BatchJob(f"{b.job.batch_id}/{h.seq.rid}", b.job.reply_to, b.job.bucket, (replace(h.seq, kv_key=key),))
+        return HandoffWrite(h.seq.rid, key, save(h.kv), p.jobs_stream(target), p.encode_job(job)["m"])
+
+    def _account(self, result: StepResult) -> None:
+        for pre in result.prefills:
+            # a prefill pass may hold sequences of several batches: each pays its share
+            mine: dict[str, int] = {}
+            for r in pre.rids:
+                if r in self._batch_of:
+                    mine[self._batch_of[r]] = mine.get(self._batch_of[r], 0) + 1
+            for bid, n in mine.items():
+                b = self._batches[bid]
+                b.prefill_s += pre.seconds * n / len(pre.rids)
+                b.padded_tokens = max(b.padded_tokens, pre.padded_tokens)
+        running = len(result.decode_rids)
+        for bid in {self._batch_of[r] for r in result.decode_rids if r in self._batch_of}:
+            b = self._batches[bid]
+            b.decode_steps += 1
+            b.decode_s += result.decode_s
+            b.running += running
+        for ev in result.events:
+            if isinstance(ev, p.Finished) and ev.rid in self._batch_of:
+                self._tokens += ev.completion_tokens
+                self._batches[self._batch_of[ev.rid]].output_tokens[ev.rid] = ev.completion_tokens
+
+    def _report(self, b: _Batch) -> p.BatchReport:
+        return p.BatchReport(
+            batch_id=b.job.batch_id,
+            pool=self.settings.pool,
+            worker=self.settings.worker_id,
+            batch_size=len(b.job.seqs),
+            prompt_tokens=b.padded_tokens,
+            prefill_s=b.prefill_s,
+            decode_steps=b.decode_steps,
+            decode_s=b.decode_s,
+            output_tokens=tuple(b.output_tokens.get(s.rid, 0) for s in b.job.seqs),
+            mean_running=b.running / b.decode_steps if b.decode_steps else 0.0,
+        )
+
+    # -- heartbeat ------------------------------------------------------------------------
+
+    def heartbeat(self) -> p.Heartbeat:
+        elapsed = max(time.time() - self._started, 1e-9)
+        return p.Heartbeat(
+            worker=self.settings.worker_id,
+            pool=self.settings.pool,
+            device=self.engine.device,
+            dtype=self.engine.dtype,
+            engine=self.engine.name,
+            model=self.model,
+            slots=self.engine.slots,
+            free=self.engine.free_slots,
+            tokens_per_s=self._tokens / elapsed,
+            started=self._started,
+            choice=self.engine.choice,
+        )
+
+    def _heartbeat_loop(self) -> None:
+        ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
+        key = p.worker_key(self.settings.worker_id)
+        touch_every = self.settings.claim_idle_s / 3
+        last_touch = time.monotonic()
+        while not self._stop_threads.is_set():
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                pipe.set(key, p.encode_heartbeat(self.heartbeat()), px=ttl_ms)
+                pipe.zadd(p.WORKERS_ZSET, {self.settings.worker_id: time.time()})
+                pipe.execute()
+                if time.monotonic() - last_touch >= touch_every:
+                    last_touch = time.monotonic()
+                    with self._lock:
+                        owned = [b.entry_id for b in self._batches.values()]
+                    self.fence.touch(owned)
+            except redis.RedisError as exc:
+                log.warning("heartbeat failed: %s", exc)
+            self._stop_threads.wait(self.settings.heartbeat_s)
+
+    def _deregister(self) -> None:
+        try:
+            self.client.delete(p.worker_key(self.settings.worker_id))
+            self.client.zrem(p.WORKERS_ZSET, self.settings.worker_id)
+        except redis.RedisError:
+            pass
