@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import faulthandler
 import logging
 import secrets
 import signal
@@ -19,15 +20,21 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvloop
 
 from gateway.settings import GatewaySettings
 from workers import model_store
 
+if TYPE_CHECKING:
+    import uvicorn
+
 log = logging.getLogger("tokengate.serve")
 
 DEMO_TENANT = "demo"
+CHILD_STOP_S = 15.0  # `serve`: workers drain this long before they are killed
+SHUTDOWN_SLACK_S = 10.0  # lifespan shutdown (settling, deregistering) after the grace time
 
 _PR_SET_PDEATHSIG = 1
 
@@ -54,6 +61,7 @@ def _settings(args: argparse.Namespace, redis_url: str, model_name: str) -> Gate
         request_record_ttl_s=args.request_record_ttl,
         auth_cache_s=args.auth_cache,
         handoff_min_prompt=args.handoff_min_prompt,
+        shutdown_grace_s=args.shutdown_grace,
     )
 
 
@@ -90,9 +98,11 @@ async def _run_gateway(
         lifespan="on",
         log_level="warning",
         access_log=False,
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
+    watchdog = asyncio.create_task(_arm_watchdog(server, settings.shutdown_grace_s))
     try:
         if ready is not None:
             while not task.done():
@@ -106,7 +116,23 @@ async def _run_gateway(
                 await asyncio.sleep(0.1)
         await task
     finally:
+        watchdog.cancel()
         await client.aclose()
+
+
+async def _arm_watchdog(server: uvicorn.Server, grace_s: float) -> None:
+    """Once shutdown begins, a C-level timer guarantees the process ends: if it is still alive
+    ``SHUTDOWN_SLACK_S`` after the grace time (a stuck connection, a task that ignores its
+    cancellation, a thread that never joins), every thread's stack goes to stderr and the
+    process exits with status 1 instead of hanging."""
+    while not server.should_exit:
+        await asyncio.sleep(0.1)
+    _exit_within(grace_s + SHUTDOWN_SLACK_S)
+
+
+def _exit_within(seconds: float) -> None:
+    """Arms (or re-arms) the exit timer of ``_arm_watchdog``."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
 
 
 def run_gateway(args: argparse.Namespace) -> None:
@@ -153,7 +179,7 @@ def _spawn_worker(pool: str, redis_url: str, args: argparse.Namespace, model_dir
     return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
 
 
-def _stop(children: list[subprocess.Popen[bytes]], timeout_s: float = 15.0) -> None:
+def _stop(children: list[subprocess.Popen[bytes]], timeout_s: float = CHILD_STOP_S) -> None:
     for child in children:
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
@@ -228,6 +254,8 @@ def serve(args: argparse.Namespace) -> None:
 
         uvloop.run(_run_gateway(settings, spec.path, ready=banner, children=children))
     finally:
+        _exit_within(CHILD_STOP_S + SHUTDOWN_SLACK_S)
         _stop(children)
         if embedded is not None:
             embedded.stop()
+        faulthandler.cancel_dump_traceback_later()

@@ -29,6 +29,7 @@ class GatewaySettings:
     request_record_ttl_s: int = 3600  # how long a request's owner and state stay readable
     auth_cache_s: float = 1.0  # verified keys are reused this long (revocation is immediate)
     handoff_min_prompt: int = 0  # >0: prompts this long prefill on cpu and decode on gpu
+    shutdown_grace_s: int = 10  # after Ctrl-C/SIGTERM, in-flight requests get this long
 
     def __post_init__(self) -> None:
         if not self.redis_url:
@@ -45,6 +46,8 @@ class GatewaySettings:
             raise ValueError("the admin token must have at least 16 characters")
         if self.auth_cache_s < 0:
             raise ValueError("the auth cache time must not be negative")
+        if self.shutdown_grace_s <= 0:
+            raise ValueError("the shutdown grace time must be positive")
         if self.handoff_min_prompt < 0:
             raise ValueError("the hand-off prompt length must not be negative")
         if self.usage_retention_s < 60 or self.request_record_ttl_s < 1:

@@ -42,7 +42,7 @@ class Served:
 def launch(args: list[str], tmp: Path) -> Served:
     port = free_port()
     log = tmp / f"tokengate-{port}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", *args, "--port", str(port)],

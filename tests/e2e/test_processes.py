@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import psutil
 import pytest
 
 from gateway.embedded_redis import EmbeddedRedis
-from tests.e2e.conftest import ADMIN_TOKEN, start
+from tests.e2e.conftest import ADMIN_TOKEN, banner_key, start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -52,3 +53,32 @@ def test_ctrl_c_stops_everything_and_leaves_no_files(tmp_path: Path) -> None:
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     leftovers = {f for f in set(os.listdir("/tmp")) - before if f.startswith("tokengate")}
     assert not leftovers
+
+
+def test_ctrl_c_with_a_request_in_flight_ends_within_the_grace_time(tmp_path: Path) -> None:
+    """A request that would run for 20 s does not hold the process past --shutdown-grace:
+    the stream is cut, the workers drain, and nothing is left running."""
+    import httpx
+
+    served = start(
+        ["serve", "--engine", "echo", "--echo-step-ms", "20", "--echo-tokens", "1000",
+         "--shutdown-grace", "1"],
+        tmp_path,
+    )
+    served.key = banner_key(served)
+    children = psutil.Process(served.proc.pid).children(recursive=True)
+    body = {"model": served.model, "prompt": "count", "max_tokens": 1000, "stream": True}
+    with httpx.stream("POST", served.base_url + "/v1/completions", json=body,
+                      headers=served.auth(), timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        stopped_at = time.monotonic()
+        served.proc.send_signal(signal.SIGINT)
+        with pytest.raises(httpx.HTTPError):
+            for line in lines:
+                assert line != "data: [DONE]", "the 20 s stream was not cut at shutdown"
+        assert served.proc.wait(timeout=40) in (0, 1, 130)
+    assert time.monotonic() - stopped_at < 30
+    time.sleep(0.5)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]

@@ -102,8 +102,12 @@ def _stop_all(gateways: list[Served], worker: subprocess.Popen[bytes]) -> None:
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            proc.send_signal(signal.SIGABRT)  # faulthandler writes every thread's stack to the log
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
             hung.append(log.read_text()[-3000:] if log else "the worker")
     assert not hung, "did not stop within 30 s:\n" + "\n---\n".join(hung)
 
