@@ -75,7 +75,9 @@ async def http_floor(rates: list[float], duration: float) -> list[tuple[float, l
         stop([proc])
 
 
-async def redis_floor(redis_url: str, rates: list[float], duration: float) -> list[tuple[float, list[float], int, float]]:
+async def redis_floor(
+    redis_url: str, rates: list[float], duration: float
+) -> list[tuple[float, list[float], int, float]]:
     client = aioredis.Redis.from_url(redis_url)
     stream = p.replies_stream("bench-floor")
     waiting: dict[str, asyncio.Future[None]] = {}

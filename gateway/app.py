@@ -26,7 +26,6 @@ from gateway import admin, limits, records
 from gateway import openai_protocol as oai
 from gateway.auth import AdminGuard, Authenticator
 from gateway.budget import Admission, Budget
-from gateway.scheduling import Origin
 from gateway.dispatch import Dispatcher, Pending
 from gateway.errors import (
     GatewayError,
@@ -41,6 +40,7 @@ from gateway.errors import (
 from gateway.meter import Meter
 from gateway.metrics import Metrics
 from gateway.prompts import PromptBuilder
+from gateway.scheduling import Origin
 from gateway.settings import GatewaySettings
 from gateway.tenant_store import TenantStore
 from gateway.tenants import Tenant

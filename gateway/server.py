@@ -240,7 +240,7 @@ def serve(args: argparse.Namespace) -> None:
 
         def banner() -> None:
             body = (
-                '{"model": "%s", "messages": [{"role": "user", "content": "Say hello in five words."}]}' % spec.name
+                f'{{"model": "{spec.name}", "messages": [{{"role": "user", "content": "Say hello in five words."}}]}}'
             )
             print(
                 f"\ntokengate is ready at {base}  (model {spec.name}; workers: {', '.join(pools)}; redis {redis_url})\n"

@@ -12,7 +12,8 @@ from workers import cli
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m workers")
     parser.add_argument("--log-level", default=cli.env_default("log_level", "INFO"))
-    parser.add_argument("--redis-url", default=cli.env_default("redis_url"), required=cli.env_default("redis_url") is None)
+    redis_url = cli.env_default("redis_url")
+    parser.add_argument("--redis-url", default=redis_url, required=redis_url is None)
     cli.add_model_args(parser)
     cli.add_worker_args(parser)
     args = parser.parse_args()

@@ -81,7 +81,7 @@ def run(settings: WorkerSettings) -> None:
     import redis
 
     from workers import model_store
-    from workers.engine import Engine, EchoEngine
+    from workers.engine import EchoEngine, Engine
     from workers.worker import Worker
 
     model_store.offline()

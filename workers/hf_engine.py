@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 

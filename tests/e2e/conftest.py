@@ -18,7 +18,6 @@ import pytest
 from gateway.embedded_redis import free_port
 from workers.model_store import ModelSpec
 
-
 ADMIN_TOKEN = "e2e-admin-token-0123456789"
 
 

@@ -15,7 +15,9 @@ from workers.worker import Worker, WorkerSettings
 
 @contextmanager
 def running_worker(redis_url: str, engine: Engine, **kw: object) -> Iterator[Worker]:
-    settings = WorkerSettings(redis_url=redis_url, block_ms=50, heartbeat_s=0.2, claim_idle_s=1.0, claim_every_s=0.2, **kw)  # type: ignore[arg-type]
+    settings = WorkerSettings(
+        redis_url=redis_url, block_ms=50, heartbeat_s=0.2, claim_idle_s=1.0, claim_every_s=0.2, **kw  # type: ignore[arg-type]
+    )
     worker = Worker(settings, engine, redis.Redis.from_url(redis_url), model="test")
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()

@@ -228,7 +228,9 @@ def test_sigterm_drains_running_work_then_exits(redis_client: redis.Redis, worke
     _check_exactly_once(events, rids, tokens=12)
 
 
-def test_a_silent_worker_drops_out_of_the_gateway_view(redis_client: redis.Redis, redis_url: str, workers: Workers) -> None:
+def test_a_silent_worker_drops_out_of_the_gateway_view(
+    redis_client: redis.Redis, redis_url: str, workers: Workers
+) -> None:
     import asyncio
 
     import redis.asyncio as aioredis

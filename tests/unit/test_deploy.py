@@ -18,7 +18,8 @@ def _commands(node: object) -> list[list[str]]:
     found: list[list[str]] = []
     if isinstance(node, dict):
         for key, value in node.items():
-            if key in ("args", "command") and isinstance(value, list) and value and value[0] in ("gateway", "worker", "serve"):
+            starts = ("gateway", "worker", "serve")
+            if key in ("args", "command") and isinstance(value, list) and value and value[0] in starts:
                 found.append([str(v) for v in value])
             else:
                 found += _commands(value)

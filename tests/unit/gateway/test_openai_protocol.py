@@ -64,7 +64,10 @@ def test_body_must_be_an_object(body: Any) -> None:
 def test_chat_translation() -> None:
     gen = parse_chat(
         _chat(
-            messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+            messages=[
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ],
             max_tokens=7,
             max_completion_tokens=5,
             temperature=0,

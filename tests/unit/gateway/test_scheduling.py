@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from sched_core import Contract, Reject
 from gateway.scheduling import Origin, SchedulerShell, capacity_share
+from sched_core import Contract, Reject
 from workers import protocol as p
 
 WHO = Origin(tenant="t1", weight=1000.0)

@@ -2,9 +2,8 @@
 
 from pathlib import Path
 
-import sched_core._core
-
 import sched_core
+import sched_core._core
 
 
 def test_compiled_extension_loaded() -> None:
