@@ -67,6 +67,7 @@ class SchedulerShell:
             priority=who.priority,
             deadline=None if who.deadline_s is None else now + who.deadline_s,
             budget_wait=who.budget_wait_s,
+            expected_output_tokens=_known_output(seq.params),
         )
         decision = self.core.arrive(req, now)
         if isinstance(decision, Contract):
@@ -127,3 +128,9 @@ class SchedulerShell:
             self._seqs.pop(rid, None)
             return True
         return False
+
+
+def _known_output(params: p.SamplingParams) -> int:
+    """With ``ignore_eos`` and no stop strings a request generates exactly ``max_tokens``;
+    otherwise 0 lets the scheduler use the lengths it has observed."""
+    return params.max_tokens if params.ignore_eos and not params.stop else 0

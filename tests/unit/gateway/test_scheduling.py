@@ -98,3 +98,17 @@ def test_long_prompts_are_handed_to_the_gpu_pool_when_asked() -> None:
         sends += more
     handoffs = {s.rid: s.handoff for send in sends for s in send.job.seqs}
     assert handoffs == {"long": "gpu", "short": None}
+
+
+def test_ignore_eos_makes_the_output_length_known_to_the_contract() -> None:
+    """Without stop strings, ignore_eos means exactly max_tokens tokens: the decode part of the
+    contract scales with it instead of with the scheduler's default estimate."""
+
+    def decode_s(params: p.SamplingParams) -> float:
+        contract = _shell().arrive(p.SeqJob("r", tuple(range(1, 21)), params), WHO, now=0.0)
+        assert isinstance(contract, Contract)
+        return contract.total_s - contract.ttft_s
+
+    exact = [decode_s(p.SamplingParams(n, ignore_eos=True)) for n in (2, 200)]
+    assert exact[1] > 50 * exact[0]
+    assert decode_s(p.SamplingParams(200, ignore_eos=True, stop=("x",))) == decode_s(p.SamplingParams(200))
