@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import time
 from urllib.parse import urlparse
@@ -109,6 +110,8 @@ async def redis_floor(
         return await _measure(send, rates, duration)
     finally:
         task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         await client.aclose()
 
 

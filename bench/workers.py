@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
@@ -61,7 +62,7 @@ async def _closed_loop(redis_url: str, duration_s: float) -> tuple[float, list[f
     lat: list[float] = []
 
     async def reader() -> None:
-        last = b"$"
+        last = b"0-0"  # a fresh Redis: every reply on the stream is ours
         while True:
             for _s, entries in await client.xread({replies: last}, block=1000, count=1000) or []:
                 for entry_id, fields in entries:
@@ -87,14 +88,27 @@ async def _closed_loop(redis_url: str, duration_s: float) -> tuple[float, list[f
             done += 1
         return done
 
+    async def watched(until: float) -> list[int]:
+        """The runners, failing fast if the reader dies or a reply is lost."""
+        runners = asyncio.gather(*(runner(until) for _ in range(CONCURRENCY)))
+        done, _ = await asyncio.wait({runners, task}, timeout=until - time.perf_counter() + 30,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if runners not in done:
+            runners.cancel()
+            failure = task.exception() if task.done() else None
+            raise RuntimeError(f"{len(waiting)} replies never came (reader: {failure!r})")
+        return runners.result()
+
     task = asyncio.create_task(reader())
     await asyncio.sleep(0.2)
-    await asyncio.gather(*(runner(time.perf_counter() + 1.0) for _ in range(CONCURRENCY)))  # warm-up
+    await watched(time.perf_counter() + 1.0)  # warm-up
     lat.clear()
     t0 = time.perf_counter()
-    counts = await asyncio.gather(*(runner(t0 + duration_s) for _ in range(CONCURRENCY)))
+    counts = await watched(t0 + duration_s)
     elapsed = time.perf_counter() - t0
     task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
     await client.aclose()
     return sum(counts) / elapsed, lat
 
@@ -121,7 +135,8 @@ def kill9(kills: int, claim_idle_s: float = 1.0) -> list[dict[str, object]]:
     rows = []
     with EmbeddedRedis() as server:
         client = redis.Redis.from_url(server.url)
-        slow = ("--echo-step-ms", "20", "--echo-tokens", "50", "--claim-idle", str(claim_idle_s))
+        slow = ("--echo-step-ms", "20", "--echo-tokens", "50", "--claim-idle", str(claim_idle_s),
+                "--heartbeat", str(claim_idle_s / 4))
         names = ["bench-0", "bench-1"]
         procs = _workers(server.url, names, *slow)
         try:
@@ -133,7 +148,10 @@ def kill9(kills: int, claim_idle_s: float = 1.0) -> list[dict[str, object]]:
                 job = p.BatchJob(rid, replies, 0, (p.SeqJob(rid, tuple(range(30)), p.SamplingParams(50)),))
                 client.xadd(p.jobs_stream("cpu"), p.encode_job(job))
                 holder = None
+                deadline = time.monotonic() + 30
                 while holder is None:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("no worker took the request; see bench/out/workers-*.log")
                     pending = client.xpending_range(p.jobs_stream("cpu"), p.GROUP, "-", "+", count=10)
                     holder = pending[0]["consumer"].decode() if pending else None
                     time.sleep(0.01)
