@@ -31,6 +31,9 @@ def _add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auth-cache", type=float, default=float(env_default("auth_cache", 1.0)),
                         help="seconds a verified API key is reused without a lookup (revocation is "
                         "still immediate; tenant changes reach other replicas within this time)")
+    parser.add_argument("--cost-priors", default=env_default("cost_priors"),
+                        help="JSON file of measured per-path cost priors for the scheduler "
+                        "(docs/scheduling.md); default: built-in guesses, refitted online")
     parser.add_argument("--shutdown-grace", type=int, default=int(env_default("shutdown_grace", 10)),
                         help="seconds in-flight requests may still finish after Ctrl-C/SIGTERM; the "
                         "process exits at the latest 10 s after that, with its stacks in the log")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import orjson
+
 from sched_core import BatchTimings, Contract, Dispatch, Reject, Request, Scheduler, SchedulerConfig
 from workers import protocol as p
 
@@ -28,6 +30,37 @@ class Origin:
 class Send:
     pool: str
     job: p.BatchJob
+
+
+PRIOR_FIELDS = ("prefill_a", "prefill_b", "decode_c", "decode_d", "max_batch")
+
+
+def scheduler_config(priors_path: str | None) -> SchedulerConfig:
+    """The scheduler's config, with per-path cost priors from a JSON file if one is given:
+    ``{"cpu": {"prefill_a": s, "prefill_b": s/token, "decode_c": s, "decode_d": s/seq,
+    "max_batch": n}, "gpu": {...}}`` (any subset; a measured profile may carry the same
+    object under ``"priors"``). Raises ValueError naming the file and the field."""
+    config = SchedulerConfig()
+    if priors_path is None:
+        return config
+    try:
+        with open(priors_path, "rb") as f:
+            doc = orjson.loads(f.read())
+    except (OSError, orjson.JSONDecodeError) as exc:
+        raise ValueError(f"cost priors {priors_path}: {exc}") from None
+    priors = doc.get("priors", doc) if isinstance(doc, dict) else None
+    if not isinstance(priors, dict) or not set(priors) <= set(p.POOLS):
+        raise ValueError(f"cost priors {priors_path}: expected an object with keys among {', '.join(p.POOLS)}")
+    paths = {}
+    for pool, fields in priors.items():
+        unknown = set(fields) - set(PRIOR_FIELDS) if isinstance(fields, dict) else {"(not an object)"}
+        if unknown:
+            raise ValueError(f"cost priors {priors_path}: {pool}: unknown {', '.join(sorted(unknown))}")
+        try:
+            paths[pool] = replace(getattr(config, pool), **fields)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"cost priors {priors_path}: {pool}: {exc}") from None
+    return replace(config, **paths)
 
 
 def capacity_share(workers: dict[str, p.Heartbeat], gateways: int) -> dict[str, int]:

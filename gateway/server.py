@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import uvloop
 
+from gateway.scheduling import scheduler_config
 from gateway.settings import GatewaySettings
 from workers import model_store
 
@@ -48,6 +49,7 @@ def _die_with_parent() -> None:
 
 
 def _settings(args: argparse.Namespace, redis_url: str, model_name: str) -> GatewaySettings:
+    scheduler_config(args.cost_priors)  # a bad priors file stops start-up, naming the file
     return GatewaySettings(
         redis_url=redis_url,
         model_name=model_name,
@@ -62,6 +64,7 @@ def _settings(args: argparse.Namespace, redis_url: str, model_name: str) -> Gate
         auth_cache_s=args.auth_cache,
         handoff_min_prompt=args.handoff_min_prompt,
         shutdown_grace_s=args.shutdown_grace,
+        cost_priors=args.cost_priors,
     )
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from gateway.scheduling import Origin, SchedulerShell, capacity_share
-from sched_core import Contract, Reject
+from pathlib import Path
+
+import pytest
+
+from gateway.scheduling import Origin, SchedulerShell, capacity_share, scheduler_config
+from sched_core import Contract, Reject, SchedulerConfig
 from workers import protocol as p
 
 WHO = Origin(tenant="t1", weight=1000.0)
@@ -112,3 +116,24 @@ def test_ignore_eos_makes_the_output_length_known_to_the_contract() -> None:
     exact = [decode_s(p.SamplingParams(n, ignore_eos=True)) for n in (2, 200)]
     assert exact[1] > 50 * exact[0]
     assert decode_s(p.SamplingParams(200, ignore_eos=True, stop=("x",))) == decode_s(p.SamplingParams(200))
+
+
+def test_cost_priors_from_a_file_seed_the_paths_and_bad_files_name_the_problem(tmp_path: Path) -> None:
+    good = tmp_path / "priors.json"
+    good.write_text('{"priors": {"cpu": {"decode_c": 0.05, "decode_d": 0.006, "max_batch": 16}}}')
+    config = scheduler_config(str(good))
+    assert (config.cpu.decode_c, config.cpu.decode_d, config.cpu.max_batch) == (0.05, 0.006, 16)
+    assert config.cpu.prefill_a == SchedulerConfig().cpu.prefill_a and config.gpu == SchedulerConfig().gpu
+    assert scheduler_config(None) == SchedulerConfig()
+    cases = {
+        '{"tpu": {}}': "keys among",
+        '{"cpu": {"decode_x": 1}}': "unknown decode_x",
+        '{"cpu": {"decode_d": -1}}': "slopes > 0",
+        "not json": "priors.json",
+    }
+    for text, message in cases.items():
+        good.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            scheduler_config(str(good))
+    with pytest.raises(ValueError, match="missing.json"):
+        scheduler_config(str(tmp_path / "missing.json"))
