@@ -88,6 +88,9 @@ class SimConfig:
     # jobs a worker takes from its stream per loop while it has a free slot; 0: as many as
     # fit its free slots. workers/worker.py reads one (XREADGROUP count=1) per decode step.
     jobs_per_read: int = 0
+    # credit each finished sequence's slot back through worker_capacity before its batch
+    # reports (a gateway-side variant; the gateway today returns slots per batch)
+    credit_finished: bool = False
 
     def pool(self, path: str) -> Pool | None:
         return next((p for p in self.pools if p.path == path), None)
@@ -201,6 +204,7 @@ class Simulation:
         self._workers: dict[str, list[_Worker]] = {p: [] for p in PATHS}
         self._cap = dict.fromkeys(PATHS, 0)
         self._used = dict.fromkeys(PATHS, 0)
+        self._credit = dict.fromkeys(PATHS, 0)  # finished sequences of unreported batches
         for pool in config.pools:
             self._workers[pool.path] = [_Worker(pool, i) for i in range(pool.workers)]
             self._cap[pool.path] = pool.workers * pool.slots
@@ -217,7 +221,7 @@ class Simulation:
 
     def run(self) -> Result:
         for path in PATHS:
-            self.policy.worker_capacity(path, self._cap[path], 0.0)
+            self._offer(path, 0.0)
         arrivals = self.workload.arrivals
         if arrivals:
             self._push(arrivals[0].time, ARRIVE, 0)
@@ -238,11 +242,20 @@ class Simulation:
                 self._step_end(payload, now)  # type: ignore[arg-type]
             elif kind == REPORT:
                 timings: BatchTimings = payload  # type: ignore[assignment]
-                self._used[timings.path] -= self._batches[timings.batch_id].size
+                size = self._batches[timings.batch_id].size
+                self._used[timings.path] -= size
                 self.policy.completed(timings, now)
+                if self.config.credit_finished:
+                    self._credit[timings.path] -= size
+                    self._offer(timings.path, now)
                 self._tick(now)
             elif kind == FINISH:
-                self.policy.finished(str(payload), now)  # type: ignore[union-attr]
+                rid, path = payload  # type: ignore[misc]
+                if self._finishes:
+                    self.policy.finished(rid, now)  # type: ignore[union-attr]
+                if self.config.credit_finished:
+                    self._credit[path] += 1
+                    self._offer(path, now)
                 self._tick(now)
             elif kind == TICK and now == self._tick_at:
                 self._tick_at = math.inf
@@ -250,6 +263,9 @@ class Simulation:
         outcomes = [self._outcomes[a.id] for a in arrivals]
         return Result(outcomes, self._backlog, self._service, self._budget,
                       batches=len(self._batches), steps=self._steps, end=now)
+
+    def _offer(self, path: str, now: float) -> None:
+        self.policy.worker_capacity(path, self._cap[path] + self._credit[path], now)
 
     def _arrive(self, a: Arrival, now: float) -> None:
         req = Request(
@@ -277,7 +293,7 @@ class Simulation:
             return
         if isinstance(self.policy, Wakes):
             wake = self.policy.next_wake(now)
-        elif any(self._cap[p] > self._used[p] for p in PATHS):
+        elif any(self._cap[p] + self._credit[p] > self._used[p] for p in PATHS):
             wake = now + self.config.tick_s
         else:
             return  # no free slot: nothing can leave before a report comes back
@@ -383,8 +399,8 @@ class Simulation:
                 continue
             s.outcome.finished = seen
             s.outcome.tokens = s.generated
-            if self._finishes:
-                self._push(seen, FINISH, s.outcome.arrival.id)
+            if self._finishes or self.config.credit_finished:
+                self._push(seen, FINISH, (s.outcome.arrival.id, s.outcome.path))
             b = self._batches[s.batch]
             b.outputs[s.outcome.arrival.id] = s.generated
             b.pending -= 1

@@ -63,11 +63,12 @@ class CostProfile:
     def path_config(self, max_batch: int, prompt_tokens: float, kv_tokens: float) -> PathConfig:
         """The scheduler's linear prior for this worker, linearized at a typical prompt
         length and KV length (the scheduler refits it online from the timings)."""
+        tiny = 1e-12  # the scheduler wants positive slopes
         return PathConfig(
             prefill_a=self.prefill_a,
-            prefill_b=self.prefill_b + self.prefill_b2 * prompt_tokens,
+            prefill_b=max(tiny, self.prefill_b + self.prefill_b2 * prompt_tokens),
             decode_c=self.decode_c,
-            decode_d=self.decode_d + self.decode_e * kv_tokens,
+            decode_d=max(tiny, self.decode_d + self.decode_e * kv_tokens),
             max_batch=max_batch,
         )
 

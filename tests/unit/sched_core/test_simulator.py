@@ -11,7 +11,7 @@ import sched_core
 from sched_core import SchedulerConfig
 from sched_core.simulate import CostProfile, Pool, SimConfig, Slo, simulate, summarize
 from sched_core.simulate.engine import Simulation
-from sched_core.simulate.experiment import POLICIES, Setup, make_policy
+from sched_core.simulate.experiment import POLICIES, Setup, make_policy, sim_config
 from sched_core.simulate.policies import FifoPolicy, FixedBatch
 from sched_core.simulate.workload import DEFAULT_TENANTS, Arrival, Tenant, Workload, poisson
 from sched_core.types import BatchTimings, Dispatch
@@ -150,7 +150,7 @@ def test_every_policy_completes_every_request_exactly_once(name: str) -> None:
             sent.extend(d.request_ids)
             super()._dispatch(d, now)
 
-    result = Counting(policy, wl, s.sim_config()).run()
+    result = Counting(policy, wl, sim_config(name, s)).run()
     assert sorted(sent) == sorted(a.id for a in wl.arrivals)  # each dispatched once
     for o in result.outcomes:
         assert o.rejected is None
@@ -166,7 +166,7 @@ def test_runs_are_deterministic_for_a_seed(name: str) -> None:
         s = setup(seed=seed)
         wl = small_workload(seed)
         policy = make_policy(name, 4.0 if name == "fixed" else None, s, wl)
-        return summarize(simulate(policy, wl, s.sim_config()), s.slo)
+        return summarize(simulate(policy, wl, sim_config(name, s)), s.slo)
 
     first, again, other = run(1), run(1), run(2)
     assert first == again
