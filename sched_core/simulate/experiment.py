@@ -54,16 +54,30 @@ def scheduler_config(setup: Setup, workload: Workload) -> SchedulerConfig:
     return SchedulerConfig(**fields)
 
 
-def make_policy(name: str, knob: float | None, setup: Setup, workload: Workload) -> Policy:
+@dataclass(frozen=True, slots=True)
+class Knob:
+    """The setting of a fixed-knob baseline: batch size or window, and the paths it uses."""
+
+    value: float
+    paths: tuple[str, ...] = BOTH
+
+    def label(self, policy: str) -> str:
+        value = f"{self.value * 1000:g} ms" if policy == "window" else f"{self.value:g}"
+        return f"{value}, {'+'.join(self.paths)}"
+
+
+def make_policy(name: str, knob: Knob | None, setup: Setup, workload: Workload) -> Policy:
     mb = setup.max_batch()
     if name == "fcfs":
         return FifoPolicy(mb, BOTH)
     if name == "gpu-only":
         return FifoPolicy(mb, ("gpu",))
     if name == "fixed":
-        return FixedBatch(int(knob or 8), mb, BOTH)
+        knob = knob or Knob(8.0)
+        return FixedBatch(int(knob.value), mb, knob.paths)
     if name == "window":
-        return TimeWindow(float(knob or 0.01), mb, BOTH)
+        knob = knob or Knob(0.01)
+        return TimeWindow(knob.value, mb, knob.paths)
     if name == "three-regime":
         return ThreeRegime({p.path: p.profile for p in setup.pools}, mb, tick_s=setup.tick_s)
     if name in ("tokengate", "tokengate-seq"):
@@ -78,12 +92,13 @@ def sim_config(name: str, setup: Setup) -> SimConfig:
     return replace(setup.sim_config(), credit_finished=name == "tokengate-seq")
 
 
-def knobs(name: str, setup: Setup) -> tuple[float | None, ...]:
-    if name == "fixed":
-        return tuple(float(s) for s in setup.fixed_sizes)
-    if name == "window":
-        return setup.windows_s
-    return (None,)
+def knobs(name: str, setup: Setup) -> tuple[Knob | None, ...]:
+    """A fixed-knob baseline is swept over its values and over two path sets: the GPU alone,
+    and the GPU first with overflow to the CPU."""
+    values = {"fixed": [float(s) for s in setup.fixed_sizes], "window": setup.windows_s}
+    if name not in values:
+        return (None,)
+    return tuple(Knob(v, paths) for paths in (("gpu",), BOTH) for v in values[name])
 
 
 def _rank(row: dict[str, Any]) -> tuple[float, float, float]:
@@ -100,13 +115,13 @@ def run_policy(name: str, workload: Workload, setup: Setup) -> dict[str, Any]:
     for knob in knobs(name, setup):
         policy = make_policy(name, knob, setup, workload)
         row = summarize(simulate(policy, workload, config), setup.slo)
-        row["setting"] = knob
+        row["setting"] = knob.label(name) if knob else None
         rows.append(row)
     best = max(rows, key=_rank)
     out = {"policy": name, **best}
     if len(rows) > 1:
-        out["sweep"] = [{"setting": r["setting"], "slo_attainment": r["slo_attainment"],
-                         "p99_ms": r["p99_ms"]} for r in rows]
+        out["sweep"] = [{k: r[k] for k in ("setting", "slo_attainment", "p99_ms", "p50_ms",
+                                           "throughput_rps", "tokens_per_s")} for r in rows]
     return out
 
 
@@ -125,8 +140,27 @@ def sweep(make_workload: Callable[[float], Workload], rates: Sequence[float], se
     return rows
 
 
-def with_seed(setup: Setup, seed: int) -> Setup:
-    return replace(setup, seed=seed)
+def find_sustained(make_workload: Callable[[float], Workload], setup: Setup, guess: float,
+                   policy: str = "fcfs", steps: int = 6) -> float:
+    """The rate at which ``policy`` still meets the SLO for 90% of requests, by doubling or
+    halving from ``guess`` and then bisecting ``steps`` times (in log rate)."""
+
+    def ok(rate: float) -> bool:
+        return run_policy(policy, make_workload(rate), setup)["slo_attainment"] >= LEVEL
+
+    lo = hi = guess
+    if ok(guess):
+        while ok(hi * 2.0) and hi < guess * 1e3:
+            hi *= 2.0
+        lo, hi = hi, hi * 2.0
+    else:
+        while not ok(lo / 2.0) and lo > guess * 1e-3:
+            lo /= 2.0
+        lo, hi = lo / 2.0, lo
+    for _ in range(steps):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
 
 
 # -- targets ---------------------------------------------------------------------------------
@@ -162,23 +196,28 @@ def targets(rows: Sequence[dict[str, Any]], tg: str = "tokengate") -> dict[str, 
     if tg not in policies:
         return out
 
-    # 1. p99 at the best fixed-knob baseline's 90% load
+    # 1. p99 at the load where the best fixed-knob baseline still meets 90%: every setting
+    # of its sweep counts, and at that load the setting with the lowest p99 is compared
     base = [p for p in ("fixed", "window") if p in policies]
     if base:
-        best = max(base, key=lambda p: load[p] or 0.0)
-        passing = [r for r in _by(rows, best) if r["slo_attainment"] >= LEVEL]
-        entry: dict[str, Any] = {"baseline": best}
+        passing = [(r["rate_rps"], s["p99_ms"], r["policy"], s)
+                   for r in rows if r["policy"] in base
+                   for s in r.get("sweep", [r]) if s["slo_attainment"] >= LEVEL]
+        entry: dict[str, Any] = {}
         if passing:
-            point = max(passing, key=lambda r: r["rate_rps"])
-            mine = _at(rows, tg, point["rate_rps"])
+            top_rate = max(p[0] for p in passing)
+            rate, _, best, point = min((p for p in passing if p[0] == top_rate),
+                                       key=lambda p: p[1])
+            mine = _at(rows, tg, rate)
             assert mine is not None
             ratio = mine["p99_ms"] / point["p99_ms"]
             thr = mine["throughput_rps"] / point["throughput_rps"]
-            entry |= {"rate_rps": point["rate_rps"], "baseline_p99_ms": point["p99_ms"],
-                      "tokengate_p99_ms": mine["p99_ms"], "p99_ratio": ratio,
-                      "throughput_ratio": thr, "met": ratio <= 0.5 and thr >= 0.995}
+            entry |= {"baseline": best, "setting": point["setting"], "rate_rps": rate,
+                      "baseline_p99_ms": point["p99_ms"], "tokengate_p99_ms": mine["p99_ms"],
+                      "p99_ratio": ratio, "throughput_ratio": thr,
+                      "met": ratio <= 0.5 and thr >= 0.995}
         else:
-            entry |= {"met": None, "why": f"{best} never reaches {LEVEL:.0%} in this sweep"}
+            entry |= {"met": None, "why": f"no fixed-knob setting reaches {LEVEL:.0%}"}
         out["p99_at_baseline_load"] = entry
 
     # 2. sustained load vs FCFS
@@ -220,8 +259,7 @@ def targets(rows: Sequence[dict[str, Any]], tg: str = "tokengate") -> dict[str, 
     # 5. the source notes' claim: three-regime vs GPU-only vs fixed batches
     trio = ("three-regime", "gpu-only", "fixed")
     if all(p in policies for p in trio):
-        at = out.get("p99_at_baseline_load", {}).get("rate_rps") or min(r["rate_rps"]
-                                                                         for r in rows)
+        at = min(r["rate_rps"] for r in rows)  # the lightest load
         lat = {p: _at(rows, p, at) for p in trio}
         sat = {p: _at(rows, p, top) for p in trio}
         gpu_thr = sat["gpu-only"]["throughput_rps"]  # type: ignore[index]

@@ -5,9 +5,13 @@ Definitions (docs/scheduling.md §13 states them with the results):
 
 * latencies are measured at the client: TTFT from arrival to the first token, end-to-end
   (e2e) from arrival to the last; a rejected request has neither and misses the SLO;
-* throughput = completed requests / (last completion − first arrival);
+* throughput is measured while requests arrive, [first arrival, last arrival]: requests
+  completed in it per second (``throughput_rps``), tokens prefilled or generated in it per
+  second (``tokens_per_s``); under overload these are the service rate, and the drain after
+  the last arrival (where one straggler would set the makespan) does not count;
 * a request meets the SLO iff TTFT ≤ ``ttft_s`` and its time per output token after the
-  first, (e2e − TTFT)/(tokens − 1), is ≤ ``tpot_s``; goodput = such requests per second;
+  first, (e2e − TTFT)/(tokens − 1), is ≤ ``tpot_s``; goodput = such requests completed in
+  the window per second;
 * fairness: the run is cut into ``windows`` equal windows over the arrivals' span; in each,
   a tenant is backlogged if it had a request waiting for its prefill throughout the window;
   its service is ``fair_input_weight``·prompt + ``fair_output_weight``·output tokens served
@@ -110,8 +114,13 @@ def summarize(result: Result, slo: Slo, windows: int = 20) -> dict[str, Any]:
     ttft = [o.ttft for o in done]
     e2e = [o.e2e for o in done]
     start = min((o.arrival.time for o in outs), default=0.0)
-    end = max((o.finished for o in done), default=start)
+    end = max((o.arrival.time for o in outs), default=start)
+    if end <= start:  # a single arrival: the window is its lifetime
+        end = max((o.finished for o in done), default=start)
     span = end - start
+    window = [o for o in done if o.finished <= end]
+    served = sum(p + o for entries in result.service.values() for t, p, o in entries
+                 if t <= end)
     met = sum(1 for o in outs if slo.met(o))
     index, nwin = fairness(result, windows)
     with_contract = [o for o in done if o.contract is not None]
@@ -132,11 +141,10 @@ def summarize(result: Result, slo: Slo, windows: int = 20) -> dict[str, Any]:
         "p99_ms": percentile(e2e, 99) * 1000,
         "ttft_p50_ms": percentile(ttft, 50) * 1000,
         "ttft_p99_ms": percentile(ttft, 99) * 1000,
-        "throughput_rps": len(done) / span if span > 0 else 0.0,
-        "tokens_per_s": sum(o.arrival.prompt_tokens + o.tokens for o in done) / span
-        if span > 0 else 0.0,
+        "throughput_rps": len(window) / span if span > 0 else 0.0,
+        "tokens_per_s": served / span if span > 0 else 0.0,
         "slo_attainment": met / len(outs) if outs else 0.0,
-        "goodput_rps": met / span if span > 0 else 0.0,
+        "goodput_rps": sum(1 for o in window if slo.met(o)) / span if span > 0 else 0.0,
         "jain": index,
         "jain_windows": nwin,
         "within_p99_bound": within,

@@ -11,7 +11,7 @@ import sched_core
 from sched_core import SchedulerConfig
 from sched_core.simulate import CostProfile, Pool, SimConfig, Slo, simulate, summarize
 from sched_core.simulate.engine import Simulation
-from sched_core.simulate.experiment import POLICIES, Setup, make_policy, sim_config
+from sched_core.simulate.experiment import POLICIES, Knob, Setup, make_policy, sim_config
 from sched_core.simulate.policies import FifoPolicy, FixedBatch
 from sched_core.simulate.workload import DEFAULT_TENANTS, Arrival, Tenant, Workload, poisson
 from sched_core.types import BatchTimings, Dispatch
@@ -142,7 +142,7 @@ def small_workload(seed: int = 5) -> Workload:
 def test_every_policy_completes_every_request_exactly_once(name: str) -> None:
     s = setup()
     wl = small_workload()
-    policy = make_policy(name, 4.0 if name == "fixed" else None, s, wl)
+    policy = make_policy(name, Knob(4.0) if name == "fixed" else None, s, wl)
     sent: list[str] = []
 
     class Counting(Simulation):
@@ -165,7 +165,7 @@ def test_runs_are_deterministic_for_a_seed(name: str) -> None:
     def run(seed: int) -> dict[str, object]:
         s = setup(seed=seed)
         wl = small_workload(seed)
-        policy = make_policy(name, 4.0 if name == "fixed" else None, s, wl)
+        policy = make_policy(name, Knob(4.0) if name == "fixed" else None, s, wl)
         return summarize(simulate(policy, wl, sim_config(name, s)), s.slo)
 
     first, again, other = run(1), run(1), run(2)

@@ -44,7 +44,9 @@ def test_summary_of_a_run() -> None:
     outs = [outcome(i, float(i), 0.1 * (i + 1), 0.2 * (i + 1), 2) for i in range(4)]
     row = summarize(Result(outs, {"a": []}, {"a": []}, {"a": 1.0}), Slo(0.25, 1.0))
     assert row["completed"] == 4 and row["slo_attainment"] == 0.5
-    assert row["throughput_rps"] == pytest.approx(4 / 3.8)
+    # three of the four finish while requests still arrive (0 s to 3 s)
+    assert row["throughput_rps"] == pytest.approx(1.0)
+    assert row["goodput_rps"] == pytest.approx(2 / 3)
     assert row["p50_ms"] == pytest.approx(500.0)
     assert row["jain"] is None  # one tenant
 
@@ -86,6 +88,13 @@ def test_targets_compare_at_the_baseline_load() -> None:
     t = targets(rows)
     first = t["p99_at_baseline_load"]
     assert (first["baseline"], first["rate_rps"]) == ("window", 2.0)
+    # a sweep's setting that meets 90% at a higher load, or with a lower p99, is the one
+    rows[3]["sweep"] = [{"setting": "a", "slo_attainment": 0.92, "p99_ms": 800.0,
+                         "throughput_rps": 1.0},
+                        {"setting": "b", "slo_attainment": 0.91, "p99_ms": 500.0,
+                         "throughput_rps": 1.0}]
+    again = targets(rows)["p99_at_baseline_load"]
+    assert (again["setting"], again["baseline_p99_ms"]) == ("b", 500.0)
     assert first["p99_ratio"] == pytest.approx(300 / 800) and first["met"]
     assert t["contracts"]["met"] and t["contracts"]["max_mape"] == 0.08
     vs_fcfs = t["load_vs_fcfs"]  # 2.0 (the top of the sweep) against 1 + 0.05/0.45
