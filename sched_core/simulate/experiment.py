@@ -212,7 +212,7 @@ def targets(rows: Sequence[dict[str, Any]], tg: str = "tokengate") -> dict[str, 
             assert mine is not None
             ratio = mine["p99_ms"] / point["p99_ms"]
             thr = mine["throughput_rps"] / point["throughput_rps"]
-            entry |= {"baseline": best, "setting": point["setting"], "rate_rps": rate,
+            entry |= {"baseline": best, "setting": point.get("setting"), "rate_rps": rate,
                       "baseline_p99_ms": point["p99_ms"], "tokengate_p99_ms": mine["p99_ms"],
                       "p99_ratio": ratio, "throughput_ratio": thr,
                       "met": ratio <= 0.5 and thr >= 0.995}
