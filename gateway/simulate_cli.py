@@ -24,7 +24,7 @@ from sched_core.simulate.profile import CostProfile
 
 DEFAULT_CPU = "cpu-smollm2-135m.json"
 DEFAULT_GPU = "gpu-h100-sxm-smollm2-135m.json"
-AUTO_LOADS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # multiples of FCFS's 90%-SLO load
+AUTO_LOADS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 12.0)  # multiples of FCFS's 90%-SLO load
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -39,7 +39,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default="all", help=f"all or a list of {','.join(ex.POLICIES)}")
     p.add_argument("--rates", default="auto",
                    help="mean arrival rates (req/s) to sweep; a trace is time-scaled to each. "
-                        "auto: multiples 0.5-6 of the load at which FCFS meets the SLO for 90%% "
+                        "auto: multiples 0.5-12 of the load at which FCFS meets the SLO for 90%% "
                         "of requests (found by bisection)")
     p.add_argument("--time-scale", type=float,
                    help="replay the trace at this time factor instead of a rate sweep")
@@ -50,8 +50,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("simulate-out"),
                    help="directory for the plots and summary.json")
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--profile-cpu", type=Path, help=f"default: the packaged {DEFAULT_CPU}")
-    p.add_argument("--profile-gpu", type=Path, help=f"default: the packaged {DEFAULT_GPU}")
+    p.add_argument("--profile-cpu", type=Path,
+                   help=f"a profile JSON or a packaged profile's name (default {DEFAULT_CPU})")
+    p.add_argument("--profile-gpu", type=Path,
+                   help=f"a profile JSON or a packaged profile's name (default {DEFAULT_GPU})")
     p.add_argument("--cpu-workers", type=int, default=2)
     p.add_argument("--gpu-workers", type=int, default=1)
     p.add_argument("--cpu-slots", type=int, default=8)
@@ -68,6 +70,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "workers/worker.py does today)")
     p.add_argument("--fixed-sizes", default="4,8,16,32")
     p.add_argument("--windows-ms", default="2,10,50")
+    p.add_argument("--fair-windows", type=int, default=10,
+                   help="Jain's index is averaged over this many windows of the arrival span")
     p.add_argument("--impl", choices=("cython", "reference"), default="cython")
 
 
@@ -76,10 +80,17 @@ def _floats(text: str) -> list[float]:
 
 
 def _profile(path: Path | None, default: str) -> CostProfile:
+    """A profile file, or the name of a packaged one (sched_core/profiles/NAME.json)."""
+    packaged = resources.files("sched_core") / "profiles"
     if path is None:
-        text = (resources.files("sched_core") / "profiles" / default).read_text()
-    else:
+        text = (packaged / default).read_text()
+    elif path.exists() or path.suffix == ".json":
         text = path.read_text()
+    elif (packaged / f"{path}.json").is_file():
+        text = (packaged / f"{path}.json").read_text()
+    else:
+        names = sorted(f.name[:-5] for f in packaged.iterdir() if f.name.endswith(".json"))
+        raise ValueError(f"no profile file {path}; packaged profiles: {', '.join(names)}")
     return CostProfile.from_dict(json.loads(text))
 
 
@@ -118,7 +129,8 @@ def _run(args: argparse.Namespace) -> int:
     setup = ex.Setup(pools, slo, seed=args.seed, known_output=args.known_output,
                      fixed_sizes=tuple(int(x) for x in _floats(args.fixed_sizes)),
                      windows_s=tuple(x / 1000.0 for x in _floats(args.windows_ms)),
-                     implementation=args.impl, jobs_per_read=args.jobs_per_read)
+                     implementation=args.impl, jobs_per_read=args.jobs_per_read,
+                     fair_windows=args.fair_windows)
     tenants = wl.parse_tenants(args.tenants) if args.tenants else wl.DEFAULT_TENANTS
     rows_in: list[wl.TraceRow] = []
     if args.trace is not None:
@@ -287,7 +299,8 @@ def _print_targets(summary: dict[str, Any]) -> None:
         print(f"[{met(t.get('met'))}] fairness at {t['rate_rps']:g} req/s: Jain "
               f"{_fmt(t['jain'], 3)} over {t['jain_windows']} windows (FCFS "
               f"{_fmt(t.get('fcfs_jain'), 3)}), throughput cost vs FCFS "
-              f"{_fmt((t.get('throughput_cost_vs_fcfs') or 0.0) * 100, 2)}% (targets 0.99, 2%)")
+              f"{_fmt((t.get('throughput_cost_vs_fcfs') or 0.0) * 100, 2)}% in tokens/s "
+              "(targets 0.99, 2%)")
     if (t := summary.get("source_notes")) is not None:
         parts = [f"{p}: TTFT p50 {t[p]['ttft_p50_ms']:.1f} / p99 {t[p]['ttft_p99_ms']:.1f} ms, "
                  f"{t[p]['throughput_x']:.2f}x" for p in ("three-regime", "gpu-only", "fixed")]

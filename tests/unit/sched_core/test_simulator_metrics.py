@@ -67,7 +67,8 @@ def test_fairness_counts_only_tenants_backlogged_through_a_window() -> None:
 def row(policy: str, rate: float, att: float, p99: float = 100.0, thr: float = 1.0,
         **more: object) -> dict[str, object]:
     return {"policy": policy, "rate_rps": rate, "slo_attainment": att, "p99_ms": p99,
-            "throughput_rps": thr, "mape": None, "within_p99_bound": None, "jain": None,
+            "throughput_rps": thr, "tokens_per_s": thr * 1000, "mape": None,
+            "within_p99_bound": None, "jain": None,
             "jain_windows": 0, "ttft_p50_ms": 1.0, "ttft_p99_ms": 2.0, "mape_ttft": None,
             **more}
 
