@@ -8,7 +8,10 @@ Definitions (docs/scheduling.md §13 states them with the results):
 * throughput is measured while requests arrive, [first arrival, last arrival]: requests
   completed in it per second (``throughput_rps``), tokens prefilled or generated in it per
   second (``tokens_per_s``); under overload these are the service rate, and the drain after
-  the last arrival (where one straggler would set the makespan) does not count;
+  the last arrival (where one straggler would set the makespan) does not count; and the
+  rate at which the whole workload drains, all tokens / (last completion − first arrival)
+  (``drain_tokens_per_s``): every policy serves the same requests, so this compares the
+  capacity each leaves;
 * a request meets the SLO iff TTFT ≤ ``ttft_s`` and its time per output token after the
   first, (e2e − TTFT)/(tokens − 1), is ≤ ``tpot_s``; goodput = such requests completed in
   the window per second;
@@ -119,6 +122,8 @@ def summarize(result: Result, slo: Slo, windows: int = 20) -> dict[str, Any]:
         end = max((o.finished for o in done), default=start)
     span = end - start
     window = [o for o in done if o.finished <= end]
+    makespan = max((o.finished for o in done), default=start) - start
+    work = sum(o.arrival.prompt_tokens + o.tokens for o in done)
     served = sum(p + o for entries in result.service.values() for t, p, o in entries
                  if t <= end)
     met = sum(1 for o in outs if slo.met(o))
@@ -143,6 +148,8 @@ def summarize(result: Result, slo: Slo, windows: int = 20) -> dict[str, Any]:
         "ttft_p99_ms": percentile(ttft, 99) * 1000,
         "throughput_rps": len(window) / span if span > 0 else 0.0,
         "tokens_per_s": served / span if span > 0 else 0.0,
+        "makespan_s": makespan,
+        "drain_tokens_per_s": work / makespan if makespan > 0 else 0.0,
         "slo_attainment": met / len(outs) if outs else 0.0,
         "goodput_rps": sum(1 for o in window if slo.met(o)) / span if span > 0 else 0.0,
         "jain": index,

@@ -67,7 +67,7 @@ def test_fairness_counts_only_tenants_backlogged_through_a_window() -> None:
 def row(policy: str, rate: float, att: float, p99: float = 100.0, thr: float = 1.0,
         **more: object) -> dict[str, object]:
     return {"policy": policy, "rate_rps": rate, "slo_attainment": att, "p99_ms": p99,
-            "throughput_rps": thr, "tokens_per_s": thr * 1000, "mape": None,
+            "throughput_rps": thr, "drain_tokens_per_s": thr * 1000, "mape": None,
             "within_p99_bound": None, "jain": None,
             "jain_windows": 0, "ttft_p50_ms": 1.0, "ttft_p99_ms": 2.0, "mape_ttft": None,
             **more}
@@ -100,3 +100,20 @@ def test_targets_compare_at_the_baseline_load() -> None:
     assert t["contracts"]["met"] and t["contracts"]["max_mape"] == 0.08
     vs_fcfs = t["load_vs_fcfs"]  # 2.0 (the top of the sweep) against 1 + 0.05/0.45
     assert vs_fcfs["ratio"] == pytest.approx(2.0 / (1 + 0.05 / 0.45)) and not vs_fcfs["met"]
+
+
+def test_the_best_fixed_knob_setting_sustains_the_highest_load() -> None:
+    from sched_core.simulate.experiment import Setup, best_fixed_knob
+
+    setup = Setup((), fixed_sizes=(4, 8), windows_s=(0.01,))
+
+    def settings(att: dict[str, float]) -> list[dict[str, object]]:
+        return [{"setting": k, "slo_attainment": v, "p99_ms": 1.0} for k, v in att.items()]
+
+    rows = [row("fixed", 1.0, 1.0, sweep=settings({"4, gpu": 1.0, "8, gpu": 1.0})),
+            row("fixed", 2.0, 0.8, sweep=settings({"4, gpu": 0.5, "8, gpu": 0.8})),
+            row("window", 1.0, 0.95, sweep=settings({"10 ms, gpu": 0.95, "10 ms, gpu+cpu": 0.9})),
+            row("window", 2.0, 0.5, sweep=settings({"10 ms, gpu": 0.5, "10 ms, gpu+cpu": 0.4}))]
+    name, knob, load = best_fixed_knob(rows, setup)  # type: ignore[misc]
+    assert (name, knob.value, knob.paths) == ("fixed", 8.0, ("gpu",))
+    assert load == pytest.approx(1.0 + 0.1 / 0.2)
