@@ -181,14 +181,15 @@ def sustained(rows: Sequence[dict[str, Any]], level: float = LEVEL) -> float | N
     return pts[-1][0]
 
 
-def best_fixed_knob(rows: Sequence[dict[str, Any]], setup: Setup
-                    ) -> tuple[str, Knob, float] | None:
-    """The fixed-knob baseline setting (fixed batch or time window, any value and path set)
-    that sustains the highest load, interpolated from the sweep: (policy, knob, load)."""
+def best_fixed_knob(rows: Sequence[dict[str, Any]], setup: Setup,
+                    paths: tuple[str, ...] | None = None) -> tuple[str, Knob, float] | None:
+    """The fixed-knob baseline setting (fixed batch or time window, any value; path set
+    ``paths`` or any) that sustains the highest load, interpolated from the sweep:
+    (policy, knob, load)."""
     best: tuple[str, Knob, float] | None = None
     for name in ("fixed", "window"):
         for knob in knobs(name, setup):
-            if knob is None:
+            if knob is None or (paths is not None and knob.paths != paths):
                 continue
             label = knob.label(name)
             pts = [{"rate_rps": r["rate_rps"], "slo_attainment": s["slo_attainment"]}
