@@ -8,7 +8,7 @@ from typing import Any
 from sched_core.simulate.engine import Result
 
 STYLE = {"fcfs": "C0", "fixed": "C1", "window": "C2", "gpu-only": "C3",
-         "three-regime": "C4", "tokengate": "C5"}
+         "three-regime": "C4", "tokengate": "C5", "tokengate-seq": "C9"}
 
 
 def _pyplot() -> Any:
