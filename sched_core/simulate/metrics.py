@@ -15,7 +15,8 @@ Definitions (docs/scheduling.md §13 states them with the results):
 * a request meets the SLO iff TTFT ≤ ``ttft_s`` and its time per output token after the
   first, (e2e − TTFT)/(tokens − 1), is ≤ ``tpot_s``; goodput = such requests completed in
   the window per second;
-* fairness: the run is cut into ``windows`` equal windows over the arrivals' span; in each,
+* fairness: the run, first arrival to last completion (overload backlogs drain long after
+  the last arrival), is cut into ``windows`` equal windows; in each,
   a tenant is backlogged if it had a request waiting for its prefill throughout the window;
   its service is ``fair_input_weight``·prompt + ``fair_output_weight``·output tokens served
   in the window, divided by its budget; Jain's index (Σx)²/(n·Σx²) is taken over the
@@ -88,7 +89,8 @@ def fairness(result: Result, windows: int = 20, input_weight: float = 1.0,
     arrivals = [o.arrival.time for o in result.outcomes]
     if len(result.budgets) < 2 or not arrivals:
         return None, 0
-    t0, t1 = min(arrivals), max(arrivals)
+    t0 = min(arrivals)
+    t1 = max([o.finished for o in result.outcomes if not math.isnan(o.finished)] + arrivals)
     width = (t1 - t0) / windows
     if width <= 0.0:
         return None, 0
