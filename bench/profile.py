@@ -100,6 +100,7 @@ def measure(pool: str, reps: int) -> dict[str, Any]:
             engine.step()
         engine.step()  # the first decode step after a merge is not timed
         for _ in range(DECODE_STEPS):
+            assert engine._mask is not None
             running, width = len(engine._running), engine._mask.shape[1] + 1
             seconds = timed_step()
             decode.append({"running": running, "kv_tokens": width, "seconds": seconds})
@@ -167,10 +168,12 @@ def fit(points: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
 
 #: Datasheet figures (NVIDIA H100 Tensor Core GPU datasheet, SXM5 80 GB): HBM3 bandwidth and
 #: dense BF16 tensor throughput.
-GPUS = {"h100-sxm": {"name": "NVIDIA H100 SXM5 80GB", "bandwidth": 3.35e12, "bf16_flops": 989e12}}
+GPUS: dict[str, dict[str, Any]] = {
+    "h100-sxm": {"name": "NVIDIA H100 SXM5 80GB", "bandwidth": 3.35e12, "bf16_flops": 989e12},
+}
 
 #: Assumptions, written into the profile next to the figures they qualify.
-ASSUME = {
+ASSUME: dict[str, float] = {
     "op_launch_s": 8e-6,  # one eager PyTorch op on CUDA: dispatcher + cudaLaunchKernel
     "ops_per_layer": 40,  # eager HF Llama layer: norms, projections, rotary, cache cat, sdpa, MLP
     "mfu_prefill": 0.25,  # small GEMMs (hidden 576) keep the tensor cores far from peak

@@ -53,8 +53,8 @@ def write_all(out: Path, rows: list[dict[str, Any]], service: dict[str, Result],
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=80)
     for p in policies:
-        pts = sorted((r["rate_rps"], r["slo_attainment"]) for r in rows if r["policy"] == p)
-        ax.plot([x for x, _ in pts], [y * 100 for _, y in pts], "-o", ms=3, color=STYLE.get(p),
+        att = sorted((r["rate_rps"], r["slo_attainment"]) for r in rows if r["policy"] == p)
+        ax.plot([x for x, _ in att], [y * 100 for _, y in att], "-o", ms=3, color=STYLE.get(p),
                 label=p)
     ax.axhline(90, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("offered load (requests/s)")

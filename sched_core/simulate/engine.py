@@ -22,7 +22,7 @@ import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 from sched_core.simulate.profile import CostProfile
 from sched_core.simulate.workload import Arrival, Workload
@@ -250,9 +250,9 @@ class Simulation:
                     self._offer(timings.path, now)
                 self._tick(now)
             elif kind == FINISH:
-                rid, path = payload  # type: ignore[misc]
-                if self._finishes:
-                    self.policy.finished(rid, now)  # type: ignore[union-attr]
+                rid, path = cast(tuple[str, str], payload)
+                if isinstance(self.policy, Finishes):
+                    self.policy.finished(rid, now)
                 if self.config.credit_finished:
                     self._credit[path] += 1
                     self._offer(path, now)

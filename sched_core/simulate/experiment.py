@@ -264,9 +264,9 @@ def targets(rows: Sequence[dict[str, Any]], tg: str = "tokengate") -> dict[str, 
 
     # 2. sustained load vs FCFS
     if "fcfs" in policies:
-        mine, theirs = load[tg], load["fcfs"]
-        ratio = (mine / theirs) if mine and theirs else None
-        out["load_vs_fcfs"] = {"tokengate_rps": mine, "fcfs_rps": theirs, "ratio": ratio,
+        ours, theirs = load[tg], load["fcfs"]
+        ratio = (ours / theirs) if ours and theirs else None
+        out["load_vs_fcfs"] = {"tokengate_rps": ours, "fcfs_rps": theirs, "ratio": ratio,
                                "met": None if ratio is None else ratio >= 2.0}
 
     # 3. contracts, at the loads tokengate sustains

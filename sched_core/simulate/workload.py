@@ -213,7 +213,7 @@ def poisson(rate: float, count: int, lengths: LengthSampler, *,
     rng = random.Random(seed)
     pick = _assign(tenants, rng)
     t = 0.0
-    arrivals = []
+    arrivals: list[Arrival] = []
     for i in range(count):
         prompt, output = lengths(rng)
         arrivals.append(_request(i, t, pick(), prompt, output, max_tokens))
@@ -236,7 +236,7 @@ def on_off(rate: float, count: int, lengths: LengthSampler, *, burst: float = 4.
     pick = _assign(tenants, rng)
     state, t = 0, 0.0
     switch = rng.expovariate(1.0 / mean_on_s)
-    arrivals = []
+    arrivals: list[Arrival] = []
     while len(arrivals) < count:
         gap = rng.expovariate(rates[state])
         if t + gap >= switch:  # memoryless: restart the clock at the switch
