@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from gateway import admin_cli
+from gateway import admin_cli, simulate_cli
 from workers import cli as worker_cli
 from workers.cli import env_default
 
@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker_cli.add_model_args(worker)
     worker_cli.add_worker_args(worker)
 
+    simulate = sub.add_parser("simulate", help="compare scheduling policies in the discrete-event "
+                              "simulator (no Redis, no model)")
+    simulate_cli.add_args(simulate)
+
     admin_cli.add_commands(sub)
     return parser
 
@@ -79,6 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.command in ("tenants", "keys"):
         return admin_cli.run(args)
+    if args.command == "simulate":
+        return simulate_cli.run(args)
     try:
         if args.command == "worker":
             worker_cli.run(worker_cli.settings_from_args(args))

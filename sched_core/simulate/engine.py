@@ -1,0 +1,427 @@
+"""The discrete-event simulator: a policy (the real scheduler or a baseline) and simulated workers.
+
+The gateway side is driven exactly as ``gateway/dispatch.py`` drives the scheduler: ``arrive``
+then ``tick`` on every request, ``completed`` then ``tick`` on every batch report, and a
+``tick`` every ``tick_s`` while requests are queued and a path has free slots (with no free
+slot a tick cannot dispatch anything, so skipping it changes no decision). Dispatched
+batches reach a pool's stream after ``hop_s``; replies reach the client after another.
+
+Workers copy ``workers/worker.py`` with the HF engine: a worker takes jobs from its pool's
+stream while it has a free slot (``jobs_per_read`` per loop, an idle one at once); each step decodes
+the running sequences (one token each), then prefills newly admitted ones (first token),
+with at most ``slots`` running and ``max_prefill_tokens`` padded tokens per prefill. Step
+times come from the pool's ``CostProfile`` with lognormal noise. Batch reports carry the
+timings the real worker reports (its share of prefills, decode steps, mean running).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, cast, runtime_checkable
+
+from sched_core.simulate.profile import CostProfile
+from sched_core.simulate.workload import Arrival, Workload
+from sched_core.types import PATHS, BatchTimings, Contract, Dispatch, Reject, Request
+
+
+class Policy(Protocol):
+    """What the simulator drives: the scheduler's API (``sched_core.Scheduler`` fits)."""
+
+    @property
+    def queued(self) -> int: ...
+
+    def arrive(self, req: Request, now: float) -> Contract | Reject | None: ...
+
+    def tick(self, now: float) -> list[Dispatch | Reject]: ...
+
+    def completed(self, timings: BatchTimings, now: float) -> None: ...
+
+    def worker_capacity(self, path: str, slots: int, now: float) -> None: ...
+
+
+@runtime_checkable
+class Wakes(Protocol):
+    """A baseline that knows when it next wants a tick, so the simulator need not poll."""
+
+    def next_wake(self, now: float) -> float: ...
+
+
+@runtime_checkable
+class Finishes(Protocol):
+    """A baseline that frees a slot as each request finishes (the scheduler is told per batch)."""
+
+    def finished(self, request_id: str, now: float) -> None: ...
+
+
+@runtime_checkable
+class Drains(Protocol):
+    """A baseline that must be told that no more requests will come (a fixed batch size)."""
+
+    def end_of_arrivals(self, now: float) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    path: str  # "cpu" or "gpu"
+    workers: int
+    slots: int  # sequences per worker
+    profile: CostProfile
+    max_prefill_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.path not in PATHS or self.workers < 0 or self.slots < 1:
+            raise ValueError(f"pool {self.path!r}: unknown path, or workers < 0, or slots < 1")
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    pools: tuple[Pool, ...]
+    hop_s: float = 0.0005  # one Redis stream hop (XADD to a blocked reader ~0.15-0.5 ms)
+    tick_s: float = 0.002  # the gateway's TICK_S
+    seed: int = 0
+    known_output: bool = False  # tell the scheduler each request's exact output length
+    # jobs a worker takes from its stream per loop while it has a free slot; 0: as many as
+    # fit its free slots. workers/worker.py reads one (XREADGROUP count=1) per decode step.
+    jobs_per_read: int = 0
+    # credit each finished sequence's slot back through worker_capacity before its batch
+    # reports (a gateway-side variant; the gateway today returns slots per batch)
+    credit_finished: bool = False
+
+    def pool(self, path: str) -> Pool | None:
+        return next((p for p in self.pools if p.path == path), None)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What happened to one request; times are absolute simulated seconds (nan: never)."""
+
+    arrival: Arrival
+    contract: Contract | None = None
+    rejected: str | None = None
+    path: str | None = None
+    dispatched: float = math.nan
+    first_token: float = math.nan
+    finished: float = math.nan
+    tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival.time
+
+    @property
+    def e2e(self) -> float:
+        return self.finished - self.arrival.time
+
+
+@dataclass(slots=True)
+class Result:
+    outcomes: list[Outcome]
+    # per tenant: (time, +1/-1) as requests start and stop waiting for their prefill
+    backlog: dict[str, list[tuple[float, int]]]
+    # per tenant: (time, prompt tokens, output tokens) served, one entry per step and tenant
+    service: dict[str, list[tuple[float, int, int]]]
+    budgets: dict[str, float]
+    batches: int = 0
+    steps: int = 0
+    end: float = 0.0
+
+
+# -- workers -------------------------------------------------------------------------------
+
+ARRIVE, JOB, STEP, REPORT, TICK, FINISH = range(6)
+
+
+@dataclass(slots=True)
+class _Seq:
+    outcome: Outcome
+    batch: int
+    target: int  # tokens to generate
+    generated: int = 0
+
+
+@dataclass(slots=True)
+class _Batch:
+    path: str
+    size: int
+    pending: int
+    prefill_s: float = 0.0
+    padded: int = 0
+    steps: int = 0
+    decode_s: float = 0.0
+    running: int = 0
+    outputs: dict[str, int] = field(default_factory=dict)
+    order: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class _Worker:
+    pool: Pool
+    index: int
+    waiting: deque[_Seq] = field(default_factory=deque)
+    running: list[_Seq] = field(default_factory=list)
+    stepping: bool = False
+    idle_since: float = 0.0
+
+    @property
+    def free_slots(self) -> int:
+        return self.pool.slots - len(self.running) - len(self.waiting)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+
+@dataclass(slots=True)
+class _Step:
+    decoded: list[_Seq]
+    admitted: list[_Seq]
+    decode_s: float
+    prefill_s: float
+    padded: int
+
+
+class Simulation:
+    """One run of ``policy`` on ``workload``; ``run()`` returns what happened to each request."""
+
+    def __init__(self, policy: Policy, workload: Workload, config: SimConfig) -> None:
+        self.policy = policy
+        self.workload = workload
+        self.config = config
+        self._rng = random.Random(config.seed ^ 0x5EED)
+        self._events: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self._tick_at = math.inf
+        self._budget = {t.name: t.budget for t in workload.tenants}
+        self._outcomes = {a.id: Outcome(a) for a in workload.arrivals}
+        self._batches: dict[int, _Batch] = {}
+        self._seqs: dict[int, list[_Seq]] = {}
+        self._streams: dict[str, deque[int]] = {p: deque() for p in PATHS}
+        self._workers: dict[str, list[_Worker]] = {p: [] for p in PATHS}
+        self._cap = dict.fromkeys(PATHS, 0)
+        self._used = dict.fromkeys(PATHS, 0)
+        self._credit = dict.fromkeys(PATHS, 0)  # finished sequences of unreported batches
+        for pool in config.pools:
+            self._workers[pool.path] = [_Worker(pool, i) for i in range(pool.workers)]
+            self._cap[pool.path] = pool.workers * pool.slots
+        self._backlog: dict[str, list[tuple[float, int]]] = {t: [] for t in self._budget}
+        self._service: dict[str, list[tuple[float, int, int]]] = {t: [] for t in self._budget}
+        self._steps = 0
+        self._finishes = isinstance(policy, Finishes)
+
+    # -- the event loop ------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        heapq.heappush(self._events, (t, self._seq, kind, payload))
+        self._seq += 1
+
+    def run(self) -> Result:
+        for path in PATHS:
+            self._offer(path, 0.0)
+        arrivals = self.workload.arrivals
+        if arrivals:
+            self._push(arrivals[0].time, ARRIVE, 0)
+        now = 0.0
+        while self._events:
+            now, _, kind, payload = heapq.heappop(self._events)
+            if kind == ARRIVE:
+                i = int(payload)  # type: ignore[call-overload]
+                self._arrive(arrivals[i], now)
+                if i + 1 < len(arrivals):
+                    self._push(arrivals[i + 1].time, ARRIVE, i + 1)
+                elif isinstance(self.policy, Drains):
+                    self.policy.end_of_arrivals(now)
+                self._tick(now)
+            elif kind == JOB:
+                self._job(payload, now)  # type: ignore[arg-type]
+            elif kind == STEP:
+                self._step_end(payload, now)  # type: ignore[arg-type]
+            elif kind == REPORT:
+                timings: BatchTimings = payload  # type: ignore[assignment]
+                size = self._batches[timings.batch_id].size
+                self._used[timings.path] -= size
+                self.policy.completed(timings, now)
+                if self.config.credit_finished:
+                    self._credit[timings.path] -= size
+                    self._offer(timings.path, now)
+                self._tick(now)
+            elif kind == FINISH:
+                rid, path = cast(tuple[str, str], payload)
+                if isinstance(self.policy, Finishes):
+                    self.policy.finished(rid, now)
+                if self.config.credit_finished:
+                    self._credit[path] += 1
+                    self._offer(path, now)
+                self._tick(now)
+            elif kind == TICK and now == self._tick_at:
+                self._tick_at = math.inf
+                self._tick(now)
+        outcomes = [self._outcomes[a.id] for a in arrivals]
+        return Result(outcomes, self._backlog, self._service, self._budget,
+                      batches=len(self._batches), steps=self._steps, end=now)
+
+    def _offer(self, path: str, now: float) -> None:
+        self.policy.worker_capacity(path, self._cap[path] + self._credit[path], now)
+
+    def _arrive(self, a: Arrival, now: float) -> None:
+        req = Request(
+            id=a.id, tenant=a.tenant, weight=self._budget[a.tenant],
+            prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens, arrival=now,
+            expected_output_tokens=a.output_tokens if self.config.known_output else 0,
+        )
+        decision = self.policy.arrive(req, now)
+        out = self._outcomes[a.id]
+        if isinstance(decision, Reject):
+            out.rejected = decision.reason
+            return
+        out.contract = decision if isinstance(decision, Contract) else None
+        self._backlog[a.tenant].append((now, 1))
+
+    def _tick(self, now: float) -> None:
+        for d in self.policy.tick(now):
+            if isinstance(d, Reject):
+                out = self._outcomes[d.request_id]
+                out.rejected = d.reason
+                self._backlog[out.arrival.tenant].append((now, -1))
+                continue
+            self._dispatch(d, now)
+        if not self.policy.queued:
+            return
+        if isinstance(self.policy, Wakes):
+            wake = self.policy.next_wake(now)
+        elif any(self._cap[p] + self._credit[p] > self._used[p] for p in PATHS):
+            wake = now + self.config.tick_s
+        else:
+            return  # no free slot: nothing can leave before a report comes back
+        if now < wake < self._tick_at:
+                self._tick_at = wake
+                self._push(wake, TICK, None)
+
+    def _dispatch(self, d: Dispatch, now: float) -> None:
+        seqs = []
+        for rid in d.request_ids:
+            out = self._outcomes[rid]
+            out.path, out.dispatched = d.path, now
+            seqs.append(_Seq(out, d.batch_id, out.arrival.output_tokens))
+        self._batches[d.batch_id] = _Batch(d.path, len(seqs), len(seqs), order=d.request_ids)
+        self._seqs[d.batch_id] = seqs
+        self._used[d.path] += len(seqs)
+        self._push(now + self.config.hop_s, JOB, (d.path, d.batch_id))
+
+    # -- workers -------------------------------------------------------------------------
+
+    def _job(self, job: tuple[str, int], now: float) -> None:
+        path, batch_id = job
+        if not self._workers[path]:
+            raise ValueError(f"a batch was sent to {path}, which has no workers")
+        self._streams[path].append(batch_id)
+        # blocked readers are served longest-waiting first
+        idle = sorted((w for w in self._workers[path] if not w.stepping),
+                      key=lambda w: (w.idle_since, w.index))
+        for w in idle:
+            if not self._streams[path]:
+                break
+            self._loop(w, now)
+
+    def _loop(self, w: _Worker, now: float) -> None:
+        """One iteration of the worker's loop: read jobs while a slot is free, then step."""
+        stream = self._streams[w.pool.path]
+        reads = self.config.jobs_per_read or w.pool.slots
+        while stream and w.free_slots > 0 and reads > 0:
+            w.waiting.extend(self._seqs.pop(stream.popleft()))
+            reads -= 1
+        if not w.busy:
+            w.stepping = False
+            w.idle_since = now
+            return
+        w.stepping = True
+        self._steps += 1
+        profile = w.pool.profile
+        decoded = list(w.running)
+        decode_s = 0.0
+        if decoded:
+            width = max(s.outcome.arrival.prompt_tokens + s.generated for s in decoded)
+            decode_s = self._noisy(profile.decode_step_s(len(decoded), width), profile)
+        admitted: list[_Seq] = []
+        longest = 0
+        while w.waiting and len(decoded) + len(admitted) < w.pool.slots:
+            n = w.waiting[0].outcome.arrival.prompt_tokens
+            if admitted and max(longest, n) * (len(admitted) + 1) > w.pool.max_prefill_tokens:
+                break
+            longest = max(longest, n)
+            admitted.append(w.waiting.popleft())
+        prefill_s = (self._noisy(profile.prefill_s(len(admitted), longest), profile)
+                     if admitted else 0.0)
+        step = _Step(decoded, admitted, decode_s, prefill_s, longest)
+        self._push(now + decode_s + prefill_s, STEP, (w, step))
+
+    def _noisy(self, seconds: float, profile: CostProfile) -> float:
+        cv = profile.noise_cv
+        if cv <= 0.0:
+            return seconds
+        sigma2 = math.log1p(cv * cv)
+        return seconds * math.exp(self._rng.gauss(-0.5 * sigma2, math.sqrt(sigma2)))
+
+    def _step_end(self, item: tuple[_Worker, _Step], now: float) -> None:
+        w, step = item
+        seen = now + self.config.hop_s  # when the client sees this step's tokens
+        served: dict[str, list[int]] = {}
+        touched: dict[int, _Batch] = {}
+        for s in step.decoded:
+            b = touched.setdefault(s.batch, self._batches[s.batch])
+            s.generated += 1
+            served.setdefault(s.outcome.arrival.tenant, [0, 0])[1] += 1
+        for b in touched.values():
+            b.steps += 1
+            b.decode_s += step.decode_s
+            b.running += len(step.decoded)
+        for s in step.admitted:
+            b = self._batches[s.batch]
+            b.prefill_s += step.prefill_s / len(step.admitted)
+            b.padded = max(b.padded, step.padded)
+            s.generated = 1
+            s.outcome.first_token = seen
+            tenant = s.outcome.arrival.tenant
+            self._backlog[tenant].append((now - step.decode_s - step.prefill_s, -1))
+            counts = served.setdefault(tenant, [0, 0])
+            counts[0] += s.outcome.arrival.prompt_tokens
+            counts[1] += 1
+        for tenant, (p, o) in served.items():
+            self._service[tenant].append((now, p, o))
+        running = []
+        for s in step.decoded + step.admitted:
+            if s.generated < s.target:
+                running.append(s)
+                continue
+            s.outcome.finished = seen
+            s.outcome.tokens = s.generated
+            if self._finishes or self.config.credit_finished:
+                self._push(seen, FINISH, (s.outcome.arrival.id, s.outcome.path))
+            b = self._batches[s.batch]
+            b.outputs[s.outcome.arrival.id] = s.generated
+            b.pending -= 1
+            if b.pending == 0:
+                self._push(seen, REPORT, self._report(s.batch, b))
+        w.running = running
+        self._loop(w, now)
+
+    @staticmethod
+    def _report(batch_id: int, b: _Batch) -> BatchTimings:
+        return BatchTimings(
+            batch_id=batch_id, path=b.path, batch_size=b.size, prompt_tokens=b.padded,
+            prefill_s=b.prefill_s, decode_steps=b.steps, decode_s=b.decode_s,
+            output_tokens=tuple(b.outputs[r] for r in b.order),
+            mean_running=b.running / b.steps if b.steps else 0.0,
+        )
+
+
+def simulate(policy: Policy, workload: Workload, config: SimConfig) -> Result:
+    return Simulation(policy, workload, config).run()
+
+
+def pools_capacity(pools: Sequence[Pool]) -> dict[str, int]:
+    return {p.path: p.workers * p.slots for p in pools}

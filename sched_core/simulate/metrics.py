@@ -1,0 +1,164 @@
+"""What a run is worth: latency percentiles, throughput, SLO attainment and goodput, Jain's
+fairness index among backlogged tenants, and the accuracy of the latency contracts.
+
+Definitions (docs/scheduling.md §13 states them with the results):
+
+* latencies are measured at the client: TTFT from arrival to the first token, end-to-end
+  (e2e) from arrival to the last; a rejected request has neither and misses the SLO;
+* throughput is measured while requests arrive, [first arrival, last arrival]: requests
+  completed in it per second (``throughput_rps``), tokens prefilled or generated in it per
+  second (``tokens_per_s``); under overload these are the service rate, and the drain after
+  the last arrival (where one straggler would set the makespan) does not count; and the
+  rate at which the whole workload drains, all tokens / (last completion − first arrival)
+  (``drain_tokens_per_s``): every policy serves the same requests, so this compares the
+  capacity each leaves;
+* a request meets the SLO iff TTFT ≤ ``ttft_s`` and its time per output token after the
+  first, (e2e − TTFT)/(tokens − 1), is ≤ ``tpot_s``; goodput = such requests completed in
+  the window per second;
+* fairness: the run, first arrival to last completion (overload backlogs drain long after
+  the last arrival), is cut into ``windows`` equal windows; in each,
+  a tenant is backlogged if it had a request waiting for its prefill throughout the window;
+  its service is ``fair_input_weight``·prompt + ``fair_output_weight``·output tokens served
+  in the window, divided by its budget; Jain's index (Σx)²/(n·Σx²) is taken over the
+  backlogged tenants of every window with at least two, and averaged;
+* contracts: the share of requests whose e2e is within the contract's ``p99_s``, and the
+  mean absolute percentage error of the predicted total (``total_s``) and TTFT (``ttft_s``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sched_core.simulate.engine import Outcome, Result
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    ttft_s: float = 1.0
+    tpot_s: float = 0.1
+
+    def met(self, o: Outcome) -> bool:
+        if o.rejected is not None or math.isnan(o.finished):
+            return False
+        if o.ttft > self.ttft_s:
+            return False
+        return o.tokens <= 1 or (o.e2e - o.ttft) / (o.tokens - 1) <= self.tpot_s
+
+    def describe(self) -> str:
+        return f"TTFT <= {self.ttft_s * 1000:g} ms and <= {self.tpot_s * 1000:g} ms per later token"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); nan when empty."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def jain(xs: Sequence[float]) -> float:
+    total = sum(xs)
+    squares = sum(x * x for x in xs)
+    return total * total / (len(xs) * squares) if squares > 0.0 else 1.0
+
+
+def _intervals(events: list[tuple[float, int]]) -> list[tuple[float, float]]:
+    """Spans during which the count of waiting requests is positive."""
+    spans = []
+    count, start = 0, 0.0
+    for t, delta in sorted(events):
+        if count == 0 and delta > 0:
+            start = t
+        count += delta
+        if count == 0:
+            spans.append((start, t))
+    if count > 0:
+        spans.append((start, math.inf))
+    return spans
+
+
+def fairness(result: Result, windows: int = 20, input_weight: float = 1.0,
+             output_weight: float = 2.0) -> tuple[float | None, int]:
+    """(mean Jain index over windows with >= 2 backlogged tenants, number of such windows)."""
+    arrivals = [o.arrival.time for o in result.outcomes]
+    if len(result.budgets) < 2 or not arrivals:
+        return None, 0
+    t0 = min(arrivals)
+    t1 = max([o.finished for o in result.outcomes if not math.isnan(o.finished)] + arrivals)
+    width = (t1 - t0) / windows
+    if width <= 0.0:
+        return None, 0
+    spans = {t: _intervals(ev) for t, ev in result.backlog.items()}
+    served = {t: [0.0] * windows for t in result.budgets}
+    for tenant, entries in result.service.items():
+        bins = served[tenant]
+        for t, p, o in entries:
+            k = int((t - t0) // width)
+            if 0 <= k < windows:
+                bins[k] += input_weight * p + output_weight * o
+    indices = []
+    for k in range(windows):
+        lo, hi = t0 + k * width, t0 + (k + 1) * width
+        xs = [served[t][k] / budget for t, budget in result.budgets.items()
+              if any(s <= lo and hi <= e for s, e in spans[t])]
+        if len(xs) >= 2:
+            indices.append(jain(xs))
+    return (sum(indices) / len(indices) if indices else None), len(indices)
+
+
+def summarize(result: Result, slo: Slo, windows: int = 20) -> dict[str, Any]:
+    """The figures of one run, as JSON data (milliseconds, requests/s, fractions)."""
+    outs = result.outcomes
+    done = [o for o in outs if o.rejected is None and not math.isnan(o.finished)]
+    ttft = [o.ttft for o in done]
+    e2e = [o.e2e for o in done]
+    start = min((o.arrival.time for o in outs), default=0.0)
+    end = max((o.arrival.time for o in outs), default=start)
+    if end <= start:  # a single arrival: the window is its lifetime
+        end = max((o.finished for o in done), default=start)
+    span = end - start
+    window = [o for o in done if o.finished <= end]
+    makespan = max((o.finished for o in done), default=start) - start
+    work = sum(o.arrival.prompt_tokens + o.tokens for o in done)
+    served = sum(p + o for entries in result.service.values() for t, p, o in entries
+                 if t <= end)
+    met = sum(1 for o in outs if slo.met(o))
+    index, nwin = fairness(result, windows)
+    with_contract = [o for o in done if o.contract is not None]
+    within = mape = mape_ttft = None
+    if with_contract:
+        within = sum(o.e2e <= o.contract.p99_s for o in with_contract  # type: ignore[union-attr]
+                     ) / len(with_contract)
+        mape = sum(abs(o.contract.total_s - o.e2e) / o.e2e  # type: ignore[union-attr]
+                   for o in with_contract) / len(with_contract)
+        mape_ttft = sum(abs(o.contract.ttft_s - o.ttft) / o.ttft  # type: ignore[union-attr]
+                        for o in with_contract) / len(with_contract)
+    paths = {p: sum(1 for o in done if o.path == p) for p in ("cpu", "gpu")}
+    return {
+        "requests": len(outs),
+        "completed": len(done),
+        "rejected": sum(1 for o in outs if o.rejected is not None),
+        "p50_ms": percentile(e2e, 50) * 1000,
+        "p99_ms": percentile(e2e, 99) * 1000,
+        "ttft_p50_ms": percentile(ttft, 50) * 1000,
+        "ttft_p99_ms": percentile(ttft, 99) * 1000,
+        "throughput_rps": len(window) / span if span > 0 else 0.0,
+        "tokens_per_s": served / span if span > 0 else 0.0,
+        "makespan_s": makespan,
+        "drain_tokens_per_s": work / makespan if makespan > 0 else 0.0,
+        "slo_attainment": met / len(outs) if outs else 0.0,
+        "goodput_rps": sum(1 for o in window if slo.met(o)) / span if span > 0 else 0.0,
+        "jain": index,
+        "jain_windows": nwin,
+        "within_p99_bound": within,
+        "mape": mape,
+        "mape_ttft": mape_ttft,
+        "cpu_share": paths["cpu"] / len(done) if done else 0.0,
+        "batches": result.batches,
+    }

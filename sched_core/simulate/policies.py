@@ -1,0 +1,196 @@
+"""Baseline policies with the scheduler's driving interface (arrive, tick, completed,
+worker_capacity), so the simulator runs them exactly as it runs ``sched_core.Scheduler``.
+
+All keep one FIFO queue. Unlike the scheduler, which gets its slots back when a whole batch
+reports (as the gateway tells it), a baseline is told of every request that finishes
+(``finished``) and frees its slot at once: it is idealized as an in-process engine scheduler,
+like vLLM's, that sees each sequence end. ``paths`` is the order in which paths are tried: the
+default ``("gpu", "cpu")`` fills the GPU first and overflows to the CPU, as a load balancer that
+knows no costs would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+from sched_core.reference import RateMeter
+from sched_core.simulate.profile import CostProfile
+from sched_core.types import PATHS, BatchTimings, Dispatch, Reject, Request
+
+BOTH = ("gpu", "cpu")
+
+
+class FifoPolicy:
+    """FCFS continuous batching: whatever is queued leaves at once for free slots."""
+
+    def __init__(self, max_batch: Mapping[str, int], paths: Sequence[str] = BOTH) -> None:
+        self.paths = tuple(paths)
+        self.max_batch = dict(max_batch)
+        self._queue: deque[Request] = deque()
+        self._cap = dict.fromkeys(PATHS, 0)
+        self._used = dict.fromkeys(PATHS, 0)
+        self._path_of: dict[str, str] = {}
+        self._next_batch = 1
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def arrive(self, req: Request, now: float) -> None:
+        self._queue.append(req)
+
+    def completed(self, timings: BatchTimings, now: float) -> None:
+        pass  # slots came back request by request, in finished()
+
+    def finished(self, request_id: str, now: float) -> None:
+        self._used[self._path_of.pop(request_id)] -= 1
+
+    def worker_capacity(self, path: str, slots: int, now: float) -> None:
+        self._cap[path] = slots
+
+    def next_wake(self, now: float) -> float:
+        return math.inf  # only arrivals and completions change what it does
+
+    def free(self, path: str) -> int:
+        return self._cap[path] - self._used[path] if path in self.paths else 0
+
+    def release(self, path: str, size: int, out: list[Dispatch | Reject]) -> None:
+        batch = tuple(self._queue.popleft() for _ in range(size))
+        bid = self._next_batch
+        self._next_batch += 1
+        for r in batch:
+            self._path_of[r.id] = path
+        self._used[path] += size
+        out.append(Dispatch(bid, path, 0, tuple(r.id for r in batch), 0.0))
+
+    def tick(self, now: float) -> list[Dispatch | Reject]:
+        out: list[Dispatch | Reject] = []
+        for path in self.paths:
+            while self._queue and self.free(path) > 0:
+                self.release(path, min(len(self._queue), self.free(path),
+                                       self.max_batch[path]), out)
+        return out
+
+
+class FixedBatch(FifoPolicy):
+    """Batches of exactly ``size`` requests (the remainder leaves once arrivals end)."""
+
+    def __init__(self, size: int, max_batch: Mapping[str, int],
+                 paths: Sequence[str] = BOTH) -> None:
+        super().__init__(max_batch, paths)
+        self.size = size
+        self._draining = False
+
+    def end_of_arrivals(self, now: float) -> None:
+        self._draining = True
+
+    def tick(self, now: float) -> list[Dispatch | Reject]:
+        out: list[Dispatch | Reject] = []
+        while len(self._queue) >= self.size or (self._draining and self._queue):
+            n = min(self.size, len(self._queue))
+            path = next((p for p in self.paths
+                         if self.free(p) >= n and self.max_batch[p] >= n), None)
+            if path is None:
+                break
+            self.release(path, n, out)
+        return out
+
+
+class TimeWindow(FifoPolicy):
+    """Triton's dynamic batcher: a batch leaves when it reaches the preferred size (the
+    path's max batch, or its free slots) or when its oldest request waited ``delay_s``."""
+
+    def __init__(self, delay_s: float, max_batch: Mapping[str, int],
+                 paths: Sequence[str] = BOTH) -> None:
+        super().__init__(max_batch, paths)
+        self.delay_s = delay_s
+
+    def next_wake(self, now: float) -> float:
+        """When the oldest request's window closes; past that, only a freed slot (which
+        ticks anyway) can release anything."""
+        due = self._queue[0].arrival + self.delay_s if self._queue else math.inf
+        return due if due > now else math.inf
+
+    def tick(self, now: float) -> list[Dispatch | Reject]:
+        out: list[Dispatch | Reject] = []
+        while self._queue:
+            path = next((p for p in self.paths if self.free(p) > 0), None)
+            if path is None:
+                break
+            full = min(self.max_batch[path], self.free(path))
+            if len(self._queue) < full and now - self._queue[0].arrival < self.delay_s:
+                break
+            self.release(path, min(len(self._queue), full), out)
+        return out
+
+
+class ThreeRegime(FifoPolicy):
+    """The source notes' policy, from static cost curves: a batch smaller than the crossover
+    B1 goes to the CPU at once; a larger one waits for the GPU while the marginal-cost rule
+    says waiting pays (``(n + 1)/λ < F − m·n``), and goes at once beyond that. No buckets, no
+    fairness, no tail cut, no refit: one FIFO queue and the profiles' curves."""
+
+    def __init__(self, profiles: Mapping[str, CostProfile], max_batch: Mapping[str, int],
+                 rate_window_s: float = 10.0, default_output: int = 64,
+                 tick_s: float = 0.002) -> None:
+        super().__init__(max_batch, BOTH)
+        self.profiles = dict(profiles)
+        self.tick_s = tick_s
+        self._rate = RateMeter(rate_window_s)
+        self._out = float(default_output)
+
+    def arrive(self, req: Request, now: float) -> None:
+        super().arrive(req, now)
+        self._rate.add(now, 1.0)
+
+    def completed(self, timings: BatchTimings, now: float) -> None:
+        super().completed(timings, now)
+        for n in timings.output_tokens:
+            self._out += 0.1 * (n - self._out)
+
+    def next_wake(self, now: float) -> float:
+        """Polled like the scheduler while a path has a free slot."""
+        free = any(self.free(p) > 0 for p in self.paths)
+        return now + self.tick_s if self._queue and free else math.inf
+
+    def _fm(self, path: str, length: int) -> tuple[float, float]:
+        """Launch cost F and per-request cost m of a batch padded to ``length``."""
+        p, nbar = self.profiles[path], self._out
+        launch = p.prefill_a + p.decode_c * nbar
+        kv = length + nbar / 2.0
+        per = (p.prefill_b + p.prefill_b2 * length) * length + (p.decode_d + p.decode_e * kv) * nbar
+        return launch, per
+
+    def tick(self, now: float) -> list[Dispatch | Reject]:
+        out: list[Dispatch | Reject] = []
+        while self._queue:
+            n = len(self._queue)
+            head = min(n, self.max_batch["gpu"])
+            length = max(self._queue[i].prompt_tokens for i in range(head))
+            target = "gpu"
+            if self._cap["cpu"] > 0 and self._cap["gpu"] > 0 and "cpu" in self.profiles:
+                fc, mc = self._fm("cpu", length)
+                fg, mg = self._fm("gpu", length)
+                target = "cpu" if fc + mc * n < fg + mg * n else "gpu"
+            elif self._cap["gpu"] <= 0:
+                target = "cpu"
+            if target == "cpu" and self.free("cpu") <= 0:
+                target = "gpu"  # a small batch takes a free gpu rather than wait
+            free = self.free(target)
+            if free <= 0:
+                break
+            size = min(n, free, self.max_batch[target])
+            grows = n < min(free, self.max_batch[target])
+            if target == "gpu" and grows and self._holds(n, length, now):
+                break
+            self.release(target, size, out)
+        return out
+
+    def _holds(self, n: int, length: int, now: float) -> bool:
+        f, m = self._fm("gpu", length)
+        gain = f - m * n
+        if gain <= 0.0:
+            return False
+        return n + 1 < self._rate.rate(now) * gain and (n + 1) * (now - self._rate.last) < gain

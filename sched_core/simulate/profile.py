@@ -1,0 +1,105 @@
+"""Cost profiles: how long a simulated worker of one path takes for a prefill and a decode step.
+
+A profile is the fitted model of one worker running the real model (``bench/profile.py``
+measures it and writes the JSON; this module only reads the parsed data):
+
+    prefill of B sequences padded to L tokens:       P(B, L) = a + b·B·L + b2·B·L²
+    one decode step, n running, KV padded to K:       D(n, K) = c + d·n + e·n·K
+
+``b2`` is attention's quadratic term and ``e`` the per-step read of the KV cache, which the
+scheduler's own linear model (``a + b·B·L``, ``c + d·n``) leaves out: the simulator's
+workers are richer than the scheduler's beliefs, as real workers are.
+
+``noise_cv`` is the relative spread of measured times around the fit; the simulator draws
+each step's time from a lognormal with that spread. A ``derived`` profile was not measured:
+it was computed from published figures, named in ``source``, and every report that uses it
+says so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from sched_core.types import PathConfig
+
+
+@dataclass(frozen=True, slots=True)
+class CostProfile:
+    name: str
+    device: str
+    model: str
+    derived: bool
+    source: str
+    prefill_a: float
+    prefill_b: float
+    prefill_b2: float
+    decode_c: float
+    decode_d: float
+    decode_e: float
+    noise_cv: float = 0.0
+
+    def __post_init__(self) -> None:
+        coefficients = (self.prefill_a, self.prefill_b, self.prefill_b2, self.decode_c,
+                        self.decode_d, self.decode_e, self.noise_cv)
+        if any(not math.isfinite(x) or x < 0.0 for x in coefficients):
+            raise ValueError(f"profile {self.name!r}: coefficients must be finite and >= 0")
+        if self.prefill_b + self.prefill_b2 <= 0.0 or self.decode_c + self.decode_d <= 0.0:
+            raise ValueError(f"profile {self.name!r}: prefill and decode must take time")
+
+    @property
+    def label(self) -> str:
+        """The name as reports print it: derived profiles say so."""
+        return f"{self.name} (derived: {self.source})" if self.derived else self.name
+
+    def prefill_s(self, batch: int, padded_tokens: int) -> float:
+        tokens = batch * padded_tokens
+        return self.prefill_a + self.prefill_b * tokens + self.prefill_b2 * tokens * padded_tokens
+
+    def decode_step_s(self, running: int, kv_tokens: int) -> float:
+        return self.decode_c + self.decode_d * running + self.decode_e * running * kv_tokens
+
+    def path_config(self, max_batch: int, prompt_tokens: float, kv_tokens: float) -> PathConfig:
+        """The scheduler's linear prior for this worker, linearized at a typical prompt
+        length and KV length (the scheduler refits it online from the timings)."""
+        tiny = 1e-12  # the scheduler wants positive slopes
+        return PathConfig(
+            prefill_a=self.prefill_a,
+            prefill_b=max(tiny, self.prefill_b + self.prefill_b2 * prompt_tokens),
+            decode_c=self.decode_c,
+            decode_d=max(tiny, self.decode_d + self.decode_e * kv_tokens),
+            max_batch=max_batch,
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CostProfile:
+        """Read the JSON written by ``bench/profile.py``; errors name the missing field."""
+        try:
+            fit = data["fit"]
+            prefill, decode = fit["prefill"], fit["decode"]
+            return cls(
+                name=str(data["name"]),
+                device=str(data["device"]),
+                model=str(data["model"]),
+                derived=bool(data.get("derived", False)),
+                source=str(data.get("source", "")),
+                prefill_a=float(prefill["a"]),
+                prefill_b=float(prefill["b"]),
+                prefill_b2=float(prefill.get("b2", 0.0)),
+                decode_c=float(decode["c"]),
+                decode_d=float(decode["d"]),
+                decode_e=float(decode.get("e", 0.0)),
+                noise_cv=float(fit.get("noise_cv", 0.0)),
+            )
+        except KeyError as exc:
+            raise ValueError(f"cost profile: missing field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"cost profile: {exc}") from None
+
+    def fit_dict(self) -> dict[str, Any]:
+        return {
+            "prefill": {"a": self.prefill_a, "b": self.prefill_b, "b2": self.prefill_b2},
+            "decode": {"c": self.decode_c, "d": self.decode_d, "e": self.decode_e},
+            "noise_cv": self.noise_cv,
+        }
