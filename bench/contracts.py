@@ -135,6 +135,7 @@ def main() -> None:
     parser.add_argument("--tenants", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cost-priors", type=Path, help="passed to the gateway (docs/scheduling.md)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     model_store.offline()
@@ -144,7 +145,8 @@ def main() -> None:
     warmup, rows = rows[: args.warmup], rows[args.warmup :]
     t_first = rows[0].at
     rows = [Row(r.at - t_first, r.prompt, r.output) for r in rows]
-    with stack(engine="hf", slots=32, model_dir=str(spec.path)) as (base, _redis, _key):
+    priors = ["--cost-priors", str(args.cost_priors)] if args.cost_priors else []
+    with stack(engine="hf", slots=32, model_dir=str(spec.path), extra_gateway=priors) as (base, _redis, _key):
         keys = make_tenants(base, args.tenants)
         results = asyncio.run(replay(base, keys, rows, warmup, args.seed))
     ok = [r for r in results if r.status == 200]
