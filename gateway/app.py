@@ -151,6 +151,8 @@ def _prepare(gw: Gateway, gen: oai.Generation, tenant: Tenant) -> p.SeqJob:
 def _failure(ev: p.Failed) -> GatewayError:
     if ev.code in ("no_worker", "redis"):
         return Unavailable(ev.message)
+    if ev.code == "deadline":  # the scheduler dropped it from the queue: it could no longer make it
+        return Unavailable(f"Request {ev.rid} cannot finish before its deadline: {ev.message}", code="deadline_unmet")
     return WorkerFailed(f"Request {ev.rid} failed: {ev.message}", code=ev.code)
 
 

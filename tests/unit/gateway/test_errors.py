@@ -28,3 +28,14 @@ def test_headers_and_extra_fields_travel() -> None:
     response = e.error_response(exc)
     assert response.headers["retry-after"] == "2"
     assert orjson.loads(response.body)["error"]["estimate_s"] == 1.5
+
+
+def test_worker_and_scheduler_failures_map_to_the_right_status() -> None:
+    from gateway.app import _failure
+    from workers import protocol as p
+
+    dropped = _failure(p.Failed("r1", "deadline", "queued past its deadline"))
+    assert (dropped.status, dropped.code) == (503, "deadline_unmet") and "r1" in dropped.message
+    assert _failure(p.Failed("r2", "redis", "down")).status == 503
+    crashed = _failure(p.Failed("r3", "dead_letter", "failed 3 deliveries"))
+    assert (crashed.status, crashed.code) == (500, "dead_letter") and "r3" in crashed.message
