@@ -40,7 +40,7 @@ from gateway.errors import (
 from gateway.meter import Meter
 from gateway.metrics import Metrics
 from gateway.prompts import PromptBuilder
-from gateway.scheduling import Origin, scheduler_config
+from gateway.scheduling import Origin
 from gateway.settings import GatewaySettings
 from gateway.tenant_store import TenantStore
 from gateway.tenants import Tenant
@@ -62,9 +62,7 @@ class Gateway:
         self.prompts = prompts
         self.client = client
         self.metrics = Metrics()
-        self.dispatcher = Dispatcher(
-            settings, client, on_workers=self._count_workers, config=scheduler_config(settings.cost_priors)
-        )
+        self.dispatcher = Dispatcher(settings, client, on_workers=self._count_workers, config=settings.scheduler)
         self.tenants = TenantStore(client)
         self.auth = Authenticator(self.tenants, settings.auth_cache_s)
         self.budget = Budget(client, settings)

@@ -6,12 +6,13 @@ The dispatcher owns the clock and Redis; this module turns gateway objects into
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, replace
 
 import orjson
 
-from sched_core import BatchTimings, Contract, Dispatch, Reject, Request, Scheduler, SchedulerConfig
+from sched_core import BatchTimings, Contract, Dispatch, PathConfig, Reject, Request, Scheduler, SchedulerConfig
 from workers import protocol as p
 
 
@@ -32,9 +33,6 @@ class Send:
     job: p.BatchJob
 
 
-PRIOR_FIELDS = ("prefill_a", "prefill_b", "decode_c", "decode_d", "max_batch")
-
-
 def scheduler_config(priors_path: str | None) -> SchedulerConfig:
     """The scheduler's config, with per-path cost priors from a JSON file if one is given:
     ``{"cpu": {"prefill_a": s, "prefill_b": s/token, "decode_c": s, "decode_d": s/seq,
@@ -53,7 +51,8 @@ def scheduler_config(priors_path: str | None) -> SchedulerConfig:
         raise ValueError(f"cost priors {priors_path}: expected an object with keys among {', '.join(p.POOLS)}")
     paths = {}
     for pool, fields in priors.items():
-        unknown = set(fields) - set(PRIOR_FIELDS) if isinstance(fields, dict) else {"(not an object)"}
+        known = {f.name for f in dataclasses.fields(PathConfig)}
+        unknown = set(fields) - known if isinstance(fields, dict) else {"(not an object)"}
         if unknown:
             raise ValueError(f"cost priors {priors_path}: {pool}: unknown {', '.join(sorted(unknown))}")
         try:

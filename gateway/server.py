@@ -49,7 +49,6 @@ def _die_with_parent() -> None:
 
 
 def _settings(args: argparse.Namespace, redis_url: str, model_name: str) -> GatewaySettings:
-    scheduler_config(args.cost_priors)  # a bad priors file stops start-up, naming the file
     return GatewaySettings(
         redis_url=redis_url,
         model_name=model_name,
@@ -64,7 +63,7 @@ def _settings(args: argparse.Namespace, redis_url: str, model_name: str) -> Gate
         auth_cache_s=args.auth_cache,
         handoff_min_prompt=args.handoff_min_prompt,
         shutdown_grace_s=args.shutdown_grace,
-        cost_priors=args.cost_priors,
+        scheduler=scheduler_config(args.cost_priors),  # a bad file stops start-up, naming it
     )
 
 

@@ -7,6 +7,8 @@ import secrets
 import socket
 from dataclasses import dataclass, field
 
+from sched_core import SchedulerConfig
+
 
 def _gateway_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -29,7 +31,7 @@ class GatewaySettings:
     request_record_ttl_s: int = 3600  # how long a request's owner and state stay readable
     auth_cache_s: float = 1.0  # verified keys are reused this long (revocation is immediate)
     handoff_min_prompt: int = 0  # >0: prompts this long prefill on cpu and decode on gpu
-    cost_priors: str | None = None  # JSON file of per-path cost priors for the scheduler
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # cost priors from --cost-priors
     shutdown_grace_s: int = 10  # after Ctrl-C/SIGTERM, in-flight requests get this long
 
     def __post_init__(self) -> None:
