@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -28,6 +26,7 @@ import numpy as np
 import orjson
 
 from bench.common import ADMIN_TOKEN, OUT, ROOT, pct, stack, table
+from sched_core.simulate.workload import parse_trace
 from workers import model_store
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_code_2023.csv"
@@ -53,24 +52,19 @@ class Result:
 
 
 def load_trace(path: Path, start: int, n: int, speed: float, length_scale: float, max_output: int) -> list[Row]:
-    rows: list[Row] = []
-    t0: datetime | None = None
+    """Rows start..start+n of the trace (parsed and checked by the simulator's reader, which
+    names the line of a malformed row), times relative to the slice's first arrival."""
     with open(path, newline="") as f:
-        for i, rec in enumerate(csv.DictReader(f)):
-            if i < start:
-                continue
-            if len(rows) >= n:
-                break
-            ts = datetime.fromisoformat(rec["TIMESTAMP"][:26])
-            t0 = t0 or ts
-            rows.append(
-                Row(
-                    at=(ts - t0).total_seconds() / speed,
-                    prompt=max(1, round(int(rec["ContextTokens"]) / length_scale)),
-                    output=max(1, min(max_output, int(rec["GeneratedTokens"]))),
-                )
-            )
-    return rows
+        rows = parse_trace(f, str(path))[start : start + n]
+    t0 = rows[0].time_s
+    return [
+        Row(
+            at=(r.time_s - t0) / speed,
+            prompt=max(1, round(r.prompt_tokens / length_scale)),
+            output=max(1, min(max_output, r.output_tokens)),
+        )
+        for r in rows
+    ]
 
 
 def make_tenants(base: str, n: int) -> list[str]:
