@@ -45,11 +45,12 @@ def _workers(redis_url: str, names: list[str], *extra: str) -> list[subprocess.P
     ]
 
 
-def _wait_workers(client: redis.Redis, n: int, timeout_s: float = 60) -> None:
+def _wait_workers(client: redis.Redis, names: list[str], timeout_s: float = 60) -> None:
+    """Until each named worker has a live heartbeat (a killed one's lingers in the worker set)."""
     deadline = time.monotonic() + timeout_s
-    while client.zcard(p.WORKERS_ZSET) < n:
+    while client.exists(*(p.worker_key(name) for name in names)) < len(names):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{n} workers did not register in {timeout_s} s; see bench/out")
+            raise RuntimeError(f"workers {names} did not register in {timeout_s} s; see bench/out")
         time.sleep(0.1)
 
 
@@ -117,9 +118,10 @@ def scaling(counts: list[int], duration_s: float) -> list[dict[str, object]]:
     rows = []
     for n in counts:
         with EmbeddedRedis() as server:
-            procs = _workers(server.url, [f"bench-{i}" for i in range(n)])
+            names = [f"bench-{i}" for i in range(n)]
+            procs = _workers(server.url, names)
             try:
-                _wait_workers(redis.Redis.from_url(server.url), n)
+                _wait_workers(redis.Redis.from_url(server.url), names)
                 rps, lat = asyncio.run(_closed_loop(server.url, duration_s))
             finally:
                 stop(procs)
@@ -140,7 +142,7 @@ def kill9(kills: int, claim_idle_s: float = 1.0) -> list[dict[str, object]]:
         names = ["bench-0", "bench-1"]
         procs = _workers(server.url, names, *slow)
         try:
-            _wait_workers(client, 2)
+            _wait_workers(client, names)
             replies = p.replies_stream("bench-kill")
             for k in range(kills):
                 rid = f"k{k}"
@@ -176,7 +178,7 @@ def kill9(kills: int, claim_idle_s: float = 1.0) -> list[dict[str, object]]:
                              "completion_tokens": finals[0].completion_tokens, "results": len(finals)})
                 names[i] = f"bench-{i}-{k}"  # a replacement, so two workers remain
                 procs[i] = _workers(server.url, [names[i]], *slow)[0]
-                _wait_workers(client, 2)
+                _wait_workers(client, names)
         finally:
             stop(procs)
     return rows
