@@ -59,7 +59,7 @@ class HFEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[choice.dtype])
         model.eval()
-        model.to(choice.device)
+        torch.nn.Module.to(model, choice.device)  # transformers' wrapper of `to` mistypes its argument
         if choice.ipex:
             import intel_extension_for_pytorch as ipex  # optional extra
 
@@ -192,8 +192,9 @@ class HFEngine:
             n = int(mask[row].sum())
             kv: dict[str, Any] = {}
             for i, layer in enumerate(cache.layers):
-                kv[f"k{i}"] = layer.keys[row : row + 1, :, -n:, :].contiguous().cpu()
-                kv[f"v{i}"] = layer.values[row : row + 1, :, -n:, :].contiguous().cpu()
+                keys, values = _kv(layer)
+                kv[f"k{i}"] = keys[row : row + 1, :, -n:, :].contiguous().cpu()
+                kv[f"v{i}"] = values[row : row + 1, :, -n:, :].contiguous().cpu()
             job = replace(seq.job, handoff=None, resume_ids=tuple(seq.out_ids), resume_chars=seq.text.sent)
             result.handoffs.append(Handoff(job, kv))
             seq.finished = True
@@ -233,8 +234,9 @@ class HFEngine:
         width = max(old_len, new_len)
         layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         for old, new in zip(self._cache.layers, cache.layers, strict=True):
-            keys = torch.cat([_left_pad(old.keys, width), _left_pad(new.keys, width)], dim=0)
-            values = torch.cat([_left_pad(old.values, width), _left_pad(new.values, width)], dim=0)
+            (old_k, old_v), (new_k, new_v) = _kv(old), _kv(new)
+            keys = torch.cat([_left_pad(old_k, width), _left_pad(new_k, width)], dim=0)
+            values = torch.cat([_left_pad(old_v, width), _left_pad(new_v, width)], dim=0)
             layers.append((keys, values))
         self._cache = DynamicCache(ddp_cache_data=layers)
         self._mask = torch.cat([_left_pad_mask(self._mask, width), _left_pad_mask(mask, width)], dim=0)
@@ -267,8 +269,9 @@ class HFEngine:
         if first > 0:
             self._mask = self._mask[:, first:]
             for layer in self._cache.layers:
-                layer.keys = layer.keys[..., first:, :]
-                layer.values = layer.values[..., first:, :]
+                keys, values = _kv(layer)
+                layer.keys = keys[..., first:, :]  # type: ignore[union-attr]
+                layer.values = values[..., first:, :]  # type: ignore[union-attr]
 
     # -- sampling and text --------------------------------------------------------------
 
@@ -283,7 +286,7 @@ class HFEngine:
                 seq.eos = True
             else:
                 seq.out_ids.append(token)
-            text = self.tokenizer.decode(seq.out_ids, skip_special_tokens=True)
+            text = str(self.tokenizer.decode(seq.out_ids, skip_special_tokens=True))
             total = len(seq.job.prompt_ids) + len(seq.out_ids)
             if reason is None and (
                 len(seq.out_ids) >= seq.job.params.max_tokens or total >= self.max_len
@@ -322,6 +325,13 @@ class HFEngine:
                 probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
             out.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
         return out
+
+
+def _kv(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dynamic cache layer's key and value tensors (set once the layer has seen a token)."""
+    keys, values = layer.keys, layer.values
+    assert isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)
+    return keys, values
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

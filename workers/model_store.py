@@ -98,7 +98,7 @@ def convert_gguf(gguf: Path, cache_dir: Path, served_name: str) -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # The weights are dequantized to fp32 on load; drop the GGUF quantizer so the
         # model saves as plain safetensors.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # transformers types it as a Module attribute
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(tmp)
