@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 from bench.common import OUT, RawClient, auth, open_loop, pct, spawn, stack, stop, table
 from gateway.embedded_redis import free_port
 from workers import protocol as p
+from workers import wire
 from workers.engine import EchoEngine
 
 CHAT = orjson.dumps(
@@ -80,7 +81,7 @@ async def redis_floor(
     redis_url: str, rates: list[float], duration: float
 ) -> list[tuple[float, list[float], int, float]]:
     client = aioredis.Redis.from_url(redis_url)
-    stream = p.replies_stream("bench-floor")
+    stream = wire.replies_stream("bench-floor")
     waiting: dict[str, asyncio.Future[None]] = {}
     ids = itertools.count()
 
@@ -102,7 +103,7 @@ async def redis_floor(
         fut = asyncio.get_running_loop().create_future()
         waiting[rid] = fut
         job = p.BatchJob(rid, stream, 0, (p.SeqJob(rid, tuple(range(30)), p.SamplingParams(16)),))
-        await client.xadd(p.jobs_stream("cpu"), p.encode_job(job))
+        await client.xadd(wire.jobs_stream("cpu"), p.encode_job(job))
         await fut
         return True
 

@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 
 from bench.common import OUT, pct, spawn, stop, table
 from gateway.embedded_redis import EmbeddedRedis
-from workers import model_store
+from workers import model_store, wire
 from workers import protocol as p
 
 CONCURRENCY = 64
@@ -48,7 +48,7 @@ def _workers(redis_url: str, names: list[str], *extra: str) -> list[subprocess.P
 def _wait_workers(client: redis.Redis, names: list[str], timeout_s: float = 60) -> None:
     """Until each named worker has a live heartbeat (a killed one's lingers in the worker set)."""
     deadline = time.monotonic() + timeout_s
-    while client.exists(*(p.worker_key(name) for name in names)) < len(names):
+    while client.exists(*(wire.worker_key(name) for name in names)) < len(names):
         if time.monotonic() > deadline:
             raise RuntimeError(f"workers {names} did not register in {timeout_s} s; see bench/out")
         time.sleep(0.1)
@@ -57,7 +57,7 @@ def _wait_workers(client: redis.Redis, names: list[str], timeout_s: float = 60) 
 async def _closed_loop(redis_url: str, duration_s: float) -> tuple[float, list[float]]:
     """Requests/s and latencies with CONCURRENCY one-sequence jobs always outstanding."""
     client = aioredis.Redis.from_url(redis_url)
-    replies = p.replies_stream("bench-workers")
+    replies = wire.replies_stream("bench-workers")
     waiting: dict[str, tuple[float, asyncio.Future[None]]] = {}
     ids = itertools.count()
     lat: list[float] = []
@@ -79,7 +79,7 @@ async def _closed_loop(redis_url: str, duration_s: float) -> tuple[float, list[f
         fut = asyncio.get_running_loop().create_future()
         waiting[rid] = (time.perf_counter(), fut)
         job = p.BatchJob(rid, replies, 0, (p.SeqJob(rid, tuple(range(30)), p.SamplingParams(16)),))
-        await client.xadd(p.jobs_stream("cpu"), p.encode_job(job))
+        await client.xadd(wire.jobs_stream("cpu"), p.encode_job(job))
         await fut
 
     async def runner(until: float) -> int:
@@ -143,18 +143,18 @@ def kill9(kills: int, claim_idle_s: float = 1.0) -> list[dict[str, object]]:
         procs = _workers(server.url, names, *slow)
         try:
             _wait_workers(client, names)
-            replies = p.replies_stream("bench-kill")
+            replies = wire.replies_stream("bench-kill")
             for k in range(kills):
                 rid = f"k{k}"
                 last = client.xadd(replies, {"x": "start"})  # read replies after this id
                 job = p.BatchJob(rid, replies, 0, (p.SeqJob(rid, tuple(range(30)), p.SamplingParams(50)),))
-                client.xadd(p.jobs_stream("cpu"), p.encode_job(job))
+                client.xadd(wire.jobs_stream("cpu"), p.encode_job(job))
                 holder = None
                 deadline = time.monotonic() + 30
                 while holder is None:
                     if time.monotonic() > deadline:
                         raise RuntimeError("no worker took the request; see bench/out/workers-*.log")
-                    pending = client.xpending_range(p.jobs_stream("cpu"), p.GROUP, "-", "+", count=10)
+                    pending = client.xpending_range(wire.jobs_stream("cpu"), wire.GROUP, "-", "+", count=10)
                     holder = pending[0]["consumer"].decode() if pending else None
                     time.sleep(0.01)
                 time.sleep(0.3)  # mid-request: about 15 of its 50 tokens are done

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from gateway import gcra, keyspace
+from gateway import gcra
 from gateway.errors import GatewayError, RateLimited, TokensRateLimited, Unauthorized
 from gateway.keys import KeyRef
 from gateway.limits import over_burst
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant
+from workers import wire
 
 _PRELUDE = """
 local function num(x) return string.format('%.17g', x) end
@@ -190,7 +191,7 @@ class Budget:
         s = self.settings
         lease_s = max_wait + s.request_timeout_s + 30.0
         reply = await self._admit(
-            keys=[*_keys(tenant.id, rid, wall), keyspace.api_key(key.prefix if key else "")],
+            keys=[*_keys(tenant.id, rid, wall), wire.api_key(key.prefix if key else "")],
             args=_args(
                 tenant.rate,
                 tenant.burst,
@@ -284,8 +285,8 @@ class Budget:
         """The tenant's budget right now (Redis clock), for operators."""
         pipe = self.client.pipeline(transaction=False)
         pipe.time()
-        pipe.get(keyspace.budget(tenant.id))
-        pipe.zrange(keyspace.in_flight(tenant.id), 0, -1, withscores=True)
+        pipe.get(wire.budget(tenant.id))
+        pipe.zrange(wire.in_flight(tenant.id), 0, -1, withscores=True)
         (sec, usec), raw, leases = await pipe.execute()
         now = sec + usec / 1_000_000
         tat = max(float(raw), now) if raw is not None else now
@@ -300,8 +301,8 @@ def _keys(tid: str, rid: str, wall: float | None) -> list[str]:
     """The keys both scripts take; usage is counted in the minute of ``wall`` (unix time)."""
     minute = int((time.time() if wall is None else wall) // 60)
     return [
-        keyspace.budget(tid),
-        keyspace.in_flight(tid),
-        keyspace.request(rid),
-        keyspace.usage(tid, minute),
+        wire.budget(tid),
+        wire.in_flight(tid),
+        wire.request(rid),
+        wire.usage(tid, minute),
     ]

@@ -26,18 +26,13 @@ from gateway.scheduling import Origin, SchedulerShell
 from gateway.settings import GatewaySettings
 from sched_core import Contract, Reject, SchedulerConfig
 from workers import protocol as p
-from workers.fencing import cancel_key
-from workers.worker import CANCEL_CHANNEL
+from workers import wire
 
 log = logging.getLogger("tokengate.dispatch")
 
 CANCEL_TTL_S = 600
 TICK_S = 0.002  # how often the scheduler is asked while requests wait
-GATEWAYS_ZSET = "tg:gateways"
 
-
-def gateway_key(gateway_id: str) -> str:
-    return f"tg:gateway:{gateway_id}"
 
 
 @dataclass(slots=True)
@@ -58,7 +53,7 @@ class Dispatcher:
     ) -> None:
         self.settings = settings
         self.client = client
-        self.replies = p.replies_stream(settings.gateway_id)
+        self.replies = wire.replies_stream(settings.gateway_id)
         self.shell = SchedulerShell(settings.gateway_id, self.replies, config, settings.handoff_min_prompt)
         self.pending: dict[str, Pending] = {}
         self.workers: dict[str, p.Heartbeat] = {}
@@ -86,8 +81,8 @@ class Dispatcher:
                 await task
         with contextlib.suppress(RedisError):
             pipe = self.client.pipeline(transaction=False)
-            pipe.delete(self.replies, gateway_key(self.settings.gateway_id))
-            pipe.zrem(GATEWAYS_ZSET, self.settings.gateway_id)
+            pipe.delete(self.replies, wire.gateway_key(self.settings.gateway_id))
+            pipe.zrem(wire.GATEWAYS_ZSET, self.settings.gateway_id)
             await pipe.execute()
 
     # -- requests -------------------------------------------------------------------------
@@ -134,8 +129,8 @@ class Dispatcher:
 
     async def _send_cancel(self, rid: str) -> None:
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(cancel_key(rid), 1, ex=CANCEL_TTL_S)
-        pipe.publish(CANCEL_CHANNEL, rid)
+        pipe.set(wire.cancel_key(rid), 1, ex=CANCEL_TTL_S)
+        pipe.publish(wire.CANCEL_CHANNEL, rid)
         try:
             await pipe.execute()
         except RedisError as exc:
@@ -159,7 +154,7 @@ class Dispatcher:
                 continue
             pipe = self.client.pipeline(transaction=False)
             for send in sends:
-                pipe.xadd(p.jobs_stream(send.pool), p.encode_job(send.job))
+                pipe.xadd(wire.jobs_stream(send.pool), p.encode_job(send.job))
             try:
                 await pipe.execute()
             except RedisError as exc:
@@ -218,16 +213,16 @@ class Dispatcher:
         scheduler this gateway's share of each pool."""
         me = self.settings.gateway_id
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(gateway_key(me), 1, px=int(self.settings.heartbeat_ttl_s * 1000))
-        pipe.zadd(GATEWAYS_ZSET, {me: time.time()})
-        pipe.zrange(p.WORKERS_ZSET, 0, -1)
-        pipe.zrange(GATEWAYS_ZSET, 0, -1)
+        pipe.set(wire.gateway_key(me), 1, px=int(self.settings.heartbeat_ttl_s * 1000))
+        pipe.zadd(wire.GATEWAYS_ZSET, {me: time.time()})
+        pipe.zrange(wire.WORKERS_ZSET, 0, -1)
+        pipe.zrange(wire.GATEWAYS_ZSET, 0, -1)
         _, _, worker_ids, gateway_ids = await pipe.execute()
         wids = [i.decode() for i in worker_ids]
         gids = [i.decode() for i in gateway_ids]
         pipe = self.client.pipeline(transaction=False)
-        pipe.mget([p.worker_key(i) for i in wids] or ["tg:none"])
-        pipe.mget([gateway_key(i) for i in gids] or ["tg:none"])
+        pipe.mget([wire.worker_key(i) for i in wids] or ["tg:none"])
+        pipe.mget([wire.gateway_key(i) for i in gids] or ["tg:none"])
         raws, alive_gws = await pipe.execute()
         workers: dict[str, p.Heartbeat] = {}
         gone: list[str] = []
@@ -242,9 +237,9 @@ class Dispatcher:
         dead_gws = [g for g, alive in zip(gids, alive_gws, strict=False) if alive is None]
         pipe = self.client.pipeline(transaction=False)
         if gone:
-            pipe.zrem(p.WORKERS_ZSET, *gone)
+            pipe.zrem(wire.WORKERS_ZSET, *gone)
         if dead_gws:
-            pipe.zrem(GATEWAYS_ZSET, *dead_gws)
+            pipe.zrem(wire.GATEWAYS_ZSET, *dead_gws)
         await pipe.execute()
         self.workers = workers
         self.gateways = max(1, len(gids) - len(dead_gws))

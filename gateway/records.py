@@ -13,8 +13,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gateway import keyspace
 from gateway.errors import NotFound
+from workers import wire
 
 _INTS = ("prompt_tokens", "reserved_tokens", "charged_tokens")
 _FLOATS = (
@@ -35,21 +35,21 @@ def request_id(ref: str) -> str:
 def decode(rid: str, fields: Mapping[bytes | str, bytes | str]) -> dict[str, Any]:
     doc: dict[str, Any] = {"id": rid, "object": "request"}
     for k, v in fields.items():
-        name, text = keyspace.text(k), keyspace.text(v)
+        name, text = wire.text(k), wire.text(v)
         doc[name] = int(text) if name in _INTS else float(text) if name in _FLOATS else text
     return doc
 
 
 async def owner(client: aioredis.Redis, rid: str) -> str | None:
     """The id of the tenant that owns ``rid``, or None when unknown or expired."""
-    found = await client.hget(keyspace.request(rid), "tenant")
-    return None if found is None else keyspace.text(found)
+    found = await client.hget(wire.request(rid), "tenant")
+    return None if found is None else wire.text(found)
 
 
 async def read(client: aioredis.Redis, ref: str, tenant_id: str) -> dict[str, Any]:
     """The record of one of ``tenant_id``'s requests; NotFound for anything else."""
     rid = request_id(ref)
-    fields = await client.hgetall(keyspace.request(rid)) if len(rid) <= 64 else {}
-    if keyspace.text(fields.get(b"tenant", b"")) != tenant_id:
+    fields = await client.hgetall(wire.request(rid)) if len(rid) <= 64 else {}
+    if wire.text(fields.get(b"tenant", b"")) != tenant_id:
         raise NotFound(f"No request '{ref}'.", param="id")
     return decode(rid, fields)

@@ -1,4 +1,4 @@
-"""Tenants and their API keys in Redis (key schema: ``gateway.keyspace``, docs/tenants.md).
+"""Tenants and their API keys in Redis (key schema: ``workers.wire``, docs/tenants.md).
 
 Every write that must not race (a unique name, a key for a tenant that is being deleted)
 is one Lua script; reads are plain commands. Only key prefixes and digests are stored.
@@ -14,9 +14,10 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-from gateway import keys, keyspace
+from gateway import keys
 from gateway.errors import Conflict, NotFound
 from gateway.tenants import Tenant, from_doc, is_id, to_doc
+from workers import wire
 
 # KEYS: names, tenant doc, ids. ARGV: id, name, doc, expected old doc ('' to create), old name
 _SAVE = """
@@ -119,8 +120,8 @@ class TenantStore:
     # -- tenants -------------------------------------------------------------------------------
 
     async def _raw(self, ref: str) -> bytes:
-        tid = ref if is_id(ref) else await self.client.hget(keyspace.TENANT_NAMES, ref)
-        raw = await self.client.get(keyspace.tenant(keyspace.text(tid))) if tid else None
+        tid = ref if is_id(ref) else await self.client.hget(wire.TENANT_NAMES, ref)
+        raw = await self.client.get(wire.tenant(wire.text(tid))) if tid else None
         if raw is None:
             raise _no_tenant(ref)
         return _bytes(raw)
@@ -130,8 +131,8 @@ class TenantStore:
         return _tenant(await self._raw(ref))
 
     async def list_tenants(self) -> list[Tenant]:
-        ids = sorted(keyspace.text(i) for i in await self.client.smembers(keyspace.TENANT_IDS))
-        raws = await self.client.mget([keyspace.tenant(i) for i in ids]) if ids else []
+        ids = sorted(wire.text(i) for i in await self.client.smembers(wire.TENANT_IDS))
+        raws = await self.client.mget([wire.tenant(i) for i in ids]) if ids else []
         return sorted(
             (_tenant(_bytes(r)) for r in raws if r is not None), key=lambda t: (t.created, t.name)
         )
@@ -139,7 +140,7 @@ class TenantStore:
     async def _write(self, t: Tenant, old: bytes | None, old_name: str = "") -> str:
         doc = orjson.dumps(to_doc(t))
         reply = await self._save(
-            keys=[keyspace.TENANT_NAMES, keyspace.tenant(t.id), keyspace.TENANT_IDS],
+            keys=[wire.TENANT_NAMES, wire.tenant(t.id), wire.TENANT_IDS],
             args=[t.id, t.name, doc, old or b"", old_name],
         )
         status = reply.decode()
@@ -170,14 +171,14 @@ class TenantStore:
         t = await self.get(ref)
         done = await self._delete(
             keys=[
-                keyspace.TENANT_NAMES,
-                keyspace.tenant(t.id),
-                keyspace.TENANT_IDS,
-                keyspace.tenant_keys(t.id),
-                keyspace.budget(t.id),
-                keyspace.in_flight(t.id),
+                wire.TENANT_NAMES,
+                wire.tenant(t.id),
+                wire.TENANT_IDS,
+                wire.tenant_keys(t.id),
+                wire.budget(t.id),
+                wire.in_flight(t.id),
             ],
-            args=[t.id, t.name, keyspace.KEY_PREFIX],
+            args=[t.id, t.name, wire.KEY_PREFIX],
         )
         if not done:
             raise _no_tenant(ref)
@@ -196,9 +197,9 @@ class TenantStore:
             status = (
                 await self._issue(
                     keys=[
-                        keyspace.tenant(t.id),
-                        keyspace.api_key(new.prefix),
-                        keyspace.tenant_keys(t.id),
+                        wire.tenant(t.id),
+                        wire.api_key(new.prefix),
+                        wire.tenant_keys(t.id),
                     ],
                     args=[t.id, new.digest, name, created, new.prefix],
                 )
@@ -212,11 +213,11 @@ class TenantStore:
     async def list_keys(self, ref: str) -> list[KeyInfo]:
         t = await self.get(ref)
         prefixes = sorted(
-            keyspace.text(p) for p in await self.client.smembers(keyspace.tenant_keys(t.id))
+            wire.text(p) for p in await self.client.smembers(wire.tenant_keys(t.id))
         )
         pipe = self.client.pipeline(transaction=False)
         for prefix in prefixes:
-            pipe.hmget(keyspace.api_key(prefix), "name", "created")
+            pipe.hmget(wire.api_key(prefix), "name", "created")
         out = []
         for prefix, (name, created) in zip(prefixes, await pipe.execute(), strict=True):
             if created is not None:
@@ -225,17 +226,17 @@ class TenantStore:
 
     async def revoke_key(self, prefix: str) -> None:
         if not keys.is_prefix(prefix) or not await self._revoke(
-            keys=[keyspace.api_key(prefix)], args=[prefix, keyspace.TENANT_KEYS_PREFIX]
+            keys=[wire.api_key(prefix)], args=[prefix, wire.TENANT_KEYS_PREFIX]
         ):
             raise NotFound(f"No API key with prefix '{prefix}'.", param="prefix")
 
     async def lookup(self, prefix: str) -> tuple[str, Tenant] | None:
         """The stored digest of the key with this prefix and its tenant, in one round trip."""
-        found = await self._lookup(keys=[keyspace.api_key(prefix)], args=[keyspace.TENANT_PREFIX])
+        found = await self._lookup(keys=[wire.api_key(prefix)], args=[wire.TENANT_PREFIX])
         if not found:
             return None
         digest, raw = found
-        return keyspace.text(digest), _tenant(raw)
+        return wire.text(digest), _tenant(raw)
 
     async def authenticate(self, key: str) -> Tenant | None:
         """The tenant a key belongs to, or None for a malformed, unknown or revoked key."""

@@ -11,8 +11,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gateway import keyspace
 from gateway.errors import InvalidRequest
+from workers import wire
 
 FIELDS = ("requests", "rate_limited", "prompt_tokens", "completion_tokens")
 MAX_MINUTES = 7 * 24 * 60
@@ -57,7 +57,7 @@ async def series(client: aioredis.Redis, tid: str, first: int, last: int) -> lis
     pipe = client.pipeline(transaction=False)
     minutes = range(first, last + 1)
     for minute in minutes:
-        pipe.hgetall(keyspace.usage(tid, minute))
+        pipe.hgetall(wire.usage(tid, minute))
     return [row(m, c) for m, c in zip(minutes, await pipe.execute(), strict=True) if c]
 
 

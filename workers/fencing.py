@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import redis
 
 from workers import protocol as p
+from workers import wire
 
 # KEYS: 1 jobs stream, 2 reply stream, then n_prog progress keys to write, n_del keys to
 #       delete, n_h KV keys and n_h target job streams for hand-overs
@@ -54,7 +55,7 @@ if ARGV[7] == '1' then
 end
 local cancelled = {}
 for i = a, #ARGV do
-  if redis.call('EXISTS', 'tg:cancel:' .. ARGV[i]) == 1 then
+  if redis.call('EXISTS', '""" + wire.CANCEL_PREFIX + """' .. ARGV[i]) == 1 then
     cancelled[#cancelled + 1] = ARGV[i]
   end
 end
@@ -99,16 +100,7 @@ class HandoffWrite:
     job: bytes  # the encoded job document ("m")
 
 
-def kv_key(rid: str) -> str:
-    return f"tg:kv:{rid}"
 
-
-def cancel_key(rid: str) -> str:
-    return f"tg:cancel:{rid}"
-
-
-def progress_key(rid: str) -> str:
-    return f"tg:progress:{rid}"
 
 
 def pack_ids(ids: tuple[int, ...]) -> bytes:
@@ -157,11 +149,11 @@ class Fence:
         payload = p.encode_events(events)["m"] if events else b""
         writes = list(progress.items())
         keys = [self.stream, reply_to]
-        keys += [progress_key(rid) for rid, _ in writes]
+        keys += [wire.progress_key(rid) for rid, _ in writes]
         keys += delete
         keys += [h.kv_key for h in handoffs] + [h.stream for h in handoffs]
         args: list[bytes | str | int] = [
-            p.GROUP, self.consumer, entry_id, p.VERSION, payload, maxlen, int(ack), self.progress_ttl_ms,
+            wire.GROUP, self.consumer, entry_id, p.VERSION, payload, maxlen, int(ack), self.progress_ttl_ms,
             len(writes), len(delete), len(handoffs),
         ]
         for _rid, (ids, chars) in writes:
@@ -173,27 +165,31 @@ class Fence:
     def touch(self, entry_ids: list[bytes]) -> int:
         if not entry_ids:
             return 0
-        return int(self._touch(keys=[self.stream], args=[p.GROUP, self.consumer, *entry_ids]))
+        return int(self._touch(keys=[self.stream], args=[wire.GROUP, self.consumer, *entry_ids]))
 
     def dead_letter(self, entry_id: bytes, job_payload: bytes, job: p.BatchJob | None, deliveries: int) -> bool:
         reason = f"failed {deliveries} deliveries"
         rids = [s.rid for s in job.seqs] if job else []
         errors: list[p.Event] = [
-            p.Failed(rid, "poison", f"request {rid} {reason}; moved to the dead-letter stream {p.DEAD_LETTER_STREAM}")
+            p.Failed(
+                rid, "poison", f"request {rid} {reason}; moved to the dead-letter stream {wire.DEAD_LETTER_STREAM}"
+            )
             for rid in rids
         ]
-        reply_to = job.reply_to if job else p.DEAD_LETTER_STREAM
+        reply_to = job.reply_to if job else wire.DEAD_LETTER_STREAM
         return bool(
             self._dead(
-                keys=[self.stream, p.DEAD_LETTER_STREAM, reply_to],
-                args=[p.GROUP, self.consumer, entry_id, p.VERSION, job_payload, p.encode_events(errors)["m"], reason],
+                keys=[self.stream, wire.DEAD_LETTER_STREAM, reply_to],
+                args=[
+                    wire.GROUP, self.consumer, entry_id, p.VERSION, job_payload, p.encode_events(errors)["m"], reason
+                ],
             )
         )
 
     def progress(self, rids: list[str]) -> dict[str, Progress]:
         pipe = self.client.pipeline(transaction=False)
         for rid in rids:
-            pipe.hmget(progress_key(rid), "ids", "chars")
+            pipe.hmget(wire.progress_key(rid), "ids", "chars")
         out: dict[str, Progress] = {}
         for rid, (ids, chars) in zip(rids, pipe.execute(), strict=True):
             if ids is not None and chars is not None:

@@ -15,21 +15,6 @@ import orjson
 VERSION = 1
 
 POOLS = ("cpu", "gpu")
-GROUP = "workers"  # the consumer group every jobs stream carries
-WORKERS_ZSET = "tg:workers"  # worker id -> last heartbeat (Redis server time, seconds)
-DEAD_LETTER_STREAM = "tg:dead"
-
-
-def jobs_stream(pool: str) -> str:
-    return f"tg:jobs:{pool}"
-
-
-def replies_stream(gateway_id: str) -> str:
-    return f"tg:replies:{gateway_id}"
-
-
-def worker_key(worker_id: str) -> str:
-    return f"tg:worker:{worker_id}"
 
 
 class ProtocolError(ValueError):

@@ -28,12 +28,12 @@ from pathlib import Path
 import redis
 
 from workers import protocol as p
+from workers import wire
 from workers.engine import Engine, Handoff, StepResult
-from workers.fencing import Fence, HandoffWrite, Progress, cancel_key, kv_key, progress_key
+from workers.fencing import Fence, HandoffWrite, Progress
 
 log = logging.getLogger("tokengate.worker")
 
-CANCEL_CHANNEL = "tg:cancel"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +91,7 @@ class Worker:
         self.engine = engine
         self.client = client
         self.model = model
-        self.stream = p.jobs_stream(settings.pool)
+        self.stream = wire.jobs_stream(settings.pool)
         self.fence = Fence(client, self.stream, settings.worker_id)
         self._batches: dict[str, _Batch] = {}  # batch_id -> state
         self._batch_of: dict[str, str] = {}  # rid -> batch_id
@@ -150,7 +150,7 @@ class Worker:
 
     def _ensure_group(self) -> None:
         try:
-            self.client.xgroup_create(self.stream, p.GROUP, id="0", mkstream=True)
+            self.client.xgroup_create(self.stream, wire.GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -161,7 +161,7 @@ class Worker:
         if self.engine.free_slots <= 0:
             return
         reply = self.client.xreadgroup(
-            p.GROUP, self.settings.worker_id, {self.stream: ">"}, count=1, block=block_ms or None
+            wire.GROUP, self.settings.worker_id, {self.stream: ">"}, count=1, block=block_ms or None
         )
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
@@ -174,7 +174,7 @@ class Worker:
         self._next_claim = now + self.settings.claim_every_s
         _next, entries, _deleted = self.client.xautoclaim(
             self.stream,
-            p.GROUP,
+            wire.GROUP,
             self.settings.worker_id,
             min_idle_time=int(self.settings.claim_idle_s * 1000),
             start_id="0-0",
@@ -182,9 +182,9 @@ class Worker:
         )
         for entry_id, fields in entries:
             if not fields:  # trimmed away while pending
-                self.client.xack(self.stream, p.GROUP, entry_id)
+                self.client.xack(self.stream, wire.GROUP, entry_id)
                 continue
-            info = self.client.xpending_range(self.stream, p.GROUP, min=entry_id, max=entry_id, count=1)
+            info = self.client.xpending_range(self.stream, wire.GROUP, min=entry_id, max=entry_id, count=1)
             deliveries = int(info[0]["times_delivered"]) if info else 1
             log.warning("reclaimed %s from a silent worker (delivery %d)", entry_id.decode(), deliveries)
             if deliveries > self.settings.max_deliveries:
@@ -202,22 +202,24 @@ class Worker:
         except p.ProtocolError:
             job = None
         if self.fence.dead_letter(entry_id, fields.get(b"m", b""), job, deliveries):
-            log.error("entry %s failed %d deliveries: moved to %s", entry_id.decode(), deliveries, p.DEAD_LETTER_STREAM)
+            log.error(
+                "entry %s failed %d deliveries: moved to %s", entry_id.decode(), deliveries, wire.DEAD_LETTER_STREAM
+            )
 
     def _accept(self, entry_id: bytes, fields: dict[bytes, bytes], progress: dict[str, Progress]) -> None:
         try:
             job = p.decode_job(fields)
         except p.ProtocolError as exc:
             log.error("dropping unreadable entry %s: %s", entry_id, exc)
-            self.client.xack(self.stream, p.GROUP, entry_id)
+            self.client.xack(self.stream, wire.GROUP, entry_id)
             return
         batch = _Batch(entry_id, job, {s.rid for s in job.seqs})
         with self._lock:
             self._batches[job.batch_id] = batch
         # cancels sent before this worker subscribed (or while it was down) left keys
         cancelled = set(self._recent_cancels)
-        if self.client.exists(*(cancel_key(s.rid) for s in job.seqs)):
-            cancelled |= {s.rid for s in job.seqs if self.client.exists(cancel_key(s.rid))}
+        if self.client.exists(*(wire.cancel_key(s.rid) for s in job.seqs)):
+            cancelled |= {s.rid for s in job.seqs if self.client.exists(wire.cancel_key(s.rid))}
         for seq in job.seqs:
             self._batch_of[seq.rid] = job.batch_id
             done = progress.get(seq.rid)
@@ -243,7 +245,7 @@ class Worker:
 
     def _cancel_loop(self) -> None:
         pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(CANCEL_CHANNEL)
+        pubsub.subscribe(wire.CANCEL_CHANNEL)
         try:
             while not self._stop_threads.is_set():
                 msg = pubsub.get_message(timeout=0.5)
@@ -320,7 +322,7 @@ class Worker:
                 evs.append(self._report(b))
             streamed = {ev.rid for ev in evs if isinstance(ev, p.Delta)}
             progress = {rid: result.progress[rid] for rid in streamed if rid in result.progress}
-            delete = [progress_key(r) for r in finished] + [kv_key(r) for r in finished]
+            delete = [wire.progress_key(r) for r in finished] + [wire.kv_key(r) for r in finished]
             self.fence.publish(
                 pipe, b.entry_id, b.job.reply_to, evs, done, progress, delete, moved,
                 check_cancel=list(b.pending), maxlen=self.settings.reply_maxlen,
@@ -345,9 +347,9 @@ class Worker:
 
         target = b.job.handoff_pool(h.seq.rid)
         b.output_tokens[h.seq.rid] = len(h.seq.resume_ids)
-        key = kv_key(h.seq.rid)
+        key = wire.kv_key(h.seq.rid)
         job = p.BatchJob(f"{b.job.batch_id}/{h.seq.rid}", b.job.reply_to, b.job.bucket, (replace(h.seq, kv_key=key),))
-        return HandoffWrite(h.seq.rid, key, save(h.kv), p.jobs_stream(target), p.encode_job(job)["m"])
+        return HandoffWrite(h.seq.rid, key, save(h.kv), wire.jobs_stream(target), p.encode_job(job)["m"])
 
     def _account(self, result: StepResult) -> None:
         for pre in result.prefills:
@@ -405,14 +407,14 @@ class Worker:
 
     def _heartbeat_loop(self) -> None:
         ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
-        key = p.worker_key(self.settings.worker_id)
+        key = wire.worker_key(self.settings.worker_id)
         touch_every = self.settings.claim_idle_s / 3
         last_touch = time.monotonic()
         while not self._stop_threads.is_set():
             try:
                 pipe = self.client.pipeline(transaction=False)
                 pipe.set(key, p.encode_heartbeat(self.heartbeat()), px=ttl_ms)
-                pipe.zadd(p.WORKERS_ZSET, {self.settings.worker_id: time.time()})
+                pipe.zadd(wire.WORKERS_ZSET, {self.settings.worker_id: time.time()})
                 pipe.execute()
                 if time.monotonic() - last_touch >= touch_every:
                     last_touch = time.monotonic()
@@ -425,7 +427,7 @@ class Worker:
 
     def _deregister(self) -> None:
         try:
-            self.client.delete(p.worker_key(self.settings.worker_id))
-            self.client.zrem(p.WORKERS_ZSET, self.settings.worker_id)
+            self.client.delete(wire.worker_key(self.settings.worker_id))
+            self.client.zrem(wire.WORKERS_ZSET, self.settings.worker_id)
         except redis.RedisError:
             pass

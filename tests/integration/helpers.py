@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import redis
 
 from workers import protocol as p
+from workers import wire
 from workers.engine import Engine
 from workers.worker import Worker, WorkerSettings
 
@@ -30,7 +31,7 @@ def running_worker(redis_url: str, engine: Engine, **kw: object) -> Iterator[Wor
 
 
 def send(client: redis.Redis, job: p.BatchJob, pool: str = "cpu") -> None:
-    client.xadd(p.jobs_stream(pool), p.encode_job(job))
+    client.xadd(wire.jobs_stream(pool), p.encode_job(job))
 
 
 def collect(client: redis.Redis, stream: str, until_batches: int, timeout_s: float = 60) -> list[p.Event]:

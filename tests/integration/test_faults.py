@@ -16,12 +16,11 @@ import pytest
 import redis
 
 from workers import protocol as p
-from workers.fencing import cancel_key
-from workers.worker import CANCEL_CHANNEL
+from workers import wire
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
-REPLIES = p.replies_stream("gw-faults")
+REPLIES = wire.replies_stream("gw-faults")
 PIECE = " echo"
 
 
@@ -129,7 +128,7 @@ def test_random_kill_9_loses_nothing_and_delivers_nothing_twice(
     thread.start()
     try:
         for rid, stream in rids.items():
-            redis_client.xadd(p.jobs_stream("cpu"), p.encode_job(_job(rid, stream)))
+            redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job(rid, stream)))
             time.sleep(0.01)
         events = _read_all(redis_client, set(rids), timeout_s=120)
     finally:
@@ -137,13 +136,13 @@ def test_random_kill_9_loses_nothing_and_delivers_nothing_twice(
         thread.join()
     assert kills >= 3
     _check_exactly_once(events, rids, tokens=12)
-    assert redis_client.xpending(p.jobs_stream("cpu"), p.GROUP)["pending"] == 0
+    assert redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 0
 
 
 def test_paused_worker_late_result_is_discarded(redis_client: redis.Redis, workers: Workers) -> None:
     slow = workers.start()
-    redis_client.xadd(p.jobs_stream("cpu"), p.encode_job(_job("paused-s", True)))
-    redis_client.xadd(p.jobs_stream("cpu"), p.encode_job(_job("paused-n", False)))
+    redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job("paused-s", True)))
+    redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job("paused-n", False)))
     # let it stream a few tokens, then freeze it mid-batch
     deadline = time.monotonic() + 20
     while redis_client.xlen(REPLIES) < 3 and time.monotonic() < deadline:
@@ -163,31 +162,31 @@ def test_paused_worker_late_result_is_discarded(redis_client: redis.Redis, worke
 
 def test_cancel_while_queued_and_mid_stream(redis_client: redis.Redis, workers: Workers) -> None:
     workers.start("--slots", "1")
-    redis_client.xadd(p.jobs_stream("cpu"), p.encode_job(_job("running", True, max_tokens=12)))
-    redis_client.xadd(p.jobs_stream("cpu"), p.encode_job(_job("queued", False)))
+    redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job("running", True, max_tokens=12)))
+    redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job("queued", False)))
     time.sleep(0.1)
     # cancel the queued one the way the gateway does: key + message
-    redis_client.set(cancel_key("queued"), 1, ex=60)
-    redis_client.publish(CANCEL_CHANNEL, "queued")
+    redis_client.set(wire.cancel_key("queued"), 1, ex=60)
+    redis_client.publish(wire.CANCEL_CHANNEL, "queued")
     events = _read_all(redis_client, {"running", "queued"}, timeout_s=20)
     queued = [e for e in events if isinstance(e, p.Finished) and e.rid == "queued"]
     assert queued and queued[0].finish_reason == "cancelled" and queued[0].completion_tokens == 0
 
     workers.procs[0].kill()
     workers.start("--echo-tokens", "1000")
-    redis_client.xadd(p.jobs_stream("cpu"), p.encode_job(_job("long", True, max_tokens=1000)))
+    redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job("long", True, max_tokens=1000)))
     deadline = time.monotonic() + 20
     while redis_client.xlen(REPLIES) < 8 and time.monotonic() < deadline:
         time.sleep(0.02)
-    redis_client.set(cancel_key("long"), 1, ex=60)
-    redis_client.publish(CANCEL_CHANNEL, "long")
+    redis_client.set(wire.cancel_key("long"), 1, ex=60)
+    redis_client.publish(wire.CANCEL_CHANNEL, "long")
     events = _read_all(redis_client, {"long"}, timeout_s=20)
     final = [e for e in events if isinstance(e, p.Finished) and e.rid == "long"][0]
     assert final.finish_reason == "cancelled" and final.completion_tokens < 100
     # repeated and late cancels are harmless
-    redis_client.publish(CANCEL_CHANNEL, "long")
-    redis_client.publish(CANCEL_CHANNEL, "never-existed")
-    redis_client.xadd(p.jobs_stream("cpu"), p.encode_job(_job("after", False, max_tokens=3)))
+    redis_client.publish(wire.CANCEL_CHANNEL, "long")
+    redis_client.publish(wire.CANCEL_CHANNEL, "never-existed")
+    redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job("after", False, max_tokens=3)))
     events = _read_all(redis_client, {"after"}, timeout_s=20)
     assert [e.text for e in events if isinstance(e, p.Finished) and e.rid == "after"] == [PIECE * 3]
 
@@ -200,33 +199,33 @@ def test_poison_entry_goes_to_dead_letter_and_its_client_is_told(
     try:
         ws.start()
         # a token id far outside the vocabulary makes the model's embedding lookup fail
-        redis_client.xadd(p.jobs_stream("cpu"), p.encode_job(_job("poison", False, 4, prompt=(1, 10**9))))
-        redis_client.xadd(p.jobs_stream("cpu"), p.encode_job(_job("healthy", False, 4)))
+        redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job("poison", False, 4, prompt=(1, 10**9))))
+        redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job("healthy", False, 4)))
         events = _read_all(redis_client, {"poison", "healthy"}, timeout_s=120)
     finally:
         ws.stop_all()
     failed = [e for e in events if isinstance(e, p.Failed)]
     assert [(e.rid, e.code) for e in failed] == [("poison", "poison")]
-    assert "poison" in failed[0].message and p.DEAD_LETTER_STREAM in failed[0].message
+    assert "poison" in failed[0].message and wire.DEAD_LETTER_STREAM in failed[0].message
     assert [e.rid for e in events if isinstance(e, p.Finished)] == ["healthy"]
-    dead = redis_client.xrange(p.DEAD_LETTER_STREAM)
+    dead = redis_client.xrange(wire.DEAD_LETTER_STREAM)
     assert len(dead) == 1 and dead[0][1][b"reason"] == b"failed 3 deliveries"
-    assert redis_client.xpending(p.jobs_stream("cpu"), p.GROUP)["pending"] == 0
+    assert redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 0
 
 
 def test_sigterm_drains_running_work_then_exits(redis_client: redis.Redis, workers: Workers) -> None:
     proc = workers.start()
     rids = {f"d{i}": i % 2 == 0 for i in range(3)}
     for rid, stream in rids.items():
-        redis_client.xadd(p.jobs_stream("cpu"), p.encode_job(_job(rid, stream)))
+        redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job(rid, stream)))
     deadline = time.monotonic() + 20
     while redis_client.xlen(REPLIES) < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 0
     # what it had taken it finished and acked; what it had not read waits for a peer
-    assert redis_client.xpending(p.jobs_stream("cpu"), p.GROUP)["pending"] == 0
-    assert redis_client.get(p.worker_key("w1")) is None  # deregistered on the way out
+    assert redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 0
+    assert redis_client.get(wire.worker_key("w1")) is None  # deregistered on the way out
     workers.start()
     events = _read_all(redis_client, set(rids), timeout_s=20)
     _check_exactly_once(events, rids, tokens=12)
@@ -262,4 +261,4 @@ def test_a_silent_worker_drops_out_of_the_gateway_view(
     while "w1" in asyncio.run(view()):
         time.sleep(0.05)
         assert time.monotonic() - killed < 10
-    assert redis_client.zscore(p.WORKERS_ZSET, "w1") is None
+    assert redis_client.zscore(wire.WORKERS_ZSET, "w1") is None

@@ -9,6 +9,7 @@ import redis
 
 from tests.integration.test_faults import REPLIES, Workers, _read_all
 from workers import protocol as p
+from workers import wire
 from workers.model_store import ModelSpec
 
 pytestmark = [pytest.mark.redis, pytest.mark.model, pytest.mark.slow]
@@ -46,7 +47,7 @@ def test_handoff_output_equals_one_worker_doing_both(
                 for stream in (False, True):
                     rid = f"{mode}-{i}-{int(stream)}"
                     seq = p.SeqJob(rid, x, greedy, stream=stream, handoff=handoff)
-                    redis_client.xadd(p.jobs_stream("cpu"), p.encode_job(p.BatchJob(f"b-{rid}", REPLIES, 0, (seq,))))
+                    redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(p.BatchJob(f"b-{rid}", REPLIES, 0, (seq,))))
         rids = {f"{m}-{i}-{s}" for m in ("single", "handoff") for i in range(len(ids)) for s in (0, 1)}
         events = _read_all(redis_client, rids, timeout_s=180)
     finally:

@@ -9,11 +9,12 @@ import redis
 
 from tests.integration.helpers import collect, running_worker, send
 from workers import protocol as p
+from workers import wire
 from workers.engine import EchoEngine
 
 pytestmark = pytest.mark.redis
 
-REPLIES = p.replies_stream("gw-test")
+REPLIES = wire.replies_stream("gw-test")
 
 
 def _job(batch: str, rids: list[str], stream: bool = False, max_tokens: int = 8) -> p.BatchJob:
@@ -33,7 +34,7 @@ def test_worker_answers_reports_and_acks(redis_client: redis.Redis, redis_url: s
     reports = {e.batch_id: e for e in events if isinstance(e, p.BatchReport)}
     assert reports["b1"].batch_size == 2 and reports["b1"].output_tokens == (3, 3)
     # every entry acknowledged only after its replies
-    assert redis_client.xpending(p.jobs_stream("cpu"), p.GROUP)["pending"] == 0
+    assert redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 0
 
 
 def test_heartbeat_announces_and_stop_deregisters(redis_client: redis.Redis, redis_url: str) -> None:
@@ -41,20 +42,20 @@ def test_heartbeat_announces_and_stop_deregisters(redis_client: redis.Redis, red
         deadline = time.monotonic() + 10
         raw = None
         while raw is None and time.monotonic() < deadline:
-            raw = redis_client.get(p.worker_key("w-hb"))
+            raw = redis_client.get(wire.worker_key("w-hb"))
             time.sleep(0.05)
         assert raw is not None
         hb = p.decode_heartbeat(raw)
         assert (hb.pool, hb.engine, hb.slots) == ("cpu", "echo", 256)
-        assert redis_client.zscore(p.WORKERS_ZSET, "w-hb") is not None
-        assert 0 < redis_client.pttl(p.worker_key("w-hb")) <= 5000
-    assert redis_client.get(p.worker_key("w-hb")) is None
-    assert redis_client.zscore(p.WORKERS_ZSET, "w-hb") is None
+        assert redis_client.zscore(wire.WORKERS_ZSET, "w-hb") is not None
+        assert 0 < redis_client.pttl(wire.worker_key("w-hb")) <= 5000
+    assert redis_client.get(wire.worker_key("w-hb")) is None
+    assert redis_client.zscore(wire.WORKERS_ZSET, "w-hb") is None
 
 
 def test_unreadable_job_is_dropped_not_fatal(redis_client: redis.Redis, redis_url: str) -> None:
     with running_worker(redis_url, EchoEngine(tokens=1)):
-        redis_client.xadd(p.jobs_stream("cpu"), {"v": "1", "m": b"{broken"})
+        redis_client.xadd(wire.jobs_stream("cpu"), {"v": "1", "m": b"{broken"})
         send(redis_client, _job("b-ok", ["ok"]))
         events = collect(redis_client, REPLIES, until_batches=1)
     assert [e.rid for e in events if isinstance(e, p.Finished)] == ["ok"]

@@ -23,11 +23,11 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from gateway import keyspace
 from gateway.budget import Budget
 from gateway.gcra import BucketModel
 from gateway.settings import GatewaySettings
 from gateway.tenants import Limits, Tenant
+from workers import wire
 
 pytestmark = pytest.mark.redis
 
@@ -97,9 +97,9 @@ class BudgetMachine(RuleBasedStateMachine):
 
     @invariant()
     def same_state(self) -> None:
-        raw = self.run(self.client.get(keyspace.budget(self.tid)))
+        raw = self.run(self.client.get(wire.budget(self.tid)))
         assert (None if raw is None else float(raw)) == self.model.tat
-        leases = self.run(self.client.zrange(keyspace.in_flight(self.tid), 0, -1, withscores=True))
+        leases = self.run(self.client.zrange(wire.in_flight(self.tid), 0, -1, withscores=True))
         assert {r.decode(): s for r, s in leases} == self.model.leases
 
     def teardown(self) -> None:

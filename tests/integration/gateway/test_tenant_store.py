@@ -9,10 +9,10 @@ import redis
 import redis.asyncio as aioredis
 
 from gateway import admin_protocol as ap
-from gateway import keyspace
 from gateway.errors import Conflict, NotFound
 from gateway.tenant_store import TenantStore
 from tests.redis_text import everything
+from workers import wire
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 
@@ -82,7 +82,7 @@ async def test_deleting_a_tenant_revokes_its_keys(store: TenantStore, redis_url:
     await store.delete(t.id)
     assert await store.authenticate(key) is None
     client = aioredis.Redis.from_url(redis_url)
-    assert not await client.exists(keyspace.api_key(info.prefix), keyspace.tenant_keys(t.id))
+    assert not await client.exists(wire.api_key(info.prefix), wire.tenant_keys(t.id))
     await client.aclose()
     with pytest.raises(NotFound):
         await store.issue_key(t.id)

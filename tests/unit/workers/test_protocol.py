@@ -2,12 +2,13 @@ import orjson
 import pytest
 
 from workers import protocol as p
+from workers import wire
 
 
 def _job() -> p.BatchJob:
     return p.BatchJob(
         batch_id="gw:1",
-        reply_to=p.replies_stream("gw"),
+        reply_to=wire.replies_stream("gw"),
         bucket=2,
         seqs=(
             p.SeqJob("r1", (1, 2, 3), p.SamplingParams(8, 0.0, 1.0, None, ()), stream=True),
@@ -68,5 +69,5 @@ def test_malformed_entries_raise_protocol_error(body: bytes) -> None:
 
 
 def test_stream_names() -> None:
-    assert p.jobs_stream("gpu") == "tg:jobs:gpu"
-    assert p.replies_stream("g1") == "tg:replies:g1"
+    assert wire.jobs_stream("gpu") == "tg:jobs:gpu"
+    assert wire.replies_stream("g1") == "tg:replies:g1"

@@ -1,0 +1,104 @@
+"""Every Redis name tokengate uses on the wire: streams, consumer groups, keys, channels.
+
+The one place that spells them (docs/protocol.md and docs/tenants.md describe what each
+holds). Workers and gateways import this module; workers never import ``gateway``. All
+names live on one Redis (standalone or Sentinel): a few Lua scripts derive a key from
+another one, which Redis Cluster would not allow across slots.
+"""
+
+from __future__ import annotations
+
+# -- streams and groups -------------------------------------------------------------------
+
+GROUP = "workers"  # the consumer group every jobs stream carries
+DEAD_LETTER_STREAM = "tg:dead"  # poison jobs, capped (see workers.fencing)
+
+
+def jobs_stream(pool: str) -> str:
+    return f"tg:jobs:{pool}"
+
+
+def replies_stream(gateway_id: str) -> str:
+    return f"tg:replies:{gateway_id}"
+
+
+# -- liveness -----------------------------------------------------------------------------
+
+WORKERS_ZSET = "tg:workers"  # worker id -> last heartbeat (seconds)
+GATEWAYS_ZSET = "tg:gateways"  # gateway id -> last refresh (Redis server time, seconds)
+
+
+def worker_key(worker_id: str) -> str:
+    """The worker's heartbeat document, with a TTL."""
+    return f"tg:worker:{worker_id}"
+
+
+def gateway_key(gateway_id: str) -> str:
+    """Present (with a TTL) while the gateway is alive."""
+    return f"tg:gateway:{gateway_id}"
+
+
+# -- per request --------------------------------------------------------------------------
+
+CANCEL_CHANNEL = "tg:cancel"  # pub/sub: request ids whose client went away
+CANCEL_PREFIX = "tg:cancel:"  # + request id: a cancel that outlives the pub/sub message
+
+
+def cancel_key(rid: str) -> str:
+    return CANCEL_PREFIX + rid
+
+
+def kv_key(rid: str) -> str:
+    """A handed-over KV cache (safetensors bytes), with a TTL."""
+    return f"tg:kv:{rid}"
+
+
+def progress_key(rid: str) -> str:
+    """A streaming sequence's progress (generated ids, characters delivered), with a TTL."""
+    return f"tg:progress:{rid}"
+
+
+def request(rid: str) -> str:
+    """Hash: the owning tenant and the state of one admitted request."""
+    return f"tg:req:{rid}"
+
+
+# -- tenants, keys, budgets, usage ----------------------------------------------------------
+
+TENANT_IDS = "tg:tenants"  # set of tenant ids
+TENANT_NAMES = "tg:tenant-names"  # hash: name -> tenant id
+TENANT_PREFIX = "tg:tenant:"  # + id: the tenant's JSON document (string)
+TENANT_KEYS_PREFIX = "tg:tenant-keys:"  # + id: set of the prefixes of the tenant's keys
+KEY_PREFIX = "tg:key:"  # + key prefix: hash {tenant, digest, name, created}
+
+
+def tenant(tid: str) -> str:
+    return TENANT_PREFIX + tid
+
+
+def tenant_keys(tid: str) -> str:
+    return TENANT_KEYS_PREFIX + tid
+
+
+def api_key(prefix: str) -> str:
+    return KEY_PREFIX + prefix
+
+
+def budget(tid: str) -> str:
+    """The tenant's GCRA state: its theoretical arrival time (seconds, Redis clock)."""
+    return f"tg:budget:{tid}"
+
+
+def in_flight(tid: str) -> str:
+    """Sorted set: request id -> lease expiry (seconds, Redis clock)."""
+    return f"tg:inflight:{tid}"
+
+
+def usage(tid: str, minute: int) -> str:
+    """Hash of counters for one tenant and one minute (``minute`` = unix time // 60)."""
+    return f"tg:usage:{tid}:{minute}"
+
+
+def text(value: str | bytes) -> str:
+    """A value as redis-py returns it (bytes unless the client decodes), as text."""
+    return value if isinstance(value, str) else value.decode()
