@@ -22,6 +22,15 @@ def replies_stream(gateway_id: str) -> str:
     return f"tg:replies:{gateway_id}"
 
 
+REPLIES_TTL_MS = 60_000  # every write renews it: a dead gateway's reply stream expires
+
+
+def gone_key(reply_stream: str) -> str:
+    """Set (with a TTL) once a dead gateway's requests were settled by a survivor: workers
+    drop the jobs still queued for it instead of generating into a stream nobody reads."""
+    return f"tg:gone:{reply_stream}"
+
+
 # -- liveness -----------------------------------------------------------------------------
 
 WORKERS_ZSET = "tg:workers"  # worker id -> last heartbeat (seconds)
