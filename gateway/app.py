@@ -5,18 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import orjson
 import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Mount, Route
@@ -26,32 +24,47 @@ from gateway import admin, limits, records
 from gateway import openai_protocol as oai
 from gateway.auth import AdminGuard, Authenticator
 from gateway.budget import Admission, Budget
-from gateway.dispatch import Dispatcher, Pending
+from gateway.dispatch import Dispatcher
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
-    ModelNotFound,
-    Timeout,
+    Overloaded,
+    RateLimited,
     Unavailable,
-    WorkerFailed,
-    error_body,
     error_response,
 )
+from gateway.lifecycle import CANCEL_DRAIN_S, RequestLife
 from gateway.meter import Meter
 from gateway.metrics import Metrics
-from gateway.prompts import PromptBuilder
-from gateway.scheduling import Origin
+from gateway.prompts import PromptBuilder, PromptTooLong
 from gateway.settings import GatewaySettings
 from gateway.tenant_store import TenantStore
 from gateway.tenants import Tenant
 from gateway.web import ORJSONResponse, read_json
-from sched_core import Contract, Reject
 from workers import protocol as p
 
 log = logging.getLogger("tokengate.gateway")
 
 DEADLINE_HEADER = "x-tokengate-deadline-ms"
-CANCEL_DRAIN_S = 5.0  # how long a cancelled request's final token count is awaited
+
+
+LARGE_PROMPT_CHARS = 4096  # prompts longer than this are tokenized off the event loop
+LARGE_PROMPTS_PER_TENANT = 2  # ... at most this many at a time per tenant (429 beyond)
+LARGE_PROMPTS_QUEUED = 16  # ... and this many in all (503 beyond)
+
+
+def redis_client(settings: GatewaySettings) -> aioredis.Redis:
+    """The gateway's Redis client: a bounded pool where a request waits (up to the Redis
+    timeout) for a free connection instead of failing, and commands that give up after the
+    Redis timeout, so a stalled Redis becomes a 503 within the request's deadline."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.redis_url,
+        max_connections=settings.redis_max_connections,
+        timeout=settings.redis_timeout_s,
+        socket_timeout=settings.redis_timeout_s,
+        socket_connect_timeout=settings.redis_timeout_s,
+    )
+    return aioredis.Redis(connection_pool=pool)
 
 
 class Gateway:
@@ -62,56 +75,76 @@ class Gateway:
         self.prompts = prompts
         self.client = client
         self.metrics = Metrics()
-        self.dispatcher = Dispatcher(settings, client, on_workers=self._count_workers, config=settings.scheduler)
+        self.dispatcher = Dispatcher(
+            settings, client, on_workers=self._count_workers, config=settings.scheduler, on_fatal=self._fatal
+        )
         self.tenants = TenantStore(client)
         self.auth = Authenticator(self.tenants, settings.auth_cache_s)
         self.budget = Budget(client, settings)
         self.started = int(time.time())
-        self._settling: set[asyncio.Future[bool]] = set()
+        self.in_flight = 0  # requests between admission and their end (RequestLife)
+        self.on_fatal: Callable[[str], None] | None = None  # the server's exit, when a loop is lost
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._large: dict[str, int] = {}  # tenant id -> large prompts being tokenized
 
     def _count_workers(self, workers: dict[str, p.Heartbeat]) -> None:
         for pool in self.settings.pools:
             self.metrics.workers.labels(pool).set(sum(1 for w in workers.values() if w.pool == pool))
+
+    def _fatal(self, why: str) -> None:
+        if self.on_fatal is not None:
+            self.on_fatal(why)
+
+    def new_rid(self) -> str:
+        return secrets.token_hex(12)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
+        """A task the gateway keeps until it ends (and awaits at shutdown)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def tokenize(self, gen: oai.Generation, tenant: Tenant) -> list[int]:
+        """The prompt's token ids, bounded (``gateway.prompts``). A long prompt is tokenized on
+        a thread of its own, at most ``LARGE_PROMPTS_PER_TENANT`` per tenant at once, so one
+        sender of huge prompts slows only itself."""
+        limit = limits.prompt_limit(self.prompts.context_tokens, tenant)
+        try:
+            if PromptBuilder.chars(gen) <= LARGE_PROMPT_CHARS:
+                return self.prompts.token_ids(gen, limit)
+            busy = self._large.get(tenant.id, 0)
+            if busy >= LARGE_PROMPTS_PER_TENANT:
+                raise RateLimited(
+                    f"Tenant '{tenant.name}' already has {busy} long prompts being tokenized; retry when they are done."
+                )
+            if sum(self._large.values()) >= LARGE_PROMPTS_QUEUED:
+                raise Overloaded("Too many long prompts are being tokenized; retry shortly.")
+            self._large[tenant.id] = busy + 1
+            try:
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(self._tokenizer, self.prompts.token_ids, gen, limit)
+            finally:
+                left = self._large[tenant.id] - 1
+                if left:
+                    self._large[tenant.id] = left
+                else:
+                    del self._large[tenant.id]
+        except PromptTooLong as exc:
+            raise limits.prompt_too_long(gen, exc.tokens, exc.exact, self.prompts.context_tokens, tenant) from None
 
     def scheduler_snapshot(self) -> dict[str, Any]:
         """This gateway's scheduler for ``GET /admin/scheduler``: queues per bucket, fitted
         cost curves, derived thresholds, per-tenant counters, capacity per path."""
         return self.dispatcher.snapshot()
 
-    def after_cancel(self, pending: Pending, admission: Admission, meter: Meter) -> None:
-        """A dispatched request whose client left: wait (briefly) for the worker's final
-        event, so the tenant is charged what was really generated, then settle."""
-        task = asyncio.ensure_future(self._drain_then_settle(pending, admission, meter))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
-
-    async def _drain_then_settle(self, pending: Pending, admission: Admission, meter: Meter) -> None:
-        try:
-            async with asyncio.timeout(CANCEL_DRAIN_S):
-                while True:
-                    ev = await pending.events.get()
-                    if isinstance(ev, p.Delta):
-                        meter.completion_tokens = ev.tokens
-                    elif isinstance(ev, p.Finished | p.Failed):
-                        meter.completion_tokens = max(meter.completion_tokens, getattr(ev, "completion_tokens", 0))
-                        break
-        except TimeoutError:
-            pass
-        finally:
-            self.dispatcher.forget(pending.seq.rid)
-        await self.settle(admission, meter)
-
     def settle(self, admission: Admission, meter: Meter) -> asyncio.Future[bool]:
         """Settles the request's budget once; later calls return the same future. It runs as
         its own task, so a handler cancelled by a disconnect cannot stop it half-way."""
         if meter.settling is None:
             prompt, completion = meter.charge()
-            task = asyncio.ensure_future(
-                self._settle(admission, meter.outcome, prompt, completion, meter.record())
-            )
-            self._settling.add(task)
-            task.add_done_callback(self._settling.discard)
-            meter.settling = task
+            meter.settling = self.spawn(self._settle(admission, meter.outcome, prompt, completion, meter.record()))
         return meter.settling
 
     async def _settle(
@@ -120,139 +153,18 @@ class Gateway:
         self.metrics.observe_contract(record)
         try:
             return await self.budget.settle(admission, state, prompt, completion, record)
-        except RedisError as exc:  # the lease expires on its own; the reservation stays charged
+        except RedisError as exc:  # the lease expires on its own; a dead gateway's requests are swept
             log.warning("settling request %s failed: %s", admission.rid, exc)
             return False
 
     async def drain(self) -> None:
         """Waits for settlements still in flight (at shutdown)."""
-        if self._settling:
-            await asyncio.wait(set(self._settling), timeout=5)
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=CANCEL_DRAIN_S + 1)
+        self._tokenizer.shutdown(wait=False, cancel_futures=True)
 
 
 # -- generation ------------------------------------------------------------------------
-
-
-def _prepare(gw: Gateway, gen: oai.Generation, tenant: Tenant) -> p.SeqJob:
-    """The job for a request, or the 400/404/503 that refuses it before anything is queued."""
-    if gen.model != gw.settings.model_name or not tenant.may_use(gen.model):
-        raise ModelNotFound(f"The model '{gen.model}' does not exist.", param="model")
-    ids = gw.prompts.token_ids(gen)
-    max_tokens = limits.output_tokens(
-        gen, len(ids), gw.prompts.context_tokens, gw.settings.default_max_tokens, tenant
-    )
-    if not gw.dispatcher.alive_pools():
-        raise Unavailable("No worker is alive to serve this request; try again shortly.")
-    return p.SeqJob(secrets.token_hex(12), tuple(ids), gen.sampling(max_tokens), gen.stream)
-
-
-def _failure(ev: p.Failed) -> GatewayError:
-    if ev.code in ("no_worker", "redis"):
-        return Unavailable(ev.message)
-    if ev.code == "deadline":  # the scheduler dropped it from the queue: it could no longer make it
-        return Unavailable(f"Request {ev.rid} cannot finish before its deadline: {ev.message}", code="deadline_unmet")
-    return WorkerFailed(f"Request {ev.rid} failed: {ev.message}", code=ev.code)
-
-
-async def _next_event(pending: Pending, deadline: float) -> p.Event:
-    if not pending.events.empty():
-        return pending.events.get_nowait()
-    async with asyncio.timeout_at(asyncio.get_running_loop().time() + deadline - time.monotonic()):
-        return await pending.events.get()
-
-
-async def _collect(
-    gw: Gateway, gen: oai.Generation, pending: Pending, deadline: float, meter: Meter
-) -> Response:
-    parts: list[str] = []
-    while True:
-        try:
-            ev = await _next_event(pending, deadline)
-        except TimeoutError:
-            meter.fail()
-            raise Timeout(f"Request {pending.seq.rid} timed out after {gw.settings.request_timeout_s:g} s.") from None
-        meter.observe(ev)
-        if isinstance(ev, p.Delta):
-            parts.append(ev.text)
-        elif isinstance(ev, p.Finished):
-            parts.append(ev.text)
-            gw.metrics.tokens.labels("prompt").inc(ev.prompt_tokens)
-            gw.metrics.tokens.labels("completion").inc(ev.completion_tokens)
-            body = oai.completion_body(
-                gen, pending.seq.rid, "".join(parts), ev.finish_reason, ev.prompt_tokens, ev.completion_tokens
-            )
-            return ORJSONResponse(body)
-        elif isinstance(ev, p.Failed):
-            raise _failure(ev)
-
-
-def _sse(doc: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(doc) + b"\n\n"
-
-
-async def _stream(
-    gw: Gateway,
-    gen: oai.Generation,
-    pending: Pending,
-    deadline: float,
-    admission: Admission,
-    meter: Meter,
-) -> AsyncIterator[bytes]:
-    rid = pending.seq.rid
-    created = int(time.time())
-    route = "chat" if gen.kind == "chat" else "completions"
-    finished = False
-    try:
-        if gen.kind == "chat":
-            yield _sse(oai.chunk_body(gen, rid, created, "", first=True))
-        first_token = True
-        while True:
-            try:
-                ev = await _next_event(pending, deadline)
-            except TimeoutError:
-                meter.fail()
-                err = Timeout(f"Request {rid} timed out after {gw.settings.request_timeout_s:g} s.")
-                yield _sse(error_body(err))
-                return
-            meter.observe(ev)
-            if isinstance(ev, p.Delta):
-                if first_token:
-                    gw.metrics.ttft.labels(route).observe(time.monotonic() - pending.created)
-                    first_token = False
-                yield _sse(oai.chunk_body(gen, rid, created, ev.text))
-            elif isinstance(ev, p.Finished):
-                if ev.text:
-                    yield _sse(oai.chunk_body(gen, rid, created, ev.text))
-                yield _sse(oai.chunk_body(gen, rid, created, None, ev.finish_reason))
-                if gen.include_usage:
-                    yield _sse(oai.usage_chunk(gen, rid, created, ev.prompt_tokens, ev.completion_tokens))
-                gw.metrics.tokens.labels("prompt").inc(ev.prompt_tokens)
-                gw.metrics.tokens.labels("completion").inc(ev.completion_tokens)
-                finished = True
-                await gw.settle(admission, meter)  # before [DONE]: a client may reuse the slot
-                yield b"data: [DONE]\n\n"
-                return
-            elif isinstance(ev, p.Failed):
-                finished = True
-                yield _sse(error_body(_failure(ev)))
-                return
-    finally:
-        gw.metrics.in_flight.dec()
-        if finished:
-            gw.dispatcher.forget(rid)
-            gw.settle(admission, meter)  # not awaited: a disconnect may have cancelled us
-        else:  # a client that went away cancels its work; so does a timeout
-            _cancel(gw, pending, admission, meter)
-
-
-def _cancel(gw: Gateway, pending: Pending, admission: Admission, meter: Meter) -> None:
-    """Stop a request's work and settle it: at once if it never left this gateway's queue
-    (it costs nothing), else once its worker reports what it had generated."""
-    if gw.dispatcher.cancel(pending.seq.rid):
-        meter.started = False
-        gw.settle(admission, meter)
-    else:
-        gw.after_cancel(pending, admission, meter)
 
 
 def _deadline_s(request: Request) -> float | None:
@@ -270,94 +182,30 @@ def _deadline_s(request: Request) -> float | None:
     return ms / 1000
 
 
-def _refused(rid: str, reject: Reject, meter: Meter) -> GatewayError:
-    """The scheduler will not run the request: say why, with its estimate."""
-    estimate = {"estimate_ms": round(reject.estimate_s * 1000, 1)} if reject.estimate_s else {}
-    retry = {"retry-after": str(max(1, math.ceil(reject.retry_after_s)))} if reject.retry_after_s else {}
-    if reject.reason == "too_long":
-        return InvalidRequest(f"Request {rid}: {reject.message}", param="messages", code="prompt_too_long")
-    code = "deadline_unmet" if reject.reason == "deadline" else reject.reason
-    return Unavailable(
-        f"Request {rid} cannot be served in time: {reject.message}",
-        code=code,
-        headers={**retry, **({"x-tokengate-estimate-ms": str(estimate["estimate_ms"])} if estimate else {})},
-        extra=estimate,
-    )
-
-
-def contract_headers(c: Contract) -> dict[str, str]:
-    """The latency contract (milliseconds from when the gateway received the request)."""
-    return {
-        "x-tokengate-ttft-ms": f"{c.ttft_s * 1000:.1f}",
-        "x-tokengate-latency-ms": f"{c.total_s * 1000:.1f}",
-        "x-tokengate-p99-ms": f"{c.p99_s * 1000:.1f}",
-        "x-tokengate-tokens-ahead": str(c.tokens_ahead),
-        "x-tokengate-budget-wait-ms": f"{c.budget_wait_s * 1000:.1f}",
-        "x-tokengate-bucket": str(c.bucket),
-        "x-tokengate-path": c.path,
-    }
-
-
 async def _generate(request: Request, parse: Any) -> Response:
     gw: Gateway = request.app.state.gateway
     caller = await gw.auth.caller(request.headers)
-    tenant = caller.tenant
     gen = parse(await read_json(request, gw.settings.max_body_bytes))
-    deadline_s = _deadline_s(request)
-    meter = Meter(0)
-    seq = _prepare(gw, gen, tenant)
-    meter.prompt_tokens = len(seq.prompt_ids)
-    admission = await gw.budget.admit(
-        tenant, seq.rid, len(seq.prompt_ids), seq.params.max_tokens, key=caller.key, deadline_s=deadline_s
-    )
-    try:
-        if admission.wait_s > 0.0:
-            gw.metrics.budget_wait.observe(admission.wait_s)
-            await asyncio.sleep(admission.wait_s)
-        who = Origin(
-            tenant=tenant.id,
-            weight=tenant.weight,
-            priority=tenant.priority,
-            budget_wait_s=admission.wait_s,
-            deadline_s=None if deadline_s is None else deadline_s - (time.monotonic() - meter.received),
-        )
-        decision = gw.dispatcher.submit(seq, who)
-        if isinstance(decision, Reject):
-            raise _refused(seq.rid, decision, meter)
-        pending = decision
-        meter.started = True
-        meter.contract = pending.contract
-    except BaseException:
-        await asyncio.shield(gw.settle(admission, meter))
-        raise
-    gw.metrics.in_flight.inc()
-    timeout_at = pending.created + gw.settings.request_timeout_s
-    headers = {"x-request-id": seq.rid, **admission.headers, **contract_headers(pending.contract)}
+    life = RequestLife(gw, caller, gen, _deadline_s(request))
+    await life.start()
+    headers = life.headers()
     if gen.stream:
         return StreamingResponse(
-            _stream(gw, gen, pending, timeout_at, admission, meter),
-            media_type="text/event-stream",
-            headers={**headers, "cache-control": "no-cache"},
+            life.chunks(), media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"}
         )
-    collect = asyncio.ensure_future(_collect(gw, gen, pending, timeout_at, meter))
-    watch = asyncio.ensure_future(_disconnected(request))
+    body = asyncio.ensure_future(life.body())
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait((collect, watch), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((body, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watch.cancel()
-        gw.metrics.in_flight.dec()
-        timed_out = collect.done() and not collect.cancelled() and isinstance(collect.exception(), Timeout)
-        if collect.done() and not timed_out:
-            gw.dispatcher.forget(seq.rid)
-            await asyncio.shield(gw.settle(admission, meter))
-        else:  # the client went away, or we gave up on it: cancel its work
-            collect.cancel()
-            _cancel(gw, pending, admission, meter)
-    if collect.cancelled():
+        gone.cancel()
+        if not body.done():  # the client went away (or the server is stopping): cancel its work
+            body.cancel()
+            life.end()
+    await asyncio.wait((body,))  # a cancellation lands in the next loop iteration
+    if body.cancelled():
         return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
-    response = collect.result()
-    response.headers.update(headers)
-    return response
+    return ORJSONResponse(body.result(), headers=headers)  # raises the request's error, if any
 
 
 async def _disconnected(request: Request) -> None:
@@ -398,6 +246,8 @@ async def healthz(request: Request) -> Response:
 
 async def readyz(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
+    if gw.dispatcher.failed:
+        return ORJSONResponse({"ready": False, "reason": gw.dispatcher.failed}, status_code=503)
     try:
         await gw.client.ping()
     except RedisError as exc:
@@ -419,6 +269,13 @@ async def metrics(request: Request) -> Response:
 async def _gateway_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, GatewayError)
     return error_response(exc)
+
+
+async def _redis_error(request: Request, exc: Exception) -> Response:
+    log.warning("Redis failed on %s: %r", request.url.path, exc)
+    return error_response(
+        Unavailable("The gateway's store (Redis) is not answering; retry shortly.", code="redis_unavailable")
+    )
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
@@ -493,11 +350,7 @@ def create_app(gw: Gateway) -> ASGIApp:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/requests/{rid}", get_request, methods=["GET"]),
-            Mount(
-                "/admin",
-                routes=admin.routes(),
-                middleware=[Middleware(AdminGuard, token=gw.settings.admin_token)],
-            ),
+            Mount("/admin", routes=admin.routes()),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
@@ -505,9 +358,10 @@ def create_app(gw: Gateway) -> ASGIApp:
         exception_handlers={
             GatewayError: _gateway_error,
             HTTPException: _http_error,
+            RedisError: _redis_error,
             Exception: _unexpected,
         },
         lifespan=lifespan,
     )
     app.state.gateway = gw
-    return Instrument(app, gw.metrics)
+    return Instrument(AdminGuard(app, gw.settings.admin_token), gw.metrics)

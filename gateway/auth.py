@@ -130,15 +130,17 @@ def admin_error(headers: Headers, token: str | None) -> Unauthorized | None:
 
 
 class AdminGuard:
-    """Everything under ``/admin`` answers 401 without the admin token, before any routing
-    (so an unknown admin path does not reveal itself either)."""
+    """Everything under ``/admin`` (``/admin`` itself included) answers 401 without the admin
+    token, before any routing: no redirect, and an unknown admin path does not reveal
+    itself either. Wraps the whole app; other paths pass untouched."""
 
     def __init__(self, app: ASGIApp, token: str | None) -> None:
         self.app = app
         self.token = token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/admin" or path.startswith("/admin/")):
             err = admin_error(Headers(scope=scope), self.token)
             if err is not None:
                 await error_response(err)(scope, receive, send)

@@ -22,7 +22,7 @@ from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant
 from workers import wire
 
-_PRELUDE = """
+_CLOCK = """
 local function num(x) return string.format('%.17g', x) end
 local now
 if ARGV[#ARGV] ~= '' then
@@ -31,19 +31,25 @@ else
   local t = redis.call('TIME')
   now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
+"""
+
+_PRELUDE = (
+    _CLOCK
+    + """
 local tat = tonumber(redis.call('GET', KEYS[1]))
 local start = now
 if tat and tat > now then start = tat end
 """
+)
 
-# KEYS: budget, leases, request record, usage minute, API key record
+# KEYS: budget, leases, request record, usage minute, the gateway's requests, API key record
 # ARGV: rate, burst, cost, max_wait, max_concurrent (0: none), lease_s, rid, tenant id,
 #       prompt tokens, record ttl s, usage ttl s, key digest ('' to skip the key check),
 #       now ('' for Redis TIME)
 ADMIT = (
     _PRELUDE
     + """
-if ARGV[12] ~= '' and redis.call('HGET', KEYS[5], 'digest') ~= ARGV[12] then
+if ARGV[12] ~= '' and redis.call('HGET', KEYS[6], 'digest') ~= ARGV[12] then
   return {'revoked', num(now), num(start), '0', 0}
 end
 local rate, burst, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -69,28 +75,53 @@ redis.call('PEXPIRE', KEYS[2], math.ceil(lease * 1000) + 60000)
 redis.call('HSET', KEYS[3], 'tenant', ARGV[8], 'state', 'admitted', 'admitted_at', num(now),
            'prompt_tokens', ARGV[9], 'reserved_tokens', ARGV[3], 'budget_wait_s', num(wait))
 redis.call('EXPIRE', KEYS[3], ARGV[10])
+redis.call('HSET', KEYS[5], ARGV[7], ARGV[8] .. ' ' .. num(rate) .. ' ' .. ARGV[3])
 redis.call('HINCRBY', KEYS[4], 'requests', 1)
 redis.call('EXPIRE', KEYS[4], ARGV[11])
 return {'ok', num(now), num(new_tat), num(wait), in_flight + 1}
 """
 )
 
-# KEYS: budget, leases, request record, usage minute
+# One request's settlement (the spec: ``gcra.BucketModel.settle``): end its lease, charge
+# ``delta`` more tokens (a refund when negative), record its final state, forget it in its
+# gateway's list. Returns 0 when the lease had ended already (settled, or expired): then
+# nothing changes.
+_SETTLE_ONE = """
+local function settle_one(now, budget, leases, record, gateway, rid, rate, delta, state, charged)
+  if redis.call('ZREM', leases, rid) == 0 then
+    redis.call('HDEL', gateway, rid)
+    return 0
+  end
+  redis.call('HDEL', gateway, rid)
+  local tat = tonumber(redis.call('GET', budget))
+  local start = now
+  if tat and tat > now then start = tat end
+  local new_tat = start + delta / rate
+  if new_tat > now then
+    redis.call('SET', budget, num(new_tat), 'PX', math.ceil((new_tat - now) * 1000) + 60000)
+  else
+    redis.call('DEL', budget)
+  end
+  if redis.call('EXISTS', record) == 1 then
+    redis.call('HSET', record, 'state', state, 'finished_at', num(now), 'charged_tokens', charged)
+  end
+  return 1
+end
+"""
+
+# KEYS: budget, leases, request record, usage minute, the gateway's requests
 # ARGV: rate, rid, delta tokens, state, charged prompt tokens, charged completion tokens,
 #       usage ttl s, then field/value pairs for the request record, now ('' for Redis TIME)
 SETTLE = (
-    _PRELUDE
+    _CLOCK
+    + _SETTLE_ONE
     + """
-if redis.call('ZREM', KEYS[2], ARGV[2]) == 0 then return 0 end
-local new_tat = start + tonumber(ARGV[3]) / tonumber(ARGV[1])
-if new_tat > now then
-  redis.call('SET', KEYS[1], num(new_tat), 'PX', math.ceil((new_tat - now) * 1000) + 60000)
-else
-  redis.call('DEL', KEYS[1])
+local charged = tonumber(ARGV[5]) + tonumber(ARGV[6])
+if settle_one(now, KEYS[1], KEYS[2], KEYS[3], KEYS[5], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[3]), ARGV[4],
+              charged) == 0 then
+  return 0
 end
 if redis.call('EXISTS', KEYS[3]) == 1 then
-  redis.call('HSET', KEYS[3], 'state', ARGV[4], 'finished_at', num(now),
-             'charged_tokens', tonumber(ARGV[5]) + tonumber(ARGV[6]))
   for i = 8, #ARGV - 2, 2 do  -- extra record fields: the contract and what happened
     redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
   end
@@ -99,6 +130,35 @@ redis.call('HINCRBY', KEYS[4], 'prompt_tokens', ARGV[5])
 redis.call('HINCRBY', KEYS[4], 'completion_tokens', ARGV[6])
 redis.call('EXPIRE', KEYS[4], ARGV[7])
 return 1
+"""
+)
+
+# A dead gateway's requests: each is settled as ``abandoned`` and refunded its whole
+# reservation at the rate it was admitted with (exactly undoing the admission); then its
+# reply stream goes, and a marker tells workers to drop the jobs still queued for it.
+# Does nothing (-1) unless the gateway's last refresh is ``dead after`` seconds old.
+# KEYS: gateways zset, the gateway's requests, its reply stream, its gone marker
+# ARGV: gateway id, dead after s, gone marker ttl s, now ('' for Redis TIME)
+SWEEP = (
+    _CLOCK
+    + _SETTLE_ONE
+    + f"""
+local seen = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1]))
+if seen == nil or now - seen < tonumber(ARGV[2]) then return -1 end
+local entries = redis.call('HGETALL', KEYS[2])
+local n = 0
+for i = 1, #entries, 2 do
+  local rid = entries[i]
+  local tid, rate, reserved = string.match(entries[i + 1], '^(%S+) (%S+) (%S+)$')
+  if tid then
+    n = n + settle_one(now, '{wire.budget("")}' .. tid, '{wire.in_flight("")}' .. tid, '{wire.request("")}' .. rid,
+                       KEYS[2], rid, tonumber(rate), -tonumber(reserved), 'abandoned', 0)
+  end
+end
+redis.call('DEL', KEYS[2], KEYS[3])
+redis.call('SET', KEYS[4], 1, 'EX', ARGV[3])
+redis.call('ZREM', KEYS[1], ARGV[1])
+return n
 """
 )
 
@@ -191,7 +251,7 @@ class Budget:
         s = self.settings
         lease_s = max_wait + s.request_timeout_s + 30.0
         reply = await self._admit(
-            keys=[*_keys(tenant.id, rid, wall), wire.api_key(key.prefix if key else "")],
+            keys=[*self._keys(tenant.id, rid, wall), wire.api_key(key.prefix if key else "")],
             args=_args(
                 tenant.rate,
                 tenant.burst,
@@ -266,7 +326,7 @@ class Budget:
     ) -> bool:
         pairs = [x for item in (record or {}).items() for x in item]
         reply = await self._settle(
-            keys=_keys(tenant.id, rid, wall),
+            keys=self._keys(tenant.id, rid, wall),
             args=_args(
                 tenant.rate,
                 rid,
@@ -280,6 +340,17 @@ class Budget:
             ),
         )
         return bool(reply)
+
+    def _keys(self, tid: str, rid: str, wall: float | None) -> list[str]:
+        """The keys both scripts take; usage is counted in the minute of ``wall`` (unix time)."""
+        minute = int((time.time() if wall is None else wall) // 60)
+        return [
+            wire.budget(tid),
+            wire.in_flight(tid),
+            wire.request(rid),
+            wire.usage(tid, minute),
+            wire.gateway_requests(self.settings.gateway_id),
+        ]
 
     async def state(self, tenant: Tenant) -> dict[str, float | int]:
         """The tenant's budget right now (Redis clock), for operators."""
@@ -295,14 +366,3 @@ class Budget:
             "reset_s": round(gcra.reset_s(tat, now), 3),
             "in_flight": sum(1 for _rid, expiry in leases if expiry > now),
         }
-
-
-def _keys(tid: str, rid: str, wall: float | None) -> list[str]:
-    """The keys both scripts take; usage is counted in the minute of ``wall`` (unix time)."""
-    minute = int((time.time() if wall is None else wall) // 60)
-    return [
-        wire.budget(tid),
-        wire.in_flight(tid),
-        wire.request(rid),
-        wire.usage(tid, minute),
-    ]

@@ -8,6 +8,11 @@ arrive on this gateway's own stream and are routed to the waiting request by id 
 for ids no longer waited on, late or duplicate deliveries, are dropped); batch timings go
 back to the scheduler. Worker heartbeats and the set of live gateways give each pool's
 capacity.
+
+No loop dies of one bad item: a job that cannot be encoded or sent fails its own requests
+(and gives its slots back), an unreadable reply is dropped, a Redis error is retried. A
+loop that stops anyway is a bug: ``failed`` says which (``/readyz`` turns 503) and
+``on_fatal`` is called so that the process exits and is restarted.
 """
 
 from __future__ import annotations
@@ -16,13 +21,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gateway.scheduling import Origin, SchedulerShell
+from gateway.liveness import Liveness
+from gateway.scheduling import Origin, SchedulerShell, Send
 from gateway.settings import GatewaySettings
 from sched_core import Contract, Reject, SchedulerConfig
 from workers import protocol as p
@@ -32,7 +38,7 @@ log = logging.getLogger("tokengate.dispatch")
 
 CANCEL_TTL_S = 600
 TICK_S = 0.002  # how often the scheduler is asked while requests wait
-
+WATCH_S = 0.5  # how often workers and peers are re-read (and slot leases checked)
 
 
 @dataclass(slots=True)
@@ -43,6 +49,29 @@ class Pending:
     events: asyncio.Queue[p.Event] = field(default_factory=asyncio.Queue)
 
 
+class Outage:
+    """One warning when failures start, one line when they end; the count drives backoff."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.failures = 0
+        self._since = 0.0
+
+    def failed(self, exc: BaseException) -> None:
+        self.failures += 1
+        if self.failures == 1:
+            self._since = time.monotonic()
+            log.warning("%s failed: %r (retrying quietly)", self.what, exc)
+
+    def ok(self) -> None:
+        if self.failures:
+            log.info("%s works again after %.1f s", self.what, time.monotonic() - self._since)
+        self.failures = 0
+
+    def backoff_s(self) -> float:
+        return min(2.0, 0.05 * 2 ** min(self.failures, 6))
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -50,14 +79,21 @@ class Dispatcher:
         client: aioredis.Redis,
         on_workers: Callable[[dict[str, p.Heartbeat]], None] | None = None,
         config: SchedulerConfig | None = None,
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         self.settings = settings
         self.client = client
         self.replies = wire.replies_stream(settings.gateway_id)
-        self.shell = SchedulerShell(settings.gateway_id, self.replies, config, settings.handoff_min_prompt)
+        self.shell = SchedulerShell(
+            settings.gateway_id, self.replies, config, settings.handoff_min_prompt,
+            lease_s=settings.request_timeout_s + 30.0,
+        )
+        self.liveness = Liveness(client, settings)
         self.pending: dict[str, Pending] = {}
         self.workers: dict[str, p.Heartbeat] = {}
         self.gateways = 1
+        self.failed: str | None = None  # why a loop stopped; the gateway is then not ready
+        self.on_fatal = on_fatal
         self._on_workers = on_workers
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -66,24 +102,38 @@ class Dispatcher:
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.refresh_workers()
+        try:
+            await self.refresh_workers()
+        except RedisError as exc:  # not ready until Redis answers; the watch loop retries
+            log.warning("Redis is not reachable at start-up: %s", exc)
         self._tasks = [
-            asyncio.create_task(self._send_loop(), name="send"),
-            asyncio.create_task(self._reply_loop(), name="replies"),
-            asyncio.create_task(self._watch_loop(), name="workers"),
+            asyncio.create_task(self._supervised("send", self._send_loop), name="send"),
+            asyncio.create_task(self._supervised("replies", self._reply_loop), name="replies"),
+            asyncio.create_task(self._supervised("workers", self._watch_loop), name="workers"),
         ]
+
+    async def _supervised(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await loop()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            log.critical("the %s loop stopped: %r", name, exc, exc_info=exc)
+            self.failed = f"the {name} loop stopped: {exc!r}"
+            self.fail_all("gateway_error", "The gateway lost its dispatch loop; retry on another replica.")
+            if self.on_fatal is not None:
+                self.on_fatal(self.failed)
+            raise
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        self.fail_all("shutdown", "The gateway is shutting down; retry on another replica.")
         with contextlib.suppress(RedisError):
-            pipe = self.client.pipeline(transaction=False)
-            pipe.delete(self.replies, wire.gateway_key(self.settings.gateway_id))
-            pipe.zrem(wire.GATEWAYS_ZSET, self.settings.gateway_id)
-            await pipe.execute()
+            await self.liveness.leave(self.replies)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -109,10 +159,18 @@ class Dispatcher:
         snap = self.shell.core.snapshot()
         snap["gateway"] = self.settings.gateway_id
         snap["gateways_sharing_capacity"] = self.gateways
+        snap["batches_in_flight"] = self.shell.leases
         return snap
 
     def forget(self, rid: str) -> None:
+        """The request is over here: stop routing its events; its batch's lease learns it."""
         self.pending.pop(rid, None)
+        self.shell.request_ended(rid, time.monotonic())
+
+    def fail_all(self, code: str, message: str) -> None:
+        """End every waiting request with an error event (shutdown, a lost loop)."""
+        for rid, pending in list(self.pending.items()):
+            pending.events.put_nowait(p.Failed(rid, code, message))
 
     def cancel(self, rid: str) -> bool:
         """The client went away. True if the request was still queued: it will never be
@@ -136,6 +194,8 @@ class Dispatcher:
         except RedisError as exc:
             log.warning("could not cancel %s: %s", rid, exc)
 
+    # -- jobs out ---------------------------------------------------------------------------
+
     async def _send_loop(self) -> None:
         while True:
             if len(self.shell):
@@ -147,37 +207,56 @@ class Dispatcher:
             self._wake.clear()
             sends, rejects = self.shell.tick(time.monotonic())
             for r in rejects:
-                pending = self.pending.get(r.request_id)
-                if pending is not None:
-                    pending.events.put_nowait(p.Failed(r.request_id, r.reason, r.message))
-            if not sends:
-                continue
-            pipe = self.client.pipeline(transaction=False)
-            for send in sends:
-                pipe.xadd(wire.jobs_stream(send.pool), p.encode_job(send.job))
+                self._route_event(p.Failed(r.request_id, r.reason, r.message))
+            if sends:
+                await self._send(sends)
+
+    async def _send(self, sends: list[Send]) -> None:
+        """XADD the batches in one round trip. A batch that cannot be encoded or queued fails
+        its requests with a clear error and gives its slots back at once."""
+        pipe = self.client.pipeline(transaction=False)
+        queued: list[Send] = []
+        for send in sends:
             try:
-                await pipe.execute()
-            except RedisError as exc:
-                log.error("sending %d batches failed: %s", len(sends), exc)
-                for send in sends:
-                    for seq in send.job.seqs:
-                        failed = p.Failed(seq.rid, "redis", f"Could not queue the request: {exc}")
-                        self._route_event(failed)
+                fields = p.encode_job(send.job)
+            except Exception as exc:  # noqa: BLE001 - one bad job must not stop the loop
+                log.error("batch %s cannot be encoded: %r", send.job.batch_id, exc)
+                self._lost(send, "unencodable", f"The request could not be queued: {exc}")
+                continue
+            pipe.xadd(wire.jobs_stream(send.pool), fields)  # type: ignore[arg-type]
+            queued.append(send)
+        if not queued:
+            return
+        try:
+            results = await pipe.execute(raise_on_error=False)
+        except RedisError as exc:
+            results = [exc] * len(queued)
+        for send, result in zip(queued, results, strict=True):
+            if isinstance(result, Exception):
+                log.warning("queueing batch %s failed: %s", send.job.batch_id, result)
+                self._lost(send, "redis", f"Could not queue the request: {result}")
+
+    def _lost(self, send: Send, code: str, message: str) -> None:
+        self.shell.abort(send.batch, time.monotonic())
+        for seq in send.job.seqs:
+            self._route_event(p.Failed(seq.rid, code, message))
+        self._wake.set()  # slots came back
 
     # -- replies --------------------------------------------------------------------------
 
     async def _reply_loop(self) -> None:
         last = b"0-0"
-        failures = 0
+        outage = Outage("reading replies")
         trimmed = time.monotonic()
         while True:
             try:
-                reply = await self.client.xread({self.replies: last}, count=1000, block=1000)
-                failures = 0
+                reply: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self.client.xread(
+                    {self.replies: last}, count=1000, block=1000
+                )  # type: ignore[assignment]
+                outage.ok()
             except RedisError as exc:
-                failures += 1
-                log.warning("reading replies failed (%d): %s", failures, exc)
-                await asyncio.sleep(min(2.0, 0.05 * 2**failures))
+                outage.failed(exc)
+                await asyncio.sleep(outage.backoff_s())
                 continue
             for _stream, entries in reply or []:
                 for entry_id, fields in entries:
@@ -195,63 +274,58 @@ class Dispatcher:
             log.error("dropping unreadable reply: %s", exc)
             return
         for ev in events:
-            if isinstance(ev, p.BatchReport):
-                self.shell.completed(ev, time.monotonic())
-                self._wake.set()  # slots came back
-            else:
-                self._route_event(ev)
+            try:
+                if isinstance(ev, p.BatchReport):
+                    self.shell.completed(ev, time.monotonic())
+                    self._wake.set()  # slots came back
+                else:
+                    self._route_event(ev)
+            except Exception:  # noqa: BLE001 - one bad event must not stop the loop
+                log.exception("dropping a reply event that could not be handled: %r", ev)
 
     def _route_event(self, ev: p.Delta | p.Finished | p.Failed) -> None:
         pending = self.pending.get(ev.rid)
         if pending is not None:
             pending.events.put_nowait(ev)
 
-    # -- workers and peers ------------------------------------------------------------------
+    # -- workers, peers and leases ----------------------------------------------------------
 
     async def refresh_workers(self) -> None:
-        """Read live workers and gateways (their keys expire on Redis's clock) and give the
-        scheduler this gateway's share of each pool."""
-        me = self.settings.gateway_id
-        pipe = self.client.pipeline(transaction=False)
-        pipe.set(wire.gateway_key(me), 1, px=int(self.settings.heartbeat_ttl_s * 1000))
-        pipe.zadd(wire.GATEWAYS_ZSET, {me: time.time()})
-        pipe.zrange(wire.WORKERS_ZSET, 0, -1)
-        pipe.zrange(wire.GATEWAYS_ZSET, 0, -1)
-        _, _, worker_ids, gateway_ids = await pipe.execute()
-        wids = [i.decode() for i in worker_ids]
-        gids = [i.decode() for i in gateway_ids]
-        pipe = self.client.pipeline(transaction=False)
-        pipe.mget([wire.worker_key(i) for i in wids] or ["tg:none"])
-        pipe.mget([wire.gateway_key(i) for i in gids] or ["tg:none"])
-        raws, alive_gws = await pipe.execute()
-        workers: dict[str, p.Heartbeat] = {}
-        gone: list[str] = []
-        for wid, raw in zip(wids, raws, strict=False):
-            if raw is None:
-                gone.append(wid)
-                continue
-            try:
-                workers[wid] = p.decode_heartbeat(raw)
-            except p.ProtocolError as exc:
-                log.warning("ignoring worker %s: %s", wid, exc)
-        dead_gws = [g for g, alive in zip(gids, alive_gws, strict=False) if alive is None]
-        pipe = self.client.pipeline(transaction=False)
-        if gone:
-            pipe.zrem(wire.WORKERS_ZSET, *gone)
-        if dead_gws:
-            pipe.zrem(wire.GATEWAYS_ZSET, *dead_gws)
-        await pipe.execute()
+        """Renew this gateway's liveness, read live workers and gateways (their keys expire
+        on Redis's clock), give the scheduler this gateway's share of each pool, and settle
+        the requests of gateways that died. If Redis forgot this gateway (it restarted
+        without its data, or a peer took this gateway for dead), every dispatched batch is
+        lost: its requests fail now, with a clear error, and its slots come back."""
+        view = await self.liveness.renew(self.replies)
+        if view.forgotten:
+            lost = self.shell.abort_all(time.monotonic())
+            if lost:
+                log.error("Redis no longer knows this gateway: %d requests in flight are lost", len(lost))
+            for rid in lost:
+                self._route_event(p.Failed(rid, "redis", "The request was lost by Redis; retry it."))
+        for gateway_id in view.dead:
+            swept = await self.liveness.sweep(gateway_id)
+            if swept >= 0:
+                log.warning("gateway %s is gone: settled %d of its requests", gateway_id, swept)
+        workers = await self.liveness.workers()
         self.workers = workers
-        self.gateways = max(1, len(gids) - len(dead_gws))
+        self.gateways = max(1, view.alive)
         self.shell.capacity(workers, self.gateways, time.monotonic())
         self._wake.set()
         if self._on_workers is not None:
             self._on_workers(workers)
 
     async def _watch_loop(self) -> None:
+        outage = Outage("reading worker heartbeats")
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(WATCH_S if not outage.failures else outage.backoff_s())
+            expired = self.shell.expire(time.monotonic())
+            for rid in expired:
+                self._route_event(p.Failed(rid, "lost", "The request's batch was lost; retry it."))
+            if expired:
+                self._wake.set()
             try:
                 await self.refresh_workers()
+                outage.ok()
             except RedisError as exc:
-                log.warning("reading worker heartbeats failed: %s", exc)
+                outage.failed(exc)

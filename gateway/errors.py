@@ -88,6 +88,10 @@ class Unavailable(GatewayError):
     code = "service_unavailable"
 
 
+class Overloaded(Unavailable):
+    code = "overloaded"
+
+
 class Timeout(Unavailable):
     code = "timeout"
 
@@ -109,10 +113,17 @@ def error_body(exc: GatewayError) -> dict[str, Any]:
     return {"error": body}
 
 
+RETRY_AFTER_S = 1  # what a 429 or 503 that knows no better tells the client to wait
+
+
 def error_response(exc: GatewayError) -> Response:
+    """The one mapping to HTTP: status, OpenAI's body, and ``Retry-After`` on every 429/503."""
+    headers = exc.headers
+    if exc.status in (429, 503) and "retry-after" not in headers:
+        headers = {**headers, "retry-after": str(RETRY_AFTER_S)}
     return Response(
         orjson.dumps(error_body(exc)),
         status_code=exc.status,
         media_type="application/json",
-        headers=exc.headers,
+        headers=headers,
     )

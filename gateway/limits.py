@@ -46,6 +46,29 @@ def output_tokens(gen: Generation, prompt: int, context: int, default: int, tena
     return max_tokens
 
 
+def prompt_limit(context: int, tenant: Tenant) -> int:
+    """The most prompt tokens a request may have: the context less one output token, and
+    the tenant's prompt limit."""
+    cap = tenant.limits.max_prompt_tokens
+    return context - 1 if cap is None else min(context - 1, cap)
+
+
+def prompt_too_long(gen: Generation, tokens: int, exact: bool, context: int, tenant: Tenant) -> InvalidRequest:
+    """The 400 for a prompt over ``prompt_limit``: the tenant's limit where that is the
+    tighter one, else the context."""
+    param = "messages" if gen.kind == "chat" else "prompt"
+    has = f"{tokens}" if exact else f"at least {tokens}"
+    cap = tenant.limits.max_prompt_tokens
+    if cap is not None and cap < context - 1:
+        return InvalidRequest(f"The prompt has {has} tokens; your limit is {cap}.", param=param, code="prompt_too_long")
+    return InvalidRequest(
+        f"This model's maximum context length is {context} tokens. However, your prompt has {has} tokens, "
+        "which leaves no room for the completion.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
 def over_burst(tenant: Tenant, cost: int, param: str = "max_tokens") -> InvalidRequest:
     """A request larger than the burst could never be admitted: 400, not 429."""
     return InvalidRequest(

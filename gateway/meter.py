@@ -28,6 +28,10 @@ class Meter:
     first_token_s: float | None = None  # seen by a streaming client, from ``received``
     total_s: float | None = None
 
+    def age(self) -> float:
+        """Seconds since the request arrived."""
+        return time.monotonic() - self.received
+
     def observe(self, ev: p.Event) -> None:
         if isinstance(ev, p.Delta):
             self.completion_tokens = ev.tokens

@@ -1,7 +1,10 @@
 """OpenAI JSON in, internal dataclasses out (and back): the one place that knows both.
 
 Unknown fields are ignored, as many clients send optional OpenAI fields; fields we cannot
-honour (``n`` > 1, ``logprobs``, ``tools``) are rejected with 400 naming the field.
+honour (``n`` > 1, ``logprobs``, ``tools``, non-zero penalties) are rejected with 400 naming
+the field. Every field is bounded before it costs anything (``docs/api.md`` lists the
+bounds): numbers have ranges, strings and arrays have sizes, and types are strict (a
+number sent as a string is refused, as OpenAI does).
 """
 
 from __future__ import annotations
@@ -15,11 +18,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from gateway.errors import InvalidRequest
 from workers.protocol import SamplingParams
 
-Stop = str | Annotated[list[str], Field(max_length=4)] | None
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_MESSAGES = 4096  # messages per chat request
+MAX_PARTS = 1024  # content parts per message
+MAX_PROMPT_IDS = 1 << 17  # token ids in one completion prompt
+TOKEN_ID_MAX = INT32_MAX = 2**31 - 1
+
+Short = Annotated[str, Field(max_length=256)]
+StopString = Annotated[str, Field(max_length=256)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=4)] | None
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
 
 
 class TextPart(_Model):
@@ -29,8 +41,8 @@ class TextPart(_Model):
 
 class Message(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_PARTS)] | None = None
+    name: Short | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -45,24 +57,33 @@ class StreamOptions(_Model):
 
 
 class _Sampling(_Model):
-    model: str = Field(min_length=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    model: str = Field(min_length=1, max_length=256)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     stop: Stop = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
-    logprobs: bool | int | None = None
-    user: str | None = None
+    logprobs: bool | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    user: Short | None = None
     ignore_eos: bool = False  # vLLM's extension: keep generating until max_tokens
 
     @field_validator("logprobs")
     @classmethod
-    def _no_logprobs(cls, v: bool | int | None) -> None:
+    def _no_logprobs(cls, v: bool | None) -> None:
         if v:
             raise ValueError("logprobs are not supported")
         return None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError("penalties are not supported; send 0 or leave the field out")
+        return v
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -73,9 +94,9 @@ class _Sampling(_Model):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     tools: list[Any] | None = None
 
     @field_validator("tools")
@@ -87,19 +108,13 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
-    max_tokens: int | None = Field(default=16, ge=1)
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=1)]
+        | Annotated[list[Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]], Field(min_length=1, max_length=MAX_PROMPT_IDS)]
+    )
+    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
     echo: bool = False
-
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, v: str | list[str] | list[int]) -> str | list[str] | list[int]:
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("prompt must not be empty")
-            if isinstance(v[0], str) and len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
-        return v
 
     @field_validator("echo")
     @classmethod

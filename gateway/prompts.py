@@ -1,4 +1,17 @@
-"""Prompts to token ids with the model's own tokenizer and chat template."""
+"""Prompts to token ids with the model's own tokenizer and chat template.
+
+Tokenizing is the one expensive thing the gateway does before a request is admitted, so it
+is bounded: ``token_ids`` takes the most tokens the request may have (``limit``) and
+refuses a text that certainly exceeds it without tokenizing all of it:
+
+- a text longer than ``limit · longest token`` characters cannot fit (no token covers more
+  characters than the vocabulary's longest), so it is refused before any tokenizing;
+- otherwise a prefix of about ``PREFIX_CHARS_PER_TOKEN · limit`` characters is tokenized
+  first; a prefix that alone exceeds the limit refuses the text;
+- only a text that passes both is tokenized whole.
+
+The work per refused request is therefore bounded by the limit, not by the body size.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +21,30 @@ from typing import Any
 from gateway.errors import InvalidRequest
 from gateway.openai_protocol import Generation
 
+PREFIX_CHARS_PER_TOKEN = 8  # prose averages ~4 characters per token; code and digits fewer
+
+
+class PromptTooLong(Exception):
+    """The prompt has ``tokens`` tokens (at least that many unless ``exact``), more than the
+    limit it was checked against; ``gateway.limits.prompt_too_long`` words the 400."""
+
+    def __init__(self, tokens: int, exact: bool = False) -> None:
+        super().__init__(tokens)
+        self.tokens = tokens
+        self.exact = exact
+
 
 class PromptBuilder:
     def __init__(self, tokenizer: Any, context_tokens: int) -> None:
         self.tokenizer = tokenizer
         self.context_tokens = context_tokens
         self.vocab_size = len(tokenizer)
-        self._encode_fast = getattr(tokenizer, "backend_tokenizer", None)
+        self._fast = getattr(tokenizer, "backend_tokenizer", None)
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template")
+        self.longest_token_chars = max(
+            1, max(len(tokenizer.convert_tokens_to_string([t])) for t in tokenizer.get_vocab())
+        )
 
     @classmethod
     def load(cls, model_dir: Path) -> PromptBuilder:
@@ -29,26 +57,53 @@ class PromptBuilder:
         return cls(AutoTokenizer.from_pretrained(model_dir), context)
 
     def _encode(self, text: str) -> list[int]:
-        if self._encode_fast is not None:
-            return list(self._encode_fast.encode(text, add_special_tokens=False).ids)
+        if self._fast is not None:
+            # encode_batch releases the GIL while the Rust tokenizer runs (encode does not)
+            return list(self._fast.encode_batch([text], add_special_tokens=False)[0].ids)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def token_ids(self, gen: Generation) -> list[int]:
+    def text(self, gen: Generation) -> str | None:
+        """The text to tokenize (the chat template applied), or None for token ids."""
         if gen.kind == "chat":
             messages = [{"role": role, "content": text} for role, text in gen.messages]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             # the template already holds the special tokens; the Rust tokenizer encodes it
             # directly (about half the cost of tokenize=True)
-            ids = self._encode(text)
-        elif isinstance(gen.prompt, str):
-            ids = self._encode(gen.prompt)
-            if not ids:
-                raise InvalidRequest("The prompt is empty.", param="prompt")
-        else:
+            return str(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        return gen.prompt if isinstance(gen.prompt, str) else None
+
+    @staticmethod
+    def chars(gen: Generation) -> int:
+        """The prompt's characters (token ids count one each): cheap, before any template."""
+        if gen.kind == "chat":
+            return sum(len(text) for _role, text in gen.messages)
+        return len(gen.prompt)
+
+    def token_ids(self, gen: Generation, limit: int) -> list[int]:
+        """The prompt's token ids; PromptTooLong when it has more than ``limit`` tokens
+        (see the module docstring for how little work that takes)."""
+        text = self.text(gen)
+        ids: list[int]
+        if text is None:
+            assert not isinstance(gen.prompt, str)  # token ids
             ids = list(gen.prompt)
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise InvalidRequest(
                     f"Token id {bad} is outside the vocabulary (0..{self.vocab_size - 1}).", param="prompt"
                 )
+        else:
+            if len(text) > limit * self.longest_token_chars:
+                raise PromptTooLong(len(text) // self.longest_token_chars)
+            prefix = limit * PREFIX_CHARS_PER_TOKEN
+            if len(text) > prefix:
+                # cut at a space so the prefix tokenizes as the start of the whole text does
+                cut = text.find(" ", prefix)
+                head = self._encode(text[: cut if cut > 0 else prefix])
+                if len(head) > limit + 1:  # +1: the cut may split one token in two
+                    raise PromptTooLong(len(head) - 1)
+            ids = self._encode(text)
+            if gen.kind == "completion" and not ids:
+                raise InvalidRequest("The prompt is empty.", param="prompt")
+        if len(ids) > limit:
+            raise PromptTooLong(len(ids), exact=True)
         return ids

@@ -31,6 +31,20 @@ class Origin:
 class Send:
     pool: str
     job: p.BatchJob
+    batch: int  # the scheduler's batch id
+
+
+REPORT_GRACE_S = 2.0  # after a batch's last request ended here, its report has this long to arrive
+
+
+@dataclass(slots=True)
+class _Lease:
+    """Slots a dispatched batch holds: given back by its report, or, should the report never
+    come (the job died with Redis, its worker and every retry), by expiry."""
+
+    pool: str
+    open: set[str]  # its requests this gateway still waits on
+    expires: float
 
 
 def scheduler_config(priors_path: str | None) -> SchedulerConfig:
@@ -76,13 +90,22 @@ def capacity_share(workers: dict[str, p.Heartbeat], gateways: int) -> dict[str, 
 
 
 class SchedulerShell:
+    """The core plus what it does not keep: the jobs of queued requests and the slot leases
+    of dispatched batches. Every lease ends exactly once: by the batch's report
+    (``completed``), by ``abort`` (its job never left, or is lost), or by ``expire``, once
+    the batch's requests have all ended here and its report is ``REPORT_GRACE_S`` late, or
+    ``lease_s`` after dispatch at the latest."""
+
     def __init__(self, gateway_id: str, reply_to: str, config: SchedulerConfig | None = None,
-                 handoff_min_prompt: int = 0) -> None:
+                 handoff_min_prompt: int = 0, lease_s: float = 150.0) -> None:
         self.core = Scheduler(config or SchedulerConfig())
         self.gateway_id = gateway_id
         self.reply_to = reply_to
         self.handoff_min_prompt = handoff_min_prompt
+        self.lease_s = lease_s
         self._seqs: dict[str, p.SeqJob] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._lease_of: dict[str, int] = {}  # request id -> batch id, while its lease lasts
         self._gpu_alive = False
 
     def __len__(self) -> int:
@@ -112,6 +135,8 @@ class SchedulerShell:
         for d in self.core.tick(now):
             if isinstance(d, Dispatch):
                 sends.append(self._job(d))
+                self._leases[d.batch_id] = _Lease(d.path, set(d.request_ids), now + self.lease_s)
+                self._lease_of.update(dict.fromkeys(d.request_ids, d.batch_id))
             else:
                 self._seqs.pop(d.request_id, None)
                 rejects.append(d)
@@ -125,13 +150,21 @@ class SchedulerShell:
                 replace(s, handoff="gpu") if len(s.prompt_ids) >= self.handoff_min_prompt else s for s in seqs
             )
         job = p.BatchJob(f"{self.gateway_id}:{d.batch_id}", self.reply_to, d.bucket, seqs)
-        return Send(d.path, job)
+        return Send(d.path, job, d.batch_id)
+
+    def _end_lease(self, batch: int) -> _Lease | None:
+        lease = self._leases.pop(batch, None)
+        if lease is not None:
+            for rid in lease.open:
+                self._lease_of.pop(rid, None)
+        return lease
 
     def completed(self, report: p.BatchReport, now: float) -> None:
         """Feed a worker's timings back; reports of batches this gateway did not schedule
-        (hand-over decode jobs, a previous incarnation's) are ignored."""
+        (hand-over decode jobs, a previous incarnation's) or whose lease already ended are
+        ignored."""
         prefix, _, local = report.batch_id.rpartition(":")
-        if prefix != self.gateway_id or not local.isdigit():
+        if prefix != self.gateway_id or not local.isdigit() or self._end_lease(int(local)) is None:
             return
         self.core.completed(
             BatchTimings(
@@ -147,6 +180,38 @@ class SchedulerShell:
             ),
             now,
         )
+
+    def abort(self, batch: int, now: float) -> list[str]:
+        """The batch will never report (its job could not be sent, or is lost): its slots come
+        back now, nothing is fitted. Returns the requests still waiting on it here."""
+        lease = self._end_lease(batch)
+        if lease is None:
+            return []
+        self.core.completed(BatchTimings(batch, lease.pool, 0, 0, 0.0, 0, 0.0, ()), now)
+        return sorted(lease.open)
+
+    def abort_all(self, now: float) -> list[str]:
+        """Every dispatched batch is lost (Redis lost its data): abort them all."""
+        return [rid for batch in list(self._leases) for rid in self.abort(batch, now)]
+
+    def request_ended(self, rid: str, now: float) -> None:
+        """The request is over here (answered, failed, timed out, cancelled): once a batch
+        has no request left, its report has ``REPORT_GRACE_S`` to arrive."""
+        batch = self._lease_of.pop(rid, None)
+        lease = self._leases.get(batch) if batch is not None else None
+        if lease is not None:
+            lease.open.discard(rid)
+            if not lease.open:
+                lease.expires = min(lease.expires, now + REPORT_GRACE_S)
+
+    def expire(self, now: float) -> list[str]:
+        """End the leases that ran out; returns the requests still waiting on them."""
+        return [rid for batch in [b for b, lease in self._leases.items() if lease.expires <= now]
+                for rid in self.abort(batch, now)]
+
+    @property
+    def leases(self) -> int:
+        return len(self._leases)
 
     def capacity(self, workers: dict[str, p.Heartbeat], gateways: int, now: float) -> None:
         share = capacity_share(workers, gateways)

@@ -82,14 +82,13 @@ async def _run_gateway(
     ready: Callable[[], None] | None = None,
     children: list[subprocess.Popen[bytes]] | None = None,
 ) -> None:
-    import redis.asyncio as aioredis
     import uvicorn
 
-    from gateway.app import Gateway, create_app
+    from gateway.app import Gateway, create_app, redis_client
     from gateway.prompts import PromptBuilder
 
     prompts = PromptBuilder.load(model_dir)
-    client = aioredis.Redis.from_url(settings.redis_url)
+    client = redis_client(settings)
     gw = Gateway(settings, prompts, client)
     config = uvicorn.Config(
         create_app(gw),

@@ -24,15 +24,18 @@ class GatewaySettings:
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 120.0
     default_max_tokens: int = 256
-    heartbeat_ttl_s: float = 5.0
     pools: tuple[str, ...] = ("cpu", "gpu")
     admin_token: str | None = field(default=None, repr=False)  # None: the admin API refuses all
     usage_retention_s: int = 7 * 86400  # per-minute usage counters live this long
-    request_record_ttl_s: int = 3600  # how long a request's owner and state stay readable
+    request_record_ttl_s: int = 300  # how long a request's owner and state stay readable
     auth_cache_s: float = 1.0  # verified keys are reused this long (revocation is immediate)
     handoff_min_prompt: int = 0  # >0: prompts this long prefill on cpu and decode on gpu
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # cost priors from --cost-priors
     shutdown_grace_s: int = 10  # after Ctrl-C/SIGTERM, in-flight requests get this long
+    max_in_flight: int = 4096  # requests admitted here and not yet answered; beyond: 503 at once
+    redis_max_connections: int = 256  # the gateway's Redis pool; a request waits for a free one
+    redis_timeout_s: float = 5.0  # a Redis command (or a wait for a pooled connection) fails after this
+    gateway_dead_after_s: float = 15.0  # a gateway silent this long is dead: a survivor settles its requests
 
     def __post_init__(self) -> None:
         if not self.redis_url:
@@ -53,5 +56,11 @@ class GatewaySettings:
             raise ValueError("the shutdown grace time must be positive")
         if self.handoff_min_prompt < 0:
             raise ValueError("the hand-off prompt length must not be negative")
+        if self.max_in_flight < 1 or self.redis_max_connections < 4:
+            raise ValueError("max in flight must be >= 1 and the Redis pool must hold at least 4 connections")
+        if not self.redis_timeout_s > 1.0:
+            raise ValueError("the Redis timeout must exceed 1 s (the reply reader blocks that long)")
+        if self.gateway_dead_after_s < 5.0:
+            raise ValueError("a gateway may be declared dead only after 5 s of silence (ten renewals)")
         if self.usage_retention_s < 60 or self.request_record_ttl_s < 1:
             raise ValueError("usage retention must be >= 60 s and the request record TTL positive")

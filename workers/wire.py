@@ -42,9 +42,10 @@ def worker_key(worker_id: str) -> str:
     return f"tg:worker:{worker_id}"
 
 
-def gateway_key(gateway_id: str) -> str:
-    """Present (with a TTL) while the gateway is alive."""
-    return f"tg:gateway:{gateway_id}"
+def gateway_requests(gateway_id: str) -> str:
+    """Hash: request id -> "tenant rate reserved" for every request the gateway admitted and
+    has not settled; a survivor settles them when the gateway dies."""
+    return f"tg:gateway-requests:{gateway_id}"
 
 
 # -- per request --------------------------------------------------------------------------

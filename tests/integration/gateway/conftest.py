@@ -4,6 +4,7 @@ in a thread: the HTTP surface without subprocesses or a model."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -11,13 +12,12 @@ from typing import Any
 
 import httpx
 import pytest
-import redis.asyncio as aioredis
 
-from gateway.app import Gateway, create_app
+from gateway.app import Gateway, create_app, redis_client
 from gateway.prompts import PromptBuilder
 from gateway.settings import GatewaySettings
 from tests.integration.helpers import running_worker
-from workers.engine import EchoEngine
+from workers.engine import EchoEngine, Engine
 from workers.model_store import ModelSpec
 
 ADMIN = "integration-admin-token"
@@ -61,17 +61,24 @@ def prompts(model_spec: ModelSpec) -> PromptBuilder:
     return PromptBuilder.load(model_spec.path)
 
 
-@pytest.fixture
-async def harness(
-    redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec
+@contextlib.asynccontextmanager
+async def make_harness(
+    redis_url: str,
+    prompts: PromptBuilder,
+    model: str,
+    engine: Engine | None = None,
+    client_url: str | None = None,
+    **settings: Any,
 ) -> AsyncIterator[Harness]:
-    settings = GatewaySettings(
-        redis_url=redis_url, model_name=model_spec.name, admin_token=ADMIN, request_timeout_s=10
+    """A gateway on ``redis_url`` (its own client may log in as someone else: ``client_url``)
+    with one worker running ``engine`` (the echo engine by default) in a thread."""
+    config = GatewaySettings(
+        redis_url=client_url or redis_url, model_name=model, admin_token=ADMIN, **{"request_timeout_s": 10, **settings}
     )
-    client = aioredis.Redis.from_url(redis_url)
-    gw = Gateway(settings, prompts, client)
+    client = redis_client(config)
+    gw = Gateway(config, prompts, client)
     app = create_app(gw)
-    with running_worker(redis_url, EchoEngine(tokens=ECHO_TOKENS)):
+    with running_worker(redis_url, engine or EchoEngine(tokens=ECHO_TOKENS)):
         await gw.dispatcher.start()
         deadline = time.monotonic() + 10
         while not gw.dispatcher.workers:
@@ -80,7 +87,13 @@ async def harness(
             await gw.dispatcher.refresh_workers()
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
-            yield Harness(gw, http, model_spec.name)
+            yield Harness(gw, http, model)
         await gw.drain()
         await gw.dispatcher.close()
     await client.aclose()
+
+
+@pytest.fixture
+async def harness(redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec) -> AsyncIterator[Harness]:
+    async with make_harness(redis_url, prompts, model_spec.name) as h:
+        yield h

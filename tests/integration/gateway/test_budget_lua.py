@@ -25,6 +25,7 @@ from hypothesis.stateful import (
 
 from gateway.budget import Budget
 from gateway.gcra import BucketModel
+from gateway.liveness import Liveness
 from gateway.settings import GatewaySettings
 from gateway.tenants import Limits, Tenant
 from workers import wire
@@ -42,9 +43,10 @@ class BudgetMachine(RuleBasedStateMachine):
         super().__init__()
         self.loop = asyncio.new_event_loop()
         self.client = aioredis.Redis.from_url(self.url)
-        self.budget = Budget(
-            self.client, GatewaySettings(redis_url=self.url, model_name="m", request_timeout_s=4.0)
-        )
+        self.gateway = GatewaySettings(redis_url=self.url, model_name="m", request_timeout_s=4.0)
+        self.budget = Budget(self.client, self.gateway)
+        self.liveness = Liveness(self.client, self.gateway)
+        self.reserved: dict[str, tuple[float, int]] = {}  # unsettled rid -> (rate, cost) at admission
         self.tid = "tn_" + secrets.token_hex(8)
         self.model = BucketModel()
         self.now = T0
@@ -79,6 +81,8 @@ class BudgetMachine(RuleBasedStateMachine):
         lease_s = max_wait + 4.0 + 30.0
         want = self.model.admit(self.now, rate, burst, cost, max_wait, max_concurrent, rid, lease_s)
         assert got == want
+        if got.status == "ok":
+            self.reserved[rid] = (rate, cost)
         return rid if got.status == "ok" else multiple()
 
     @rule(rid=admitted, used=st.integers(0, 4000))
@@ -90,6 +94,22 @@ class BudgetMachine(RuleBasedStateMachine):
             self.budget.settle_raw(self.tenant(self.rate), rid, delta, "done", 0, 0, now=self.now)
         )
         assert got == self.model.settle(self.now, self.rate, rid, delta)
+        self.reserved.pop(rid, None)
+
+    @rule()
+    def gateway_dies(self) -> None:
+        """A survivor sweeps the dead gateway: each unsettled request is settled as
+        abandoned, refunded its whole reservation at the rate it was admitted with."""
+        me = self.gateway.gateway_id
+        self.run(self.client.zadd(wire.GATEWAYS_ZSET, {me: self.now - 3600}))
+        swept = self.run(self.liveness.sweep(me, now=self.now))
+        refunded = sum(
+            self.model.settle(self.now, rate, rid, -cost) for rid, (rate, cost) in self.reserved.items()
+        )
+        assert swept == refunded
+        self.reserved.clear()
+        assert self.run(self.client.exists(wire.gateway_requests(me))) == 0
+        assert self.run(self.liveness.sweep(me, now=self.now)) == -1  # once only
 
     @rule(dt=st.floats(0.0, 30.0) | st.sampled_from([0.0, 1e-6, 0.01]))
     def advance(self, dt: float) -> None:

@@ -31,7 +31,7 @@ def test_headers_and_extra_fields_travel() -> None:
 
 
 def test_worker_and_scheduler_failures_map_to_the_right_status() -> None:
-    from gateway.app import _failure
+    from gateway.lifecycle import failure as _failure
     from workers import protocol as p
 
     dropped = _failure(p.Failed("r1", "deadline", "queued past its deadline"))
@@ -39,3 +39,19 @@ def test_worker_and_scheduler_failures_map_to_the_right_status() -> None:
     assert _failure(p.Failed("r2", "redis", "down")).status == 503
     crashed = _failure(p.Failed("r3", "dead_letter", "failed 3 deliveries"))
     assert (crashed.status, crashed.code) == (500, "dead_letter") and "r3" in crashed.message
+
+
+def test_every_429_and_503_says_when_to_retry() -> None:
+    for exc in (e.RateLimited("slow down"), e.Unavailable("later"), e.Overloaded("full"), e.Timeout("late")):
+        assert e.error_response(exc).headers["retry-after"] == str(e.RETRY_AFTER_S)
+    assert "retry-after" not in e.error_response(e.InvalidRequest("bad")).headers
+
+
+def test_lost_work_and_shutdown_are_503s_a_client_may_retry() -> None:
+    from gateway.lifecycle import failure
+    from workers import protocol as p
+
+    for code in ("lost", "shutdown", "gateway_error", "no_worker"):
+        err = failure(p.Failed("r", code, "gone"))
+        assert (err.status, err.code) == (503, code)
+    assert failure(p.Failed("r", "unencodable", "bad")).status == 400

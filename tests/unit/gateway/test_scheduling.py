@@ -137,3 +137,67 @@ def test_cost_priors_from_a_file_seed_the_paths_and_bad_files_name_the_problem(t
             scheduler_config(str(good))
     with pytest.raises(ValueError, match="missing.json"):
         scheduler_config(str(tmp_path / "missing.json"))
+
+
+def _dispatched(shell: SchedulerShell, rids: list[str], start: float = 0.0) -> tuple[list, float]:
+    for rid in rids:
+        assert isinstance(shell.arrive(_seq(rid), WHO, now=start), Contract)
+    t, sends = start, []
+    while len(shell):
+        t += 0.05
+        sends += shell.tick(t)[0]
+    return sends, t
+
+
+def _used(shell: SchedulerShell) -> int:
+    return sum(int(path["in_flight"]) for path in shell.core.snapshot()["paths"].values())
+
+
+def _report(send, shell: SchedulerShell) -> p.BatchReport:  # type: ignore[no-untyped-def]
+    n = len(send.job.seqs)
+    return p.BatchReport(send.job.batch_id, send.pool, "w", n, 20, 0.01, 8, 0.08, (8,) * n)
+
+
+def test_a_batch_that_could_not_be_sent_gives_its_slots_back_at_once() -> None:
+    shell = _shell()
+    sends, t = _dispatched(shell, ["a", "b"])
+    assert shell.leases == len(sends) and _used(shell) == 2
+    stranded = [rid for send in sends for rid in shell.abort(send.batch, t)]
+    assert sorted(stranded) == ["a", "b"] and shell.leases == 0 and _used(shell) == 0
+    for send in sends:  # a late report of an aborted batch changes nothing
+        shell.completed(_report(send, shell), t)
+        assert shell.abort(send.batch, t) == []
+    assert _used(shell) == 0
+
+
+def test_a_report_that_never_comes_expires_after_its_requests_ended() -> None:
+    from gateway.scheduling import REPORT_GRACE_S
+
+    shell = _shell()
+    sends, t = _dispatched(shell, ["a"])
+    assert shell.expire(t + 60) == [] and _used(shell) == 1  # the request still waits: the lease holds
+    shell.request_ended("a", t + 60)
+    assert shell.expire(t + 60 + REPORT_GRACE_S - 0.01) == [] and _used(shell) == 1
+    assert shell.expire(t + 60 + REPORT_GRACE_S) == [] and _used(shell) == 0 and shell.leases == 0
+
+
+def test_every_lease_ends_at_the_latest_after_lease_s_failing_what_still_waits() -> None:
+    shell = _shell(lease_s=30.0)
+    sends, t = _dispatched(shell, ["a", "b"])
+    assert sorted(shell.expire(t + 31)) == ["a", "b"] and _used(shell) == 0
+
+
+def test_a_reported_batch_ends_its_lease_once() -> None:
+    shell = _shell()
+    sends, t = _dispatched(shell, ["a"])
+    shell.completed(_report(sends[0], shell), t + 1)
+    assert shell.leases == 0 and _used(shell) == 0
+    shell.request_ended("a", t + 1)
+    assert shell.expire(t + 1000) == [] and _used(shell) == 0
+
+
+def test_losing_everything_in_flight_frees_every_slot() -> None:
+    shell = _shell()
+    _sends, t = _dispatched(shell, ["a", "b", "c"])
+    shell.request_ended("c", t)
+    assert sorted(shell.abort_all(t)) == ["a", "b"] and _used(shell) == 0 and shell.leases == 0

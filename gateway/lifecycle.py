@@ -1,0 +1,310 @@
+"""One generation request's life, from admission to settlement, in one owner object.
+
+``RequestLife`` admits a request (capacity check, bounded tokenizing, budget, scheduler),
+relays its events to the client (a JSON body or an SSE stream) and ends it exactly once
+on every path: answered, failed, timed out, client gone, gateway shutting down. Ending
+does three things, in this order, each once:
+
+1. the dispatcher stops routing the request's events (and its batch's lease learns it);
+2. work that may still run is cancelled (a request still queued is dropped for free; one
+   already on a worker is told to stop, and its last word is awaited briefly, so that the
+   tenant pays what was really generated);
+3. the budget is settled (``Gateway.settle``: its own task, so a handler cancelled by a
+   disconnect cannot stop it half-way).
+
+The handlers in ``gateway.app`` only parse, call ``start`` and pick the response shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import orjson
+
+from gateway import limits
+from gateway import openai_protocol as oai
+from gateway.budget import Admission
+from gateway.dispatch import Pending
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    Overloaded,
+    Timeout,
+    Unavailable,
+    WorkerFailed,
+    error_body,
+)
+from gateway.meter import Meter
+from gateway.scheduling import Origin
+from sched_core import Contract, Reject
+from workers import protocol as p
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+    from gateway.auth import Caller
+
+log = logging.getLogger("tokengate.requests")
+
+CANCEL_DRAIN_S = 5.0  # how long a cancelled request's final token count is awaited
+
+
+def contract_headers(c: Contract) -> dict[str, str]:
+    """The latency contract (milliseconds from when the gateway received the request)."""
+    return {
+        "x-tokengate-ttft-ms": f"{c.ttft_s * 1000:.1f}",
+        "x-tokengate-latency-ms": f"{c.total_s * 1000:.1f}",
+        "x-tokengate-p99-ms": f"{c.p99_s * 1000:.1f}",
+        "x-tokengate-tokens-ahead": str(c.tokens_ahead),
+        "x-tokengate-budget-wait-ms": f"{c.budget_wait_s * 1000:.1f}",
+        "x-tokengate-bucket": str(c.bucket),
+        "x-tokengate-path": c.path,
+    }
+
+
+def failure(ev: p.Failed) -> GatewayError:
+    """A worker's or the dispatcher's error event, as the error the client gets."""
+    if ev.code in ("no_worker", "redis", "lost", "shutdown", "gateway_error"):
+        return Unavailable(f"Request {ev.rid}: {ev.message}", code=ev.code)
+    if ev.code == "deadline":  # the scheduler dropped it from the queue: it could no longer make it
+        return Unavailable(f"Request {ev.rid} cannot finish before its deadline: {ev.message}", code="deadline_unmet")
+    if ev.code == "unencodable":
+        return InvalidRequest(f"Request {ev.rid}: {ev.message}", code="invalid_request")
+    return WorkerFailed(f"Request {ev.rid} failed: {ev.message}", code=ev.code)
+
+
+def refused(rid: str, reject: Reject) -> GatewayError:
+    """The scheduler will not run the request: say why, with its estimate."""
+    estimate = {"estimate_ms": round(reject.estimate_s * 1000, 1)} if reject.estimate_s else {}
+    headers = {"retry-after": str(max(1, int(reject.retry_after_s + 0.999)))} if reject.retry_after_s else {}
+    if estimate:
+        headers["x-tokengate-estimate-ms"] = str(estimate["estimate_ms"])
+    if reject.reason == "too_long":
+        return InvalidRequest(f"Request {rid}: {reject.message}", param="messages", code="prompt_too_long")
+    code = "deadline_unmet" if reject.reason == "deadline" else reject.reason
+    return Unavailable(f"Request {rid} cannot be served in time: {reject.message}", code=code, headers=headers,
+                       extra=estimate)
+
+
+def _sse(doc: dict[str, object]) -> bytes:
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
+class RequestLife:
+    def __init__(self, gw: Gateway, caller: Caller, gen: oai.Generation, deadline_s: float | None) -> None:
+        self.gw = gw
+        self.caller = caller
+        self.gen = gen
+        self.deadline_s = deadline_s
+        self.meter = Meter(0)
+        self.rid = ""
+        self.admission: Admission | None = None
+        self.pending: Pending | None = None
+        self.timeout_at = 0.0
+        self._counted = False  # holds one of the gateway's in-flight places
+        self._ended = False
+
+    # -- admission --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Admit the request, or raise the error that refuses it (after ending it here)."""
+        gw, tenant = self.gw, self.caller.tenant
+        if gw.in_flight >= gw.settings.max_in_flight:
+            raise Overloaded(
+                f"This gateway is at its limit of {gw.settings.max_in_flight} requests in flight; retry shortly."
+            )
+        gw.in_flight += 1
+        self._counted = True
+        try:
+            if self.gen.model != gw.settings.model_name or not tenant.may_use(self.gen.model):
+                raise ModelNotFound(f"The model '{self.gen.model}' does not exist.", param="model")
+            ids = await gw.tokenize(self.gen, tenant)
+            max_tokens = limits.output_tokens(
+                self.gen, len(ids), gw.prompts.context_tokens, gw.settings.default_max_tokens, tenant
+            )
+            if not gw.dispatcher.alive_pools():
+                raise Unavailable("No worker is alive to serve this request; try again shortly.", code="no_worker")
+            seq = p.SeqJob(gw.new_rid(), tuple(ids), self.gen.sampling(max_tokens), self.gen.stream)
+            self.rid = seq.rid
+            self.meter.prompt_tokens = len(ids)
+            admit = asyncio.ensure_future(
+                gw.budget.admit(tenant, seq.rid, len(ids), max_tokens, key=self.caller.key, deadline_s=self.deadline_s)
+            )
+            try:
+                self.admission = await asyncio.shield(admit)
+            except asyncio.CancelledError:  # shutdown: whatever the script reserved is given back
+                admit.add_done_callback(self._settle_orphan)
+                raise
+            if self.admission.wait_s > 0.0:
+                gw.metrics.budget_wait.observe(self.admission.wait_s)
+                await asyncio.sleep(self.admission.wait_s)
+            who = Origin(
+                tenant=tenant.id,
+                weight=tenant.weight,
+                priority=tenant.priority,
+                budget_wait_s=self.admission.wait_s,
+                deadline_s=None if self.deadline_s is None else self.deadline_s - self.meter.age(),
+            )
+            decision = gw.dispatcher.submit(seq, who)
+            if isinstance(decision, Reject):
+                raise refused(seq.rid, decision)
+        except BaseException:
+            self.end()
+            if self.meter.settling is not None:  # settled before the error goes out: the refund is visible
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.meter.settling)
+            raise
+        self.pending = decision
+        self.meter.started = True
+        self.meter.contract = decision.contract
+        self.timeout_at = decision.created + gw.settings.request_timeout_s
+        gw.metrics.in_flight.inc()
+
+    def headers(self) -> dict[str, str]:
+        assert self.admission is not None and self.pending is not None
+        return {"x-request-id": self.rid, **self.admission.headers, **contract_headers(self.pending.contract)}
+
+    # -- events -----------------------------------------------------------------------------
+
+    async def _next(self) -> p.Event:
+        assert self.pending is not None
+        events = self.pending.events
+        if not events.empty():
+            ev = events.get_nowait()
+        else:
+            try:
+                async with asyncio.timeout(self.timeout_at - time.monotonic()):
+                    ev = await events.get()
+            except TimeoutError:
+                self.meter.fail()
+                raise Timeout(
+                    f"Request {self.rid} timed out after {self.gw.settings.request_timeout_s:g} s."
+                ) from None
+        self.meter.observe(ev)
+        if isinstance(ev, p.Finished):
+            self.gw.metrics.tokens.labels("prompt").inc(ev.prompt_tokens)
+            self.gw.metrics.tokens.labels("completion").inc(ev.completion_tokens)
+        return ev
+
+    async def body(self) -> dict[str, object]:
+        """The whole completion (non-streaming); raises the request's error. Ends the
+        request when its last event arrived; a caller that gives up calls ``end``."""
+        parts: list[str] = []
+        try:
+            while True:
+                ev = await self._next()
+                if isinstance(ev, p.Delta):
+                    parts.append(ev.text)
+                elif isinstance(ev, p.Finished):
+                    parts.append(ev.text)
+                    self.end(over=True)
+                    await asyncio.shield(self.settled())
+                    return oai.completion_body(
+                        self.gen, self.rid, "".join(parts), ev.finish_reason, ev.prompt_tokens, ev.completion_tokens
+                    )
+                elif isinstance(ev, p.Failed):
+                    self.end(over=True)
+                    raise failure(ev)
+        except Timeout:
+            self.end()
+            raise
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The SSE stream; an error after the stream began arrives as a final error event.
+        However the stream stops (done, error, client gone, shutdown), the request ends."""
+        gen, rid = self.gen, self.rid
+        created = int(time.time())
+        route = "chat" if gen.kind == "chat" else "completions"
+        try:
+            if gen.kind == "chat":
+                yield _sse(oai.chunk_body(gen, rid, created, "", first=True))
+            first = True
+            while True:
+                try:
+                    ev = await self._next()
+                except Timeout as exc:
+                    yield _sse(error_body(exc))
+                    return
+                if isinstance(ev, p.Delta):
+                    if first:
+                        self.gw.metrics.ttft.labels(route).observe(self.meter.age())
+                        first = False
+                    yield _sse(oai.chunk_body(gen, rid, created, ev.text))
+                elif isinstance(ev, p.Finished):
+                    if ev.text:
+                        yield _sse(oai.chunk_body(gen, rid, created, ev.text))
+                    yield _sse(oai.chunk_body(gen, rid, created, None, ev.finish_reason))
+                    if gen.include_usage:
+                        yield _sse(oai.usage_chunk(gen, rid, created, ev.prompt_tokens, ev.completion_tokens))
+                    self.end(over=True)
+                    await self.settled()  # before [DONE]: a client may reuse its concurrency slot at once
+                    yield b"data: [DONE]\n\n"
+                    return
+                elif isinstance(ev, p.Failed):
+                    self.end(over=True)
+                    yield _sse(error_body(failure(ev)))
+                    return
+        finally:
+            self.end()
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def end(self, *, over: bool = False) -> None:
+        """The request is over for its client; idempotent. ``over``: its last event arrived,
+        so nothing runs any more. Otherwise (client gone, timed out, shutdown, refused before
+        it was queued) whatever may still run is cancelled before settling."""
+        if self._ended:
+            return
+        self._ended = True
+        gw = self.gw
+        if self._counted:
+            gw.in_flight -= 1
+        if self.pending is not None:
+            gw.metrics.in_flight.dec()
+        if self.admission is None:
+            return  # nothing reserved, nothing to settle
+        if self.pending is None or over:
+            if self.pending is not None:
+                gw.dispatcher.forget(self.rid)
+            gw.settle(self.admission, self.meter)
+        elif gw.dispatcher.cancel(self.rid):  # still queued: it will never run and costs nothing
+            self.meter.started = False
+            gw.dispatcher.forget(self.rid)
+            gw.settle(self.admission, self.meter)
+        else:
+            gw.spawn(self._drain_then_settle())
+
+    async def _drain_then_settle(self) -> None:
+        """A dispatched request whose client left: wait (briefly) for the worker's final
+        event, so the tenant is charged what was really generated, then settle."""
+        assert self.pending is not None and self.admission is not None
+        try:
+            async with asyncio.timeout(CANCEL_DRAIN_S):
+                while True:
+                    ev = await self.pending.events.get()
+                    if isinstance(ev, p.Delta):
+                        self.meter.completion_tokens = ev.tokens
+                    elif isinstance(ev, p.Finished):
+                        self.meter.completion_tokens = max(self.meter.completion_tokens, ev.completion_tokens)
+                        break
+                    elif isinstance(ev, p.Failed):
+                        break
+        except TimeoutError:
+            pass
+        finally:
+            self.gw.dispatcher.forget(self.rid)
+            await self.gw.settle(self.admission, self.meter)
+
+    def _settle_orphan(self, admit: asyncio.Future[Admission]) -> None:
+        if not admit.cancelled() and admit.exception() is None:
+            self.meter.started = False
+            self.gw.settle(admit.result(), self.meter)
+
+    def settled(self) -> asyncio.Future[bool]:
+        assert self.admission is not None
+        return self.gw.settle(self.admission, self.meter)

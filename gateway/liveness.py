@@ -1,0 +1,131 @@
+"""Which gateways and workers are alive, and what happens to a gateway that dies.
+
+Every gateway renews its entry in ``wire.GATEWAYS_ZSET`` (score: Redis's clock) every
+``WATCH_S``; an entry ``gateway_dead_after_s`` old belongs to a dead gateway. The first
+survivor to notice sweeps it (``gateway.budget.SWEEP``, atomic, so sweeping twice does
+nothing): its unsettled requests are refunded and marked ``abandoned``, its reply stream
+is deleted, and a marker tells workers to drop the jobs still queued for it. A gateway
+that finds its own entry gone (Redis restarted without its data, or a peer swept it
+after a long stall) knows its dispatched batches are lost.
+
+``classify`` is the specification of the renewal script (``RENEW``), tested against it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from gateway.budget import SWEEP
+from gateway.settings import GatewaySettings
+from workers import protocol as p
+from workers import wire
+
+log = logging.getLogger("tokengate.liveness")
+
+GONE_TTL_S = 3600  # workers drop a dead gateway's jobs this long after its sweep
+
+# KEYS: gateways zset, this gateway's reply stream
+# ARGV: gateway id, reply stream ttl ms, dead after s, now ('' for Redis TIME)
+RENEW = """
+local now
+if ARGV[4] ~= '' then
+  now = tonumber(ARGV[4])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local known = redis.call('ZSCORE', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+local horizon = now - tonumber(ARGV[3])
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%.17g', horizon))
+local alive = redis.call('ZCOUNT', KEYS[1], string.format('%.17g', horizon), '+inf')
+return {known and 1 or 0, alive, dead}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """What one renewal saw: live gateways (this one included), dead ones to sweep, and
+    whether Redis had forgotten this gateway although it had joined before."""
+
+    alive: int
+    dead: tuple[str, ...]
+    forgotten: bool
+
+
+def classify(scores: dict[str, float], me: str, now: float, dead_after_s: float) -> tuple[int, tuple[str, ...]]:
+    """The specification of ``RENEW`` after it has stamped ``me`` with ``now``: (gateways
+    whose last renewal is at most ``dead_after_s`` old, the others sorted by score)."""
+    stamped = {**scores, me: now}
+    horizon = now - dead_after_s
+    alive = sum(1 for s in stamped.values() if s >= horizon)
+    dead = tuple(g for g, s in sorted(stamped.items(), key=lambda kv: (kv[1], kv[0])) if s < horizon)
+    return alive, dead
+
+
+class Liveness:
+    def __init__(self, client: aioredis.Redis, settings: GatewaySettings) -> None:
+        self.client = client
+        self.me = settings.gateway_id
+        self.dead_after_s = settings.gateway_dead_after_s
+        self._renew = client.register_script(RENEW)
+        self._sweep = client.register_script(SWEEP)
+        self._joined = False
+
+    async def renew(self, replies: str, now: float | None = None) -> View:
+        known, alive, dead = await self._renew(
+            keys=[wire.GATEWAYS_ZSET, replies],
+            args=[self.me, wire.REPLIES_TTL_MS, repr(self.dead_after_s), "" if now is None else repr(now)],
+        )
+        forgotten = self._joined and not known
+        self._joined = True
+        return View(int(alive), tuple(wire.text(g) for g in dead if wire.text(g) != self.me), forgotten)
+
+    async def sweep(self, gateway_id: str, *, force: bool = False, now: float | None = None) -> int:
+        """Settle a dead gateway's requests; -1 when it is not (or no longer) dead.
+        ``force`` sweeps at once: a gateway leaving cleanly sweeps itself."""
+        return int(
+            await self._sweep(
+                keys=[
+                    wire.GATEWAYS_ZSET,
+                    wire.gateway_requests(gateway_id),
+                    wire.replies_stream(gateway_id),
+                    wire.gone_key(wire.replies_stream(gateway_id)),
+                ],
+                args=[gateway_id, "-1e308" if force else repr(self.dead_after_s), GONE_TTL_S,
+                      "" if now is None else repr(now)],
+            )
+        )
+
+    async def leave(self, replies: str) -> None:
+        """A clean exit: whatever was not settled is refunded, the reply stream goes."""
+        swept = await self.sweep(self.me, force=True)
+        if swept > 0:
+            log.warning("%d requests were still unsettled at exit: refunded", swept)
+        await self.client.delete(replies)
+
+    async def workers(self) -> dict[str, p.Heartbeat]:
+        """Workers with a live heartbeat (their keys expire on Redis's clock); ids whose key
+        expired leave the worker set."""
+        members: list[bytes] = await self.client.zrange(wire.WORKERS_ZSET, 0, -1)  # type: ignore[assignment]
+        ids = [wire.text(i) for i in members]
+        if not ids:
+            return {}
+        raws: list[bytes | None] = await self.client.mget([wire.worker_key(i) for i in ids])  # type: ignore[assignment]
+        workers: dict[str, p.Heartbeat] = {}
+        gone: list[str] = []
+        for wid, raw in zip(ids, raws, strict=True):
+            if raw is None:
+                gone.append(wid)
+                continue
+            try:
+                workers[wid] = p.decode_heartbeat(raw)
+            except p.ProtocolError as exc:
+                log.warning("ignoring worker %s: %s", wid, exc)
+        if gone:
+            await self.client.zrem(wire.WORKERS_ZSET, *gone)
+        return workers

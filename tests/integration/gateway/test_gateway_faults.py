@@ -1,0 +1,259 @@
+"""Faults seen from the gateway (in process, real Redis, echo worker): bad items, lost
+batches, a stopped loop, Redis refusing or away, overload, clients that leave. Each fault
+ends every accepted request with a result or a clear, retryable error, and the gateway
+serves again afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.embedded_redis import EmbeddedRedis
+from gateway.prompts import PromptBuilder
+from gateway.scheduling import Origin
+from tests.integration.gateway.conftest import Harness, make_harness
+from workers import protocol as p
+from workers.engine import EchoEngine
+from workers.model_store import ModelSpec
+
+pytestmark = [pytest.mark.redis, pytest.mark.anyio]
+
+
+def _used_slots(h: Harness) -> int:
+    return sum(int(path["in_flight"]) for path in h.gw.dispatcher.snapshot()["paths"].values())  # type: ignore[index]
+
+
+async def _wait_for(cond, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_huge_seed_is_a_400_naming_it_and_nothing_stops(harness: Harness) -> None:
+    _, key = await harness.tenant("acme")
+    for seed in ("99999999999999999999999", 99999999999999999999999, 2**63):
+        r = await harness.complete(key, seed=seed)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+    assert (await harness.complete(key, seed=2**63 - 1)).status_code == 200
+
+
+async def test_a_job_that_cannot_be_encoded_fails_alone_and_gives_its_slot_back(harness: Harness) -> None:
+    _, key = await harness.tenant("acme")
+    # past validation nothing can build such a job; the dispatcher must still survive one
+    bad = p.SeqJob("bad-seed", (1, 2, 3), p.SamplingParams(4, seed=2**70))
+    pending = harness.gw.dispatcher.submit(bad, Origin("t", 1000.0))
+    assert not isinstance(pending, type(None))
+    ev = await asyncio.wait_for(pending.events.get(), 5)  # type: ignore[union-attr]
+    assert isinstance(ev, p.Failed) and ev.code == "unencodable"
+    harness.gw.dispatcher.forget("bad-seed")
+    r = await harness.complete(key)
+    assert r.status_code == 200
+    assert _used_slots(harness) == 0
+
+
+@pytest.fixture
+async def restricted(redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec) -> AsyncIterator[Harness]:
+    """A gateway logged in as a Redis user whose XADD rights the test takes away."""
+    admin = aioredis.Redis.from_url(redis_url)
+    await admin.execute_command("ACL", "SETUSER", "gw", "on", ">gw-secret", "~*", "&*", "+@all")
+    url = redis_url.replace("redis://", "redis://gw:gw-secret@")
+    async with make_harness(redis_url, prompts, model_spec.name, client_url=url) as h:
+        h.redis_admin = admin  # type: ignore[attr-defined]
+        yield h
+    await admin.execute_command("ACL", "DELUSER", "gw")
+    await admin.aclose()
+
+
+async def test_batches_that_cannot_be_queued_fail_with_a_503_and_free_their_slots(restricted: Harness) -> None:
+    h = restricted
+    admin: aioredis.Redis = h.redis_admin  # type: ignore[attr-defined]
+    _, key = await h.tenant("acme")
+    await admin.execute_command("ACL", "SETUSER", "gw", "-xadd")
+    replies = await asyncio.gather(*(h.complete(key) for _ in range(20)))
+    for r in replies:
+        assert r.status_code == 503 and r.json()["error"]["code"] == "redis", r.text
+        assert r.headers["retry-after"]
+    assert _used_slots(h) == 0 and h.gw.dispatcher.shell.leases == 0
+    await admin.execute_command("ACL", "SETUSER", "gw", "+xadd")
+    replies = await asyncio.gather(*(h.complete(key) for _ in range(20)))
+    assert [r.status_code for r in replies] == [200] * 20
+
+
+async def test_a_loop_that_stops_makes_the_gateway_unready_and_asks_to_exit(harness: Harness) -> None:
+    _, key = await harness.tenant("acme")
+    fatal: list[str] = []
+    harness.gw.on_fatal = fatal.append
+
+    def broken(now: float) -> None:
+        raise RuntimeError("scheduler bug")
+
+    harness.gw.dispatcher.shell.tick = broken  # type: ignore[method-assign,assignment]
+    r = await harness.complete(key)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "gateway_error", r.text
+    ready = await harness.http.get("/readyz")
+    assert ready.status_code == 503 and "send loop stopped" in ready.json()["reason"]
+    assert fatal and "scheduler bug" in fatal[0]
+
+
+async def test_overload_is_a_fast_503_with_retry_after(
+    redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec
+) -> None:
+    slow = EchoEngine(tokens=4, step_s=0.1)
+    async with make_harness(redis_url, prompts, model_spec.name, engine=slow, max_in_flight=3) as h:
+        _, key = await h.tenant("acme")
+        started = time.monotonic()
+        replies = await asyncio.gather(*(h.complete(key) for _ in range(10)))
+        codes = sorted(r.status_code for r in replies)
+        assert codes.count(200) >= 3 and set(codes) <= {200, 503}, codes
+        refused = [r for r in replies if r.status_code == 503]
+        assert refused and all(r.json()["error"]["code"] == "overloaded" for r in refused)
+        assert all(r.headers["retry-after"] == "1" for r in refused)
+        assert time.monotonic() - started < 5
+        assert h.gw.in_flight == 0
+        assert (await h.complete(key)).status_code == 200
+
+
+async def test_redis_away_is_a_503_with_retry_after_within_the_redis_timeout(
+    prompts: PromptBuilder, model_spec: ModelSpec
+) -> None:
+    server = EmbeddedRedis().start()
+    try:
+        async with make_harness(server.url, prompts, model_spec.name, redis_timeout_s=2.0) as h:
+            _, key = await h.tenant("acme")
+            assert (await h.complete(key)).status_code == 200
+            assert server._proc is not None
+            server._proc.send_signal(19)  # SIGSTOP: Redis stalls, connections stay open
+            try:
+                started = time.monotonic()
+                r = await h.complete(key)
+                assert time.monotonic() - started < 2.0 + 1.5
+                assert r.status_code == 503 and r.headers["retry-after"], r.text
+                assert r.json()["error"]["code"] in ("redis_unavailable", "redis"), r.text
+            finally:
+                server._proc.send_signal(18)  # SIGCONT
+            await _wait_for(lambda: bool(h.gw.dispatcher.workers), 10)
+            deadline = time.monotonic() + 15
+            while (r := await h.complete(key)).status_code != 200:
+                assert time.monotonic() < deadline, r.text
+                await asyncio.sleep(0.2)
+    finally:
+        server.stop()
+
+
+async def test_requests_redis_lost_fail_fast_and_free_their_slots(
+    redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec
+) -> None:
+    slow = EchoEngine(tokens=50, step_s=0.2)  # ten seconds per request
+    async with make_harness(redis_url, prompts, model_spec.name, engine=slow) as h:
+        _, key = await h.tenant("acme")
+        calls = [asyncio.ensure_future(h.complete(key)) for _ in range(3)]
+        await _wait_for(lambda: _used_slots(h) == 3)
+        started = time.monotonic()
+        await aioredis.Redis.from_url(redis_url).flushall()  # Redis restarted without its data
+        replies = await asyncio.gather(*calls)
+        assert time.monotonic() - started < 3.0
+        for r in replies:
+            assert r.status_code == 503 and r.json()["error"]["code"] == "redis", r.text
+        assert _used_slots(h) == 0
+
+
+async def test_admin_without_a_trailing_slash_needs_the_token_first(harness: Harness) -> None:
+    for path in ("/admin", "/admin/", "/admin/nope"):
+        r = await harness.http.get(path)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_admin_token", path
+
+
+async def test_a_client_that_leaves_a_plain_request_is_a_499_not_a_500(
+    redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec, caplog: pytest.LogCaptureFixture
+) -> None:
+    slow = EchoEngine(tokens=20, step_s=0.1)
+    async with make_harness(redis_url, prompts, model_spec.name, engine=slow) as h:
+        _, key = await h.tenant("acme")
+        app = h.http._transport.app  # type: ignore[attr-defined]
+        body = b'{"model": "%s", "prompt": [1, 2, 3], "max_tokens": 20}' % h.model.encode()
+        sent: list[dict[str, object]] = []
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, object]:
+            if messages:
+                return messages.pop()
+            await asyncio.sleep(0.3)  # the client hangs up while the request runs
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, object]) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+            "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+            "root_path": "", "server": ("gateway", 80), "client": ("127.0.0.1", 1),
+            "headers": [(b"content-type", b"application/json"), (b"authorization", f"Bearer {key}".encode())],
+        }
+        await app(scope, receive, send)
+        assert sent[0]["status"] == 499
+        await _wait_for(lambda: h.gw.in_flight == 0 and _used_slots(h) == 0, 10)
+        metrics = (await h.http.get("/metrics")).text
+        assert 'tokengate_requests_total{route="completions",status="499"} 1.0' in metrics
+        assert 'status="500"' not in metrics
+        assert "InvalidStateError" not in caplog.text and "Traceback" not in caplog.text
+
+
+async def test_a_long_prompt_from_one_tenant_does_not_hold_up_another(harness: Harness) -> None:
+    _, big = await harness.tenant("big")
+    _, small = await harness.tenant("small")
+    huge = "word " * 200_000  # ~1 MB: refused before it is tokenized
+    r = await harness.http.post(
+        "/v1/completions",
+        json={"model": harness.model, "prompt": huge, "max_tokens": 4},
+        headers={"authorization": f"Bearer {big}"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    # several long ones at once: at most two per tenant are tokenized, the rest get 429 at once
+    long = "word " * 30_000
+    calls = [
+        harness.http.post(
+            "/v1/completions",
+            json={"model": harness.model, "prompt": long, "max_tokens": 4},
+            headers={"authorization": f"Bearer {big}"},
+        )
+        for _ in range(6)
+    ]
+    results = await asyncio.gather(*calls, harness.complete(small))
+    codes = [r.status_code for r in results[:-1]]
+    assert set(codes) <= {400, 429} and 429 in codes, codes
+    assert results[-1].status_code == 200
+
+
+async def test_unknown_fields_pass_and_bounded_ones_are_checked_on_every_route(harness: Harness) -> None:
+    _, key = await harness.tenant("acme")
+    auth = {"authorization": f"Bearer {key}"}
+    chat = {"model": harness.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for extra, param in (
+        ({"temperature": "1"}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 2}, "n"),
+        ({"max_tokens": 2**40}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}] * 5000}, "messages"),
+        ({"user": "u" * 1000}, "user"),
+        ({"stop": ["s"] * 5}, "stop"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+    ):
+        r = await harness.http.post("/v1/chat/completions", json={**chat, **extra}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    r = await harness.http.post("/v1/chat/completions", json={**chat, "some_new_field": 1}, headers=auth)
+    assert r.status_code == 200, r.text
+
+
+async def test_httpx_client_sees_every_error_as_openai_json(harness: Harness) -> None:
+    r = await harness.http.post("/v1/completions", content=b"{not json", headers={"authorization": "Bearer x"})
+    assert r.status_code == 401  # the key is checked before the body is read
+    _, key = await harness.tenant("acme")
+    r = await harness.http.post("/v1/completions", content=b"{not json", headers={"authorization": f"Bearer {key}"})
+    assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type", "param", "code"}
+    assert isinstance(r, httpx.Response)
