@@ -93,7 +93,7 @@ def read_image(path: Path = DOCKERFILE) -> Image:
         elif word == "ENV":
             tokens = shlex.split(arg)
             if "=" in tokens[0]:
-                env.update(token.split("=", 1) for token in tokens)
+                env.update(token.partition("=")[::2] for token in tokens)
             else:  # the old `ENV KEY value with spaces` form
                 env[tokens[0]] = arg.split(None, 1)[1]
         elif word == "ENTRYPOINT":
@@ -264,8 +264,8 @@ def compose_launches(env: Mapping[str, str], image: Image) -> list[Launch]:
         environment = service.get("environment") or {}
         if isinstance(environment, list):
             environment = dict(item.split("=", 1) if "=" in item else (item, None) for item in environment)
-        own = {k: env.get(k) if v is None else str(v) for k, v in environment.items()}  # a bare KEY: from the shell
-        own = {k: v for k, v in own.items() if v is not None}
+        shell = {k: env.get(k) if v is None else str(v) for k, v in environment.items()}  # a bare KEY: from the shell
+        own = {k: v for k, v in shell.items() if v is not None}
         entrypoint = _argv(service["entrypoint"]) if "entrypoint" in service else image.entrypoint
         cmd = _argv(service["command"]) if "command" in service else () if "entrypoint" in service else image.cmd
         origin = {**{k: "Dockerfile" for k in image.env}, **{k: COMPOSE.name for k in own}}
@@ -310,8 +310,8 @@ def documented_secrets() -> dict[tuple[str, str, str], dict[str, str]]:
 def _config_objects() -> dict[tuple[str, str, str], dict[str, str]]:
     objects = documented_secrets()
     for _, doc in k8s_documents():
-        kind, meta = doc.get("kind"), doc.get("metadata", {})
-        key = (kind, meta.get("namespace", "default"), meta.get("name"))
+        kind, meta = str(doc.get("kind")), doc.get("metadata", {})
+        key = (kind, str(meta.get("namespace", "default")), str(meta.get("name")))
         if kind == "ConfigMap":
             objects[key] = {k: str(v) for k, v in (doc.get("data") or {}).items()}
         elif kind == "Secret":

@@ -57,7 +57,7 @@ def mounted(service: dict[str, Any], container_path: str) -> Path | None:
 
 def visible(service: dict[str, Any], container_folder: str, pattern: str, recursive: bool) -> list[Path]:
     """Files matching pattern that the container sees in container_folder (and below, if recursive)."""
-    found = []
+    found: list[Path] = []
     for source, target in _binds(service):
         if _under(container_folder, target):  # a mount holds the folder
             host = mounted(service, container_folder)
@@ -248,7 +248,7 @@ def test_claimed_quantiles() -> None:
     assert claimed_quantiles("Tokens/s up to 50") == set()
 
 
-def test_every_exported_name_helper_sees_histogram_and_counter_series() -> None:
+def test_exported_series_carry_their_suffixes() -> None:
     exported = exported_series()
     assert {"tokengate_requests_total", "tokengate_request_latency_seconds_bucket"} <= exported
     assert "tokengate_requests" not in exported  # a counter is exported with _total only
