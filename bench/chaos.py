@@ -1,0 +1,653 @@
+"""Fault injection over real processes: overload, Redis stalls and restarts, kill -9, abusive
+prompts, slow connections, and a long soak. Every scenario compares against the same stack
+without the fault, in the same run, and prints what a client saw.
+
+    python -m bench.chaos overload [--spike-s 20]
+    python -m bench.chaos redis
+    python -m bench.chaos kill [--duration 300]
+    python -m bench.chaos prompts
+    python -m bench.chaos slowloris [--connections 10000]
+    python -m bench.chaos soak [--duration 3600 --rate 200]
+    python -m bench.chaos all            # everything but soak
+
+The stack: a persistent redis-server (append-only file, as ``tokengate serve`` runs it),
+``--gateways`` gateway processes and ``--workers`` echo workers, each its own process;
+gateways are pinned to core 0 and everything else to core 1 (``taskset``) where the machine
+has two cores or more. A request's outcome is one of:
+
+    ok         200 and exactly the echo text (no token repeated, none missing)
+    refused    a 4xx/503 with an OpenAI error body (a clear, retryable answer)
+    cut        the connection broke while its gateway was being killed (nothing can answer)
+    FINDING    anything else: a 5xx other than 503, a reset from a live gateway, a request
+               that outlived its deadline, wrong text, an error that is not OpenAI-shaped
+
+The exit status is 1 when a scenario has findings or misses its target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import psutil
+import redis
+
+from bench.common import ADMIN_TOKEN, OUT, console, pct, table
+from gateway.embedded_redis import EmbeddedRedis, free_port
+
+MODEL = "SmolLM2-135M-Instruct"
+ECHO_TOKENS = 8
+ECHO_TEXT = " echo" * ECHO_TOKENS
+REQUEST_TIMEOUT_S = 30.0  # the gateways' --request-timeout; a client waits this plus slack
+ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+TWO_CORES = (os.cpu_count() or 1) >= 2
+
+
+def _pinned(cmd: list[str], core: int) -> list[str]:
+    return ["taskset", "-c", str(core), *cmd] if TWO_CORES else cmd
+
+
+# -- the stack ------------------------------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    name: str
+    cmd: list[str]
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    killed_at: list[tuple[float, float]] = field(default_factory=list)  # (kill, back) monotonic
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Stack:
+    """Redis (persistent) + gateways + echo workers as processes, each restartable."""
+
+    def __init__(self, gateways: int = 1, workers: int = 1, step_ms: float = 0.0, slots: int = 64,
+                 gateway_args: tuple[str, ...] = ()) -> None:
+        OUT.mkdir(parents=True, exist_ok=True)
+        self._tmp = tempfile.TemporaryDirectory(prefix="tokengate-chaos-")
+        self.redis = EmbeddedRedis(data_dir=Path(self._tmp.name))
+        self.ports = [free_port() for _ in range(gateways)]
+        url = self.redis.url
+        py = sys.executable
+        self.workers = [
+            Proc(f"worker-{i}", _pinned([py, "-m", "workers", "--redis-url", url, "--engine", "echo",
+                                         "--echo-tokens", str(ECHO_TOKENS), "--echo-step-ms", str(step_ms),
+                                         "--slots", str(slots), "--claim-idle", "5", "--heartbeat", "1",
+                                         "--worker-id", f"chaos-{i}", "--max-deliveries", "50"], 1),
+                 OUT / f"chaos-worker-{i}.log")
+            for i in range(workers)
+        ]
+        self.gateways = [
+            Proc(f"gateway-{i}", _pinned([py, "-m", "gateway.cli", "--log-level", "WARNING", "gateway",
+                                          "--redis-url", url, "--port", str(port), "--admin-token", ADMIN_TOKEN,
+                                          "--request-timeout", str(REQUEST_TIMEOUT_S), *gateway_args], 0),
+                 OUT / f"chaos-gateway-{i}.log")
+            for i, port in enumerate(self.ports)
+        ]
+        self.key = ""
+        self.tenant = ""
+
+    @property
+    def bases(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.ports]
+
+    def __enter__(self) -> Stack:
+        self.redis.start()
+        with contextlib.suppress(OSError):
+            if TWO_CORES and self.redis.proc is not None:
+                os.sched_setaffinity(self.redis.proc.pid, {1})
+        for p in [*self.workers, *self.gateways]:
+            p.start()
+        for base in self.bases:
+            self.wait_ready(base)
+        # a tenant whose budget drains at 0.001 tokens/s: what it was charged stays visible
+        # as the budget's consumption, so refunds can be checked to the token
+        body = {"name": "chaos", "rate": 0.001, "burst": 10**9, "max_queue_delay_s": 0, "weight": 1000.0}
+        r = httpx.post(self.bases[0] + "/admin/tenants", json=body, headers=ADMIN)
+        r.raise_for_status()
+        self.tenant = r.json()["id"]
+        r = httpx.post(self.bases[0] + f"/admin/tenants/{self.tenant}/keys", headers=ADMIN)
+        r.raise_for_status()
+        self.key = r.json()["key"]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in [*self.gateways, *self.workers]:
+            p.stop()
+        self.redis.stop()
+        self._tmp.cleanup()
+
+    def wait_ready(self, base: str, timeout_s: float = 120) -> float:
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/readyz", timeout=1).status_code == 200:
+                    return time.monotonic() - started
+            time.sleep(0.1)
+        raise RuntimeError(f"{base} not ready in {timeout_s} s; see {OUT}/chaos-*.log")
+
+    def exited(self) -> list[str]:
+        """Processes that died without being killed by the scenario."""
+        return [p.name for p in [*self.gateways, *self.workers] if not p.alive()]
+
+    def leaks(self) -> dict[str, Any]:
+        """What is still held once all traffic ended: slots, batch leases, budget leases."""
+        held: dict[str, Any] = {}
+        for p, base in zip(self.gateways, self.bases, strict=True):
+            snap = httpx.get(base + "/admin/scheduler", headers=ADMIN, timeout=5).json()
+            held[f"{p.name} slots"] = sum(int(x["in_flight"]) for x in snap["paths"].values())
+            held[f"{p.name} batches"] = int(snap["batches_in_flight"])
+        tenant = httpx.get(self.bases[0] + f"/admin/tenants/{self.tenant}", headers=ADMIN, timeout=5).json()
+        held["budget leases"] = int(tenant["state"]["in_flight"])
+        return held
+
+    def budget_balance(self) -> tuple[int, int]:
+        """(tokens the budget holds as consumed, tokens the usage counters say were charged)."""
+        base = self.bases[0]
+        tenant = httpx.get(base + f"/admin/tenants/{self.tenant}", headers=ADMIN, timeout=5).json()
+        consumed = 10**9 - int(tenant["state"]["remaining_tokens"])
+        since = int(time.time()) - 7200
+        usage = httpx.get(base + f"/admin/tenants/{self.tenant}/usage?since={since}", headers=ADMIN, timeout=5)
+        totals = usage.json()["totals"]
+        return consumed, int(totals["prompt_tokens"]) + int(totals["completion_tokens"])
+
+    def redis_client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis.url, socket_timeout=5)
+
+
+# -- load -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    t0: float
+    t1: float
+    gateway: int
+    kind: str  # ok | refused | cut | finding
+    detail: str
+
+
+def _openai_error(body: bytes) -> bool:
+    with contextlib.suppress(orjson.JSONDecodeError, TypeError, AttributeError):
+        err = orjson.loads(body)["error"]
+        return {"message", "type", "param", "code"} <= set(err)
+    return False
+
+
+class Load:
+    """Open-loop Poisson requests at ``rate``/s over the stack's gateways, half of them
+    streaming; ``run`` until ``stop``. Outcomes are classified as the module says."""
+
+    def __init__(self, stack: Stack, rate: float, seed: int = 1, prompt: str = "Say hello.") -> None:
+        self.stack = stack
+        self.rate = rate
+        self.rng = random.Random(seed)
+        self.outcomes: list[Outcome] = []
+        self.body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": ECHO_TOKENS}
+        self._stop = asyncio.Event()
+        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
+        self.http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(REQUEST_TIMEOUT_S + 10))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self, duration_s: float | None = None) -> None:
+        tasks: set[asyncio.Task[None]] = set()
+        start = time.monotonic()
+        due = start
+        n = 0
+        while not self._stop.is_set() and (duration_s is None or time.monotonic() - start < duration_s):
+            due += self.rng.expovariate(self.rate)
+            delay = due - time.monotonic()
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), delay)
+                    break
+            task = asyncio.create_task(self.one(n % len(self.stack.bases), self.rng.random() < 0.5))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            n += 1
+        if tasks:
+            await asyncio.wait(tasks)
+
+    def _was_killed(self, gateway: int, t0: float, t1: float) -> bool:
+        proc = self.stack.gateways[gateway]
+        return any(k <= t1 + 0.5 and back >= t0 for k, back in proc.killed_at) or not proc.alive()
+
+    async def one(self, gateway: int, stream: bool) -> None:
+        base = self.stack.bases[gateway]
+        headers = {"authorization": f"Bearer {self.stack.key}"}
+        t0 = time.monotonic()
+        kind, detail = "finding", ""
+        try:
+            if stream:
+                kind, detail = await self._stream(base, headers)
+            else:
+                r = await self.http.post(base + "/v1/chat/completions", json=self.body, headers=headers)
+                kind, detail = self._judge(r.status_code, r.content, stream=False)
+        except httpx.TimeoutException:
+            kind, detail = "finding", "no answer within the deadline"
+        except httpx.HTTPError as exc:
+            t1 = time.monotonic()
+            killed = self._was_killed(gateway, t0, t1)
+            kind, detail = ("cut", type(exc).__name__) if killed else ("finding", f"reset: {type(exc).__name__}")
+        self.outcomes.append(Outcome(t0, time.monotonic(), gateway, kind, detail))
+
+    async def _stream(self, base: str, headers: dict[str, str]) -> tuple[str, str]:
+        body = {**self.body, "stream": True}
+        async with self.http.stream("POST", base + "/v1/chat/completions", json=body, headers=headers) as r:
+            raw = await r.aread()
+        if r.status_code != 200:
+            return self._judge(r.status_code, raw, stream=True)
+        text, done, error = "", False, None
+        for line in raw.split(b"\n"):
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:]
+            if data == b"[DONE]":
+                done = True
+                continue
+            doc = orjson.loads(data)
+            if "error" in doc:
+                error = doc
+                continue
+            for choice in doc.get("choices", []):
+                text += choice.get("delta", {}).get("content") or ""
+        if error is not None:
+            ok = _openai_error(orjson.dumps(error))
+            return ("refused", f"stream error {error['error'].get('code')}") if ok else ("finding", "bad error event")
+        if not done:
+            return "finding", "stream ended without [DONE] or an error"
+        return ("ok", "") if text == ECHO_TEXT else ("finding", f"wrong text ({len(text)} characters)")
+
+    def _judge(self, status: int, body: bytes, stream: bool) -> tuple[str, str]:
+        if status == 200:
+            text = orjson.loads(body)["choices"][0]["message"]["content"]
+            return ("ok", "") if text == ECHO_TEXT else ("finding", "wrong text")
+        if status >= 500 and status != 503:
+            return "finding", f"HTTP {status}"
+        if not _openai_error(body):
+            return "finding", f"HTTP {status} without an OpenAI error body"
+        return "refused", f"HTTP {status} {orjson.loads(body)['error'].get('code')}"
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+def summary(outcomes: list[Outcome], since: float, until: float) -> dict[str, Any]:
+    window = [o for o in outcomes if since <= o.t0 < until]
+    ok = [o.t1 - o.t0 for o in window if o.kind == "ok"]
+    kinds = Counter(o.kind for o in window)
+    return {
+        "requests": len(window),
+        "ok": kinds["ok"],
+        "refused": kinds["refused"],
+        "cut": kinds["cut"],
+        "findings": kinds["finding"],
+        "p50_ms": pct(ok, 50) * 1000,
+        "p99_ms": pct(ok, 99) * 1000,
+    }
+
+
+def recovery_s(outcomes: list[Outcome], fault_end: float, p50_ok_s: float, until: float) -> float:
+    """Seconds after ``fault_end`` from which every 1-second window of requests is all ok
+    with a median within 2× the baseline's: full service."""
+    t = fault_end
+    last_bad = fault_end
+    while t < until:
+        window = [o for o in outcomes if t <= o.t0 < t + 1.0]
+        lat = [o.t1 - o.t0 for o in window if o.kind == "ok"]
+        if not window or any(o.kind != "ok" for o in window) or (lat and float(np.median(lat)) > 2 * p50_ok_s):
+            last_bad = t + 1.0
+        t += 1.0
+    return last_bad - fault_end
+
+
+def findings(outcomes: list[Outcome]) -> Counter[str]:
+    return Counter(o.detail for o in outcomes if o.kind == "finding")
+
+
+# -- scenarios ------------------------------------------------------------------------------
+
+
+async def _capacity(stack: Stack, seconds: float = 5.0, clients: int = 64) -> float:
+    """Closed loop, ``clients`` at a time: requests/s the stack answers."""
+    done = 0
+    end = time.monotonic() + seconds
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": ECHO_TOKENS}
+    headers = {"authorization": f"Bearer {stack.key}"}
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=clients), timeout=30) as http:
+
+        async def client(i: int) -> None:
+            nonlocal done
+            base = stack.bases[i % len(stack.bases)]
+            while time.monotonic() < end:
+                r = await http.post(base + "/v1/chat/completions", json=body, headers=headers)
+                done += r.status_code == 200
+
+        await asyncio.gather(*(client(i) for i in range(clients)))
+    return done / seconds
+
+
+async def overload(args: argparse.Namespace) -> dict[str, Any]:
+    """Target 2: 20 s at 4× capacity, then normal load: 0 × 500, 0 resets, full service in 5 s."""
+    with Stack(gateways=1, workers=1) as stack:
+        capacity = await _capacity(stack)
+        normal = 0.3 * capacity
+        load = Load(stack, normal, seed=2)
+        t0 = time.monotonic()
+        await load.run(8.0)
+        base = summary(load.outcomes, t0, time.monotonic())
+        spike = Load(stack, 4 * capacity, seed=3)
+        s0 = time.monotonic()
+        await spike.run(args.spike_s)
+        s1 = time.monotonic()
+        after = Load(stack, normal, seed=4)
+        await after.run(15.0)
+        outcomes = load.outcomes + spike.outcomes + after.outcomes
+        offered = len(spike.outcomes) / (s1 - s0)
+        rec = recovery_s(after.outcomes, s1, base["p50_ms"] / 1000, time.monotonic())
+        for lg in (load, spike, after):
+            await lg.close()
+        rows = {"baseline": base, "spike": summary(outcomes, s0, s1), "after": summary(outcomes, s1, time.monotonic())}
+        _print("overload", rows)
+        result = {
+            "capacity_rps": capacity, "offered_rps": offered, "offered_x_capacity": offered / capacity,
+            "phases": rows, "recovery_s": rec, "findings": dict(findings(outcomes)), "exited": stack.exited(),
+        }
+        result["met"] = not result["findings"] and not result["exited"] and rec <= 5.0
+        return result
+
+
+async def redis_faults(args: argparse.Namespace) -> dict[str, Any]:
+    """Target 3: Redis paused 10 s, then killed and restarted, under load."""
+    with Stack(gateways=1, workers=1, step_ms=2.0) as stack:
+        load = Load(stack, args.rate, seed=5)
+        runner = asyncio.create_task(load.run())
+        await asyncio.sleep(10)
+        assert stack.redis.proc is not None
+        p0 = time.monotonic()
+        stack.redis.proc.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(10)
+        stack.redis.proc.send_signal(signal.SIGCONT)
+        p1 = time.monotonic()
+        await asyncio.sleep(25)
+        k0 = time.monotonic()
+        stack.redis.proc.kill()
+        stack.redis.proc.wait()
+        await asyncio.sleep(1)
+        await asyncio.to_thread(stack.redis.restart)
+        k1 = time.monotonic()
+        await asyncio.sleep(35)
+        load.stop()
+        await runner
+        await load.close()
+        end = time.monotonic()
+        p50 = summary(load.outcomes, 0, p0)["p50_ms"] / 1000
+        rows = {
+            "before": summary(load.outcomes, 0, p0),
+            "paused": summary(load.outcomes, p0, p1),
+            "after pause": summary(load.outcomes, p1, k0),
+            "killed": summary(load.outcomes, k0, k1),
+            "after restart": summary(load.outcomes, k1, end),
+        }
+        _print("redis paused 10 s, then killed and restarted", rows)
+        late = [o for o in load.outcomes if o.t1 - o.t0 > REQUEST_TIMEOUT_S + 1]
+        key_ok = httpx.get(stack.bases[0] + "/v1/models", headers={"authorization": f"Bearer {stack.key}"}).status_code
+        result = {
+            "phases": rows,
+            "recovery_after_pause_s": recovery_s(load.outcomes, p1, p50, k0),
+            "recovery_after_restart_s": recovery_s(load.outcomes, k1, p50, end),
+            "answers_after_deadline": len(late),
+            "findings": dict(findings(load.outcomes)),
+            "exited": stack.exited(),
+            "key_after_restart": key_ok,
+        }
+        result["met"] = (not result["findings"] and not late and not result["exited"] and key_ok == 200
+                         and result["recovery_after_pause_s"] <= 30 and result["recovery_after_restart_s"] <= 30)
+        return result
+
+
+async def kill(args: argparse.Namespace) -> dict[str, Any]:
+    """Target 4: kill -9 of a worker, a gateway and Redis at random during a long load."""
+    rng = random.Random(args.seed)
+    with Stack(gateways=2, workers=2, step_ms=2.0) as stack:
+        load = Load(stack, args.rate, seed=args.seed)
+        runner = asyncio.create_task(load.run())
+        start = time.monotonic()
+        kills: list[tuple[float, str]] = []
+        victims = ["worker", "gateway", "redis"]
+        while time.monotonic() - start < args.duration - 30:
+            await asyncio.sleep(rng.uniform(15, 35))
+            what = victims[len(kills) % 3] if len(kills) < 3 else rng.choice(victims)
+            t = time.monotonic()
+            if what == "redis":
+                assert stack.redis.proc is not None
+                stack.redis.proc.kill()
+                stack.redis.proc.wait()
+                await asyncio.sleep(rng.uniform(0.5, 2))
+                await asyncio.to_thread(stack.redis.restart)
+                name = "redis"
+            else:
+                proc = rng.choice(stack.workers if what == "worker" else stack.gateways)
+                proc.kill9()
+                await asyncio.sleep(rng.uniform(0.5, 2))
+                proc.start()
+                if what == "gateway":
+                    await asyncio.to_thread(stack.wait_ready, stack.bases[stack.gateways.index(proc)])
+                proc.killed_at.append((t, time.monotonic()))
+                name = proc.name
+            kills.append((t - start, name))
+            console.print(f"[yellow]{t - start:6.1f} s: kill -9 {name}[/yellow]")
+        load.stop()
+        await runner
+        await load.close()
+        await asyncio.sleep(20)  # dead gateways are swept after 15 s; late reports arrive
+        leaks = stack.leaks()
+        consumed, charged = stack.budget_balance()
+        rows = {"all": summary(load.outcomes, 0, time.monotonic())}
+        _print(f"kill -9 during {args.duration:.0f} s of load", rows)
+        result = {
+            "kills": kills, "phases": rows, "findings": dict(findings(load.outcomes)), "leaks": leaks,
+            "budget_consumed": consumed, "budget_charged": charged, "exited": stack.exited(),
+        }
+        result["met"] = (not result["findings"] and not any(leaks.values()) and abs(consumed - charged) <= 1)
+        return result
+
+
+async def prompts(args: argparse.Namespace) -> dict[str, Any]:
+    """Target 6a: two clients sending 1 MB prompts; a third's p99 within 2× its own baseline."""
+    with Stack(gateways=1, workers=1) as stack:
+        load = Load(stack, args.rate, seed=7)
+        t0 = time.monotonic()
+        await load.run(15.0)
+        base = summary(load.outcomes, t0, time.monotonic())
+        huge = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 4}
+        big_statuses: Counter[int] = Counter()
+        stop = asyncio.Event()
+
+        async def abuser() -> None:
+            headers = {"authorization": f"Bearer {stack.key}"}
+            async with httpx.AsyncClient(timeout=60) as http:
+                while not stop.is_set():
+                    r = await http.post(stack.bases[0] + "/v1/chat/completions", json=huge, headers=headers)
+                    big_statuses[r.status_code] += 1
+
+        abusers = [asyncio.create_task(abuser()) for _ in range(2)]
+        load2 = Load(stack, args.rate, seed=8)
+        t1 = time.monotonic()
+        await load2.run(15.0)
+        stop.set()
+        await asyncio.gather(*abusers)
+        under = summary(load2.outcomes, t1, time.monotonic())
+        for lg in (load, load2):
+            await lg.close()
+        _print("1 MB prompts from two clients", {"alone": base, "with 1 MB prompts": under})
+        ratio = under["p99_ms"] / base["p99_ms"]
+        result = {"alone": base, "with_abuse": under, "p99_ratio": ratio, "abuser_statuses": dict(big_statuses),
+                  "findings": dict(findings(load.outcomes + load2.outcomes))}
+        result["met"] = ratio <= 2.0 and not result["findings"]
+        return result
+
+
+async def slowloris(args: argparse.Namespace) -> dict[str, Any]:
+    """Target 6b: thousands of connections that trickle their headers; others unaffected."""
+    with Stack(gateways=1, workers=1) as stack:
+        load = Load(stack, args.rate, seed=9)
+        t0 = time.monotonic()
+        await load.run(10.0)
+        base = summary(load.outcomes, t0, time.monotonic())
+        port = stack.ports[0]
+        held: list[asyncio.StreamWriter] = []
+        refused = 0
+        stop = asyncio.Event()
+
+        async def trickle() -> None:
+            nonlocal refused
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                refused += 1
+                return
+            held.append(writer)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+            with contextlib.suppress(OSError):
+                while not stop.is_set():
+                    await asyncio.sleep(2)
+                    writer.write(b"x-a: b\r\n")
+                    await writer.drain()
+
+        opened = time.monotonic()
+        slow = [asyncio.create_task(trickle()) for _ in range(args.connections)]
+        await asyncio.sleep(2)
+        load2 = Load(stack, args.rate, seed=10)
+        t1 = time.monotonic()
+        await load2.run(15.0)
+        under = summary(load2.outcomes, t1, time.monotonic())
+        stop.set()
+        for w in held:
+            w.close()
+        await asyncio.gather(*slow, return_exceptions=True)
+        for lg in (load, load2):
+            await lg.close()
+        _print(f"{args.connections} slow connections", {"alone": base, "with slow connections": under})
+        ratio = under["p99_ms"] / base["p99_ms"]
+        result = {"alone": base, "with_slow": under, "p99_ratio": ratio, "opened": len(held), "refused": refused,
+                  "open_s": time.monotonic() - opened, "findings": dict(findings(load.outcomes + load2.outcomes)),
+                  "exited": stack.exited()}
+        result["met"] = ratio <= 2.0 and not result["findings"] and not result["exited"]
+        return result
+
+
+async def soak(args: argparse.Namespace) -> dict[str, Any]:
+    """Target 7: an hour at 200 requests/s; Redis memory and gateway RSS flat after 5 minutes."""
+    with Stack(gateways=1, workers=1) as stack:
+        load = Load(stack, args.rate, seed=11)
+        runner = asyncio.create_task(load.run(args.duration))
+        client = stack.redis_client()
+        assert stack.gateways[0].proc is not None
+        gateway = psutil.Process(stack.gateways[0].proc.pid)
+        samples: list[tuple[float, int, int]] = []
+        start = time.monotonic()
+        while not runner.done():
+            used = int(client.info("memory")["used_memory"])
+            rss = gateway.memory_info().rss
+            samples.append((time.monotonic() - start, used, rss))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(runner), 60)
+        await load.close()
+        warm = [s for s in samples if s[0] >= 300] or samples
+        growth_redis = max(s[1] for s in warm) / warm[0][1] - 1
+        growth_rss = max(s[2] for s in warm) / warm[0][2] - 1
+        rows = [(f"{t / 60:.0f} min", f"{used / 2**20:.1f} MiB", f"{rss / 2**20:.1f} MiB") for t, used, rss in samples]
+        table("soak: memory", ["time", "redis used_memory", "gateway RSS"], rows)
+        result = {"samples": samples, "redis_growth": growth_redis, "rss_growth": growth_rss,
+                  "all": summary(load.outcomes, 0, time.monotonic()), "findings": dict(findings(load.outcomes))}
+        result["met"] = growth_redis <= 0.10 and growth_rss <= 0.10 and not result["findings"]
+        return result
+
+
+def _print(title: str, rows: dict[str, dict[str, Any]]) -> None:
+    cols = ["phase", "requests", "ok", "refused", "cut", "findings", "p50 ms", "p99 ms"]
+    table(title, cols, [[name, r["requests"], r["ok"], r["refused"], r["cut"], r["findings"],
+                         r["p50_ms"], r["p99_ms"]] for name, r in rows.items()])
+
+
+SCENARIOS = {
+    "overload": overload,
+    "redis": redis_faults,
+    "kill": kill,
+    "prompts": prompts,
+    "slowloris": slowloris,
+    "soak": soak,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
+    parser.add_argument("scenario", choices=[*SCENARIOS, "all"])
+    parser.add_argument("--rate", type=float, default=None, help="requests/s of the normal load")
+    parser.add_argument("--duration", type=float, default=None, help="seconds (kill: 300, soak: 3600)")
+    parser.add_argument("--spike-s", type=float, default=20.0)
+    parser.add_argument("--connections", type=int, default=10_000)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", action="store_true", help="print one JSON object per scenario")
+    args = parser.parse_args(argv)
+    names = [n for n in SCENARIOS if n != "soak"] if args.scenario == "all" else [args.scenario]
+    failed = False
+    for name in names:
+        ns = argparse.Namespace(**vars(args))
+        ns.rate = args.rate or (200.0 if name == "soak" else 50.0)
+        ns.duration = args.duration or (3600.0 if name == "soak" else 300.0)
+        result = asyncio.run(SCENARIOS[name](ns))
+        verdict = "[green]met[/green]" if result["met"] else "[red]MISSED[/red]"
+        shown = {k: v for k, v in result.items() if k not in ("phases", "samples")}
+        console.print(f"{name}: {verdict} {json.dumps(shown, default=str)}")
+        if args.json:
+            print(json.dumps({"scenario": name, **result}, default=str))
+        failed |= not result["met"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
