@@ -71,3 +71,10 @@ def test_two_workers_share_a_pool(redis_client: redis.Redis, redis_url: str) -> 
     workers = {e.worker for e in events if isinstance(e, p.BatchReport)}
     assert {e.rid for e in events if isinstance(e, p.Finished)} == {f"r{i}" for i in range(40)}
     assert workers <= {a.settings.worker_id, b.settings.worker_id} and len(workers) >= 1
+
+
+def test_reply_stream_expires_after_the_last_publish(redis_client: redis.Redis, redis_url: str) -> None:
+    with running_worker(redis_url, EchoEngine(tokens=2)):
+        send(redis_client, _job("b-ttl", ["r-ttl"], stream=True))
+        collect(redis_client, REPLIES, until_batches=1)
+    assert 0 < redis_client.pttl(REPLIES) <= wire.REPLIES_TTL_MS
