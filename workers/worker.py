@@ -391,6 +391,8 @@ class Worker:
 
     def heartbeat(self) -> p.Heartbeat:
         elapsed = max(time.time() - self._started, 1e-9)
+        with self._lock:
+            held = list(self._batches.values())
         return p.Heartbeat(
             worker=self.settings.worker_id,
             pool=self.settings.pool,
@@ -403,6 +405,8 @@ class Worker:
             tokens_per_s=self._tokens / elapsed,
             started=self._started,
             choice=self.engine.choice,
+            running=sum(len(b.pending) for b in held),
+            batches=tuple(b.job.batch_id for b in held[: p.HEARTBEAT_MAX_BATCHES]),
         )
 
     def _heartbeat_loop(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -73,8 +74,32 @@ def test_two_workers_share_a_pool(redis_client: redis.Redis, redis_url: str) -> 
     assert workers <= {a.settings.worker_id, b.settings.worker_id} and len(workers) >= 1
 
 
+def _wait_for(condition: Callable[[], object], timeout_s: float = 10, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
 def test_reply_stream_expires_after_the_last_publish(redis_client: redis.Redis, redis_url: str) -> None:
     with running_worker(redis_url, EchoEngine(tokens=2)):
         send(redis_client, _job("b-ttl", ["r-ttl"], stream=True))
         collect(redis_client, REPLIES, until_batches=1)
     assert 0 < redis_client.pttl(REPLIES) <= wire.REPLIES_TTL_MS
+
+
+def test_heartbeat_names_running_sequences_and_held_batches(redis_client: redis.Redis, redis_url: str) -> None:
+    n = p.HEARTBEAT_MAX_BATCHES + 6
+    with running_worker(redis_url, EchoEngine(tokens=10_000, step_s=0.01), worker_id="w-busy") as worker:
+        for i in range(n):
+            send(redis_client, _job(f"b{i}", [f"r{i}", f"s{i}"], stream=True, max_tokens=10_000))
+
+        def beat() -> p.Heartbeat | None:
+            raw = redis_client.get(wire.worker_key("w-busy"))
+            return p.decode_heartbeat(raw) if raw else None
+
+        _wait_for(lambda: (hb := beat()) is not None and hb.running == 2 * n, what="a heartbeat with every batch")
+        hb = beat()
+        assert hb is not None
+        assert len(hb.batches) == p.HEARTBEAT_MAX_BATCHES and set(hb.batches) < {f"b{i}" for i in range(n)}
+        worker.request_stop()  # the second stop (on leaving) exits without draining
