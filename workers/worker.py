@@ -8,7 +8,8 @@ Delivery is at least once, effects exactly once (see ``workers/fencing.py``):
 - a live worker keeps its long batches from being claimed by touching them (heartbeat
   thread), so only a dead or stopped worker loses its entries;
 - an entry delivered more than ``max_deliveries`` times goes to the dead-letter stream
-  and its clients get an error naming their request id.
+  and its clients get an error naming their request id;
+- a job whose gateway is gone (``wire.gone_key``) is acked and dropped, not generated.
 
 Shutdown follows uvicorn: the first signal drains (no new batches, finish the running
 ones, ack, exit), the second exits at once, leaving unacked entries to peers.
@@ -83,6 +84,15 @@ class _Batch:
     decode_s: float = 0.0
     running: int = 0  # sum over its decode steps of the sequences each step advanced
     output_tokens: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Admission:
+    """A job read from the stream (fresh or reclaimed), before it enters the engine."""
+
+    entry_id: bytes
+    job: p.BatchJob
+    progress: dict[str, Progress]
 
 
 class Worker:
@@ -163,9 +173,10 @@ class Worker:
         reply = self.client.xreadgroup(
             wire.GROUP, self.settings.worker_id, {self.stream: ">"}, count=1, block=block_ms or None
         )
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                self._accept(entry_id, fields, {})
+        # RESP2: [[stream, [(id, fields), ...]]], or None when the block timed out
+        entries = [entry for _stream, got in reply for entry in got] if isinstance(reply, list) else []
+        readable = [self._decode(entry_id, fields) for entry_id, fields in entries]
+        self._admit([_Admission(entry_id, job, {}) for entry_id, job in readable if job is not None])
 
     def _reclaim(self) -> None:
         now = time.monotonic()
@@ -180,6 +191,7 @@ class Worker:
             start_id="0-0",
             count=max(1, min(self.engine.free_slots, 16)),
         )
+        admitted: list[_Admission] = []
         for entry_id, fields in entries:
             if not fields:  # trimmed away while pending
                 self.client.xack(self.stream, wire.GROUP, entry_id)
@@ -190,11 +202,10 @@ class Worker:
             if deliveries > self.settings.max_deliveries:
                 self._dead_letter(entry_id, fields, deliveries)
                 continue
-            try:
-                rids = [s.rid for s in p.decode_job(fields).seqs]
-            except p.ProtocolError:
-                rids = []
-            self._accept(entry_id, fields, self.fence.progress(rids))
+            _, job = self._decode(entry_id, fields)
+            if job is not None:
+                admitted.append(_Admission(entry_id, job, self.fence.progress([s.rid for s in job.seqs])))
+        self._admit(admitted)
 
     def _dead_letter(self, entry_id: bytes, fields: dict[bytes, bytes], deliveries: int) -> None:
         try:
@@ -206,26 +217,60 @@ class Worker:
                 "entry %s failed %d deliveries: moved to %s", entry_id.decode(), deliveries, wire.DEAD_LETTER_STREAM
             )
 
-    def _accept(self, entry_id: bytes, fields: dict[bytes, bytes], progress: dict[str, Progress]) -> None:
+    def _decode(self, entry_id: bytes, fields: dict[bytes, bytes]) -> tuple[bytes, p.BatchJob | None]:
+        """The entry's job; an unreadable one is acked and dropped (None)."""
         try:
-            job = p.decode_job(fields)
+            return entry_id, p.decode_job(fields)
         except p.ProtocolError as exc:
             log.error("dropping unreadable entry %s: %s", entry_id, exc)
             self.client.xack(self.stream, wire.GROUP, entry_id)
+            return entry_id, None
+
+    def _admit(self, admissions: list[_Admission]) -> None:
+        """Screen jobs in one round trip (gateway gone? sequence cancelled?), drop the gone
+        ones, run the rest. Every Redis call comes before the first batch is registered:
+        a failure leaves the entries pending for a later reclaim and nothing half-added."""
+        if not admissions:
             return
-        batch = _Batch(entry_id, job, {s.rid for s in job.seqs})
+        pipe = self.client.pipeline(transaction=False)
+        for a in admissions:
+            pipe.exists(wire.gone_key(a.job.reply_to))
+            for s in a.job.seqs:  # cancels sent before this worker subscribed (or while it was down)
+                pipe.exists(wire.cancel_key(s.rid))
+        flags = iter(pipe.execute())
+        live: list[tuple[_Admission, set[str]]] = []
+        gone: list[_Admission] = []
+        for a in admissions:
+            is_gone = bool(next(flags))
+            cancelled = {s.rid for s in a.job.seqs if next(flags)}
+            if is_gone:
+                gone.append(a)
+            else:
+                live.append((a, cancelled | {s.rid for s in a.job.seqs if s.rid in self._recent_cancels}))
+        kv = {s.rid: self._load_kv(s) for a, _ in live for s in a.job.seqs if s.kv_key is not None}
+        if gone:
+            self._drop_gone(gone)
+        for a, cancelled in live:
+            self._accept(a, cancelled, kv)
+
+    def _drop_gone(self, gone: list[_Admission]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for a in gone:
+            pipe.xack(self.stream, wire.GROUP, a.entry_id)
+            pipe.delete(*[wire.progress_key(s.rid) for s in a.job.seqs], *[wire.kv_key(s.rid) for s in a.job.seqs])
+        pipe.execute()
+        for a in gone:
+            log.info("dropped batch %s: its gateway is gone (%s)", a.job.batch_id, a.job.reply_to)
+
+    def _accept(self, a: _Admission, cancelled: set[str], kv: dict[str, dict[str, object] | None]) -> None:
         with self._lock:
-            self._batches[job.batch_id] = batch
-        # cancels sent before this worker subscribed (or while it was down) left keys
-        cancelled = set(self._recent_cancels)
-        if self.client.exists(*(wire.cancel_key(s.rid) for s in job.seqs)):
-            cancelled |= {s.rid for s in job.seqs if self.client.exists(wire.cancel_key(s.rid))}
-        for seq in job.seqs:
-            self._batch_of[seq.rid] = job.batch_id
-            done = progress.get(seq.rid)
+            self._batches[a.job.batch_id] = _Batch(a.entry_id, a.job, {s.rid for s in a.job.seqs})
+        for seq in a.job.seqs:
+            self._batch_of[seq.rid] = a.job.batch_id
+            done = a.progress.get(seq.rid)
             if done is not None:
                 seq = replace(seq, resume_ids=done.ids, resume_chars=done.chars)
-            self.engine.add(seq, self._load_kv(seq))
+            self.engine.add(seq, kv.get(seq.rid))
             if seq.rid in cancelled:
                 self.engine.cancel(seq.rid)
 
@@ -234,7 +279,7 @@ class Worker:
         if seq.kv_key is None:
             return None
         blob = self.client.get(seq.kv_key)
-        if blob is None:
+        if not isinstance(blob, bytes):
             log.warning("KV cache of %s is gone; recomputing its prefill", seq.rid)
             return None
         from safetensors.torch import load
