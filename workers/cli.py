@@ -78,11 +78,9 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
 
 
 def run(settings: WorkerSettings) -> None:
-    import redis
-
     from workers import model_store
     from workers.engine import EchoEngine, Engine
-    from workers.worker import Worker
+    from workers.worker import Worker, connect
 
     model_store.offline()
     engine: Engine
@@ -103,7 +101,7 @@ def run(settings: WorkerSettings) -> None:
         log.info("model %s from %s; %s", spec.name, spec.path, choice.reason)
         engine = HFEngine(spec.path, choice, slots=settings.slots)
         model_name = spec.name
-    client = redis.Redis.from_url(settings.redis_url)
+    client = connect(settings)
     worker = Worker(settings, engine, client, model_name)
     signal.signal(signal.SIGTERM, lambda *_: worker.request_stop())
     signal.signal(signal.SIGINT, lambda *_: worker.request_stop())

@@ -11,6 +11,10 @@ Delivery is at least once, effects exactly once (see ``workers/fencing.py``):
   and its clients get an error naming their request id;
 - a job whose gateway is gone (``wire.gone_key``) is acked and dropped, not generated.
 
+Redis faults never end a worker (``workers/retry.py``): every loop backs off and tries
+again; batches whose replies cannot be written are abandoned to redelivery; a consumer
+group lost with Redis's data is created again.
+
 Shutdown follows uvicorn: the first signal drains (no new batches, finish the running
 ones, ack, exit), the second exits at once, leaving unacked entries to peers.
 """
@@ -23,19 +27,21 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from workers import protocol as p
 from workers import wire
 from workers.engine import Engine, Handoff, StepResult
 from workers.fencing import Fence, HandoffWrite, Progress
+from workers.retry import Outage, Retrier, backoff_policy, is_nogroup
 
 log = logging.getLogger("tokengate.worker")
-
-
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
@@ -57,6 +63,9 @@ class WorkerSettings:
     claim_idle_s: float = 15.0  # a pending entry idle this long belongs to a dead worker
     claim_every_s: float = 1.0
     max_deliveries: int = 3
+    redis_timeout_s: float = 5.0  # socket connect and read timeout of every Redis call
+    retry_base_s: float = 0.05  # backoff after a failed Redis call: base·2^failures seconds,
+    retry_cap_s: float = 2.0  # at most this
 
     def __post_init__(self) -> None:
         if self.pool not in p.POOLS:
@@ -71,6 +80,22 @@ class WorkerSettings:
             raise ValueError("heartbeat TTL must exceed the heartbeat interval")
         if self.max_deliveries < 1:
             raise ValueError("max deliveries must be at least 1")
+        if self.redis_timeout_s * 1000 <= self.block_ms:
+            raise ValueError("the Redis timeout must exceed the blocking read time")
+        if not 0 < self.retry_base_s <= self.retry_cap_s:
+            raise ValueError("retry backoff needs 0 < base <= cap")
+
+
+def connect(settings: WorkerSettings) -> redis.Redis:
+    """The worker's Redis client. redis-py retries nothing itself: a pipeline re-sent after
+    a timeout could run a fenced publish twice (the same reply written twice); the
+    worker's loops retry instead, each with its own backoff (``workers/retry.py``)."""
+    return redis.Redis.from_url(
+        settings.redis_url,
+        socket_timeout=settings.redis_timeout_s,
+        socket_connect_timeout=settings.redis_timeout_s,
+        retry=Retry(NoBackoff(), 0),
+    )
 
 
 @dataclass(slots=True)
@@ -96,7 +121,16 @@ class _Admission:
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, engine: Engine, client: redis.Redis, model: str) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        engine: Engine,
+        client: redis.Redis,
+        model: str,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], object] = time.sleep,
+    ) -> None:
         self.settings = settings
         self.engine = engine
         self.client = client
@@ -112,7 +146,12 @@ class Worker:
         self._stop_threads = threading.Event()
         self._tokens = 0
         self._started = time.time()
+        self._clock = clock
         self._next_claim = 0.0
+        self._group_ready = False
+        self._backoff = backoff_policy(settings.retry_base_s, settings.retry_cap_s)
+        self._outage = Outage(clock)
+        self._retry = Retrier(self._backoff, self._outage, sleep)  # the main loop's
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -124,7 +163,6 @@ class Worker:
             log.info("second signal: exiting now; unacked entries go to peers")
 
     def run(self) -> None:
-        self._ensure_group()
         threads = [
             threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True),
             threading.Thread(target=self._cancel_loop, name="cancels", daemon=True),
@@ -142,15 +180,8 @@ class Worker:
             self.engine.choice,
         )
         try:
-            while self._signals < 2:
-                if self._signals == 0:
-                    self._reclaim()
-                    self._read(0 if self.engine.busy else self.settings.block_ms)
-                elif not self.engine.busy:
-                    break
-                self._apply_cancels()
-                if self.engine.busy:
-                    self._step()
+            while self._signals < 2 and self.tick():
+                pass
         finally:
             self._stop_threads.set()
             for t in threads:
@@ -158,12 +189,41 @@ class Worker:
             self._deregister()
         log.info("worker %s stopped", self.settings.worker_id)
 
+    def tick(self) -> bool:
+        """One turn of the main loop; False once a drain has finished. A Redis error never
+        escapes: the loop waits per its backoff policy and the next turn tries again."""
+        started = self._clock()
+        try:
+            if not self._group_ready:
+                self._ensure_group()
+            if self._signals == 0:
+                self._reclaim()
+                self._read(0 if self.engine.busy else self.settings.block_ms)
+            elif not self.engine.busy:
+                return False
+            self._apply_cancels()
+            if self.engine.busy:
+                self._step()
+        except redis.RedisError as exc:
+            if is_nogroup(exc):
+                # Redis came back without its data: no group, no stream, no pending entries
+                log.warning("consumer group %s of %s is gone: creating it again", wire.GROUP, self.stream)
+                self._group_ready = False
+            else:
+                self._retry.failed(exc)
+            return True
+        # every turn after a failed one makes a Redis call (read, reclaim or group), so
+        # reaching here after a failure means Redis answered
+        self._retry.succeeded(started)
+        return True
+
     def _ensure_group(self) -> None:
         try:
             self.client.xgroup_create(self.stream, wire.GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+        self._group_ready = True
 
     # -- jobs in ----------------------------------------------------------------------------
 
@@ -179,7 +239,7 @@ class Worker:
         self._admit([_Admission(entry_id, job, {}) for entry_id, job in readable if job is not None])
 
     def _reclaim(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if now < self._next_claim or self.engine.free_slots <= 0:
             return
         self._next_claim = now + self.settings.claim_every_s
@@ -289,17 +349,24 @@ class Worker:
     # -- cancellation ---------------------------------------------------------------------
 
     def _cancel_loop(self) -> None:
-        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(wire.CANCEL_CHANNEL)
-        try:
-            while not self._stop_threads.is_set():
-                msg = pubsub.get_message(timeout=0.5)
-                if msg is not None:
-                    self._cancels.append(msg["data"].decode())
-        except redis.RedisError as exc:
-            log.warning("cancel subscription lost: %s", exc)
-        finally:
-            pubsub.close()
+        """Subscribed until stopped; a lost connection is subscribed again after a backoff.
+        Cancels published meanwhile are not lost: their keys are checked when a job is
+        admitted and at every publish (``check_cancel``)."""
+        retry = Retrier(self._backoff, self._outage, self._stop_threads.wait)
+        while not self._stop_threads.is_set():
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(wire.CANCEL_CHANNEL)
+                while not self._stop_threads.is_set():
+                    msg = pubsub.get_message(timeout=0.5)
+                    retry.reset()  # subscribed; whether Redis answers, the other loops tell
+                    if msg is not None:
+                        self._cancels.append(wire.text(msg["data"]))
+            except redis.RedisError as exc:
+                log.debug("cancel subscription lost (%s): subscribing again after a backoff", exc)
+                retry.failed(exc)
+            finally:
+                pubsub.close()
 
     def _apply_cancels(self) -> None:
         now = time.monotonic()
@@ -324,10 +391,13 @@ class Worker:
             return
         try:
             self._publish(result)
-        except redis.RedisError:
-            log.exception("publishing replies failed; abandoning running batches to redelivery")
+        except redis.RedisError as exc:
+            log.warning(
+                "publishing replies failed (%s); abandoning %d running batches to redelivery", exc, len(self._batches)
+            )
             self.engine.reset()
             self._abandon(list(self._batch_of))
+            raise  # the main loop backs off (or creates a lost group again)
 
     def _abandon(self, rids: list[str]) -> None:
         """Forget batches without acking them: after the claim idle time a peer (or this
@@ -455,28 +525,38 @@ class Worker:
         )
 
     def _heartbeat_loop(self) -> None:
+        """Beat, and keep owned entries from being claimed."""
         ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
         key = wire.worker_key(self.settings.worker_id)
         touch_every = self.settings.claim_idle_s / 3
-        last_touch = time.monotonic()
+        last_touch = self._clock()
+        retry = Retrier(self._backoff, self._outage, self._stop_threads.wait)
         while not self._stop_threads.is_set():
+            started = self._clock()
             try:
                 pipe = self.client.pipeline(transaction=False)
                 pipe.set(key, p.encode_heartbeat(self.heartbeat()), px=ttl_ms)
                 pipe.zadd(wire.WORKERS_ZSET, {self.settings.worker_id: time.time()})
                 pipe.execute()
-                if time.monotonic() - last_touch >= touch_every:
-                    last_touch = time.monotonic()
+                retry.succeeded(started)
+                if self._clock() - last_touch >= touch_every:
+                    last_touch = self._clock()
                     with self._lock:
                         owned = [b.entry_id for b in self._batches.values()]
                     self.fence.touch(owned)
             except redis.RedisError as exc:
-                log.warning("heartbeat failed: %s", exc)
+                if is_nogroup(exc):
+                    log.debug("no consumer group yet (the main loop creates it): %s", exc)
+                else:
+                    retry.failed(exc)
+                    continue
             self._stop_threads.wait(self.settings.heartbeat_s)
 
     def _deregister(self) -> None:
-        try:
-            self.client.delete(wire.worker_key(self.settings.worker_id))
-            self.client.zrem(wire.WORKERS_ZSET, self.settings.worker_id)
+        try:  # one round trip: with Redis down, an exit waits one timeout, not two
+            pipe = self.client.pipeline(transaction=False)
+            pipe.delete(wire.worker_key(self.settings.worker_id))
+            pipe.zrem(wire.WORKERS_ZSET, self.settings.worker_id)
+            pipe.execute()
         except redis.RedisError:
             pass
