@@ -40,6 +40,7 @@ from workers import wire
 from workers.engine import Engine, Handoff, StepResult
 from workers.fencing import Fence, HandoffWrite, Progress
 from workers.retry import Outage, Retrier, backoff_policy, is_nogroup
+from workers.trim import trim_jobs_stream
 
 log = logging.getLogger("tokengate.worker")
 
@@ -66,6 +67,7 @@ class WorkerSettings:
     redis_timeout_s: float = 5.0  # socket connect and read timeout of every Redis call
     retry_base_s: float = 0.05  # backoff after a failed Redis call: base·2^failures seconds,
     retry_cap_s: float = 2.0  # at most this
+    trim_every_s: float = 5.0  # how often the heartbeat thread trims the jobs stream
 
     def __post_init__(self) -> None:
         if self.pool not in p.POOLS:
@@ -525,11 +527,11 @@ class Worker:
         )
 
     def _heartbeat_loop(self) -> None:
-        """Beat, and keep owned entries from being claimed."""
+        """Beat, keep owned entries from being claimed, and trim the jobs stream."""
         ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
         key = wire.worker_key(self.settings.worker_id)
         touch_every = self.settings.claim_idle_s / 3
-        last_touch = self._clock()
+        last_touch = last_trim = self._clock()
         retry = Retrier(self._backoff, self._outage, self._stop_threads.wait)
         while not self._stop_threads.is_set():
             started = self._clock()
@@ -544,6 +546,9 @@ class Worker:
                     with self._lock:
                         owned = [b.entry_id for b in self._batches.values()]
                     self.fence.touch(owned)
+                if self._clock() - last_trim >= self.settings.trim_every_s:
+                    last_trim = self._clock()
+                    trim_jobs_stream(self.client, self.stream)
             except redis.RedisError as exc:
                 if is_nogroup(exc):
                     log.debug("no consumer group yet (the main loop creates it): %s", exc)
