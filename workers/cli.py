@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -34,26 +35,40 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def setting_default(name: str) -> Any:
+    """The default of a ``WorkerSettings`` field: the one place each default is written."""
+    for f in dataclasses.fields(WorkerSettings):
+        if f.name == name and f.default is not dataclasses.MISSING:
+            return f.default
+    raise KeyError(f"WorkerSettings.{name} has no plain default")
+
+
+def _flag(parser: argparse.ArgumentParser, flag: str, default: Any, **kw: Any) -> None:
+    """``--flag``, also read from TOKENGATE_<FLAG>: argparse converts a string default
+    (the environment's) with ``type`` and takes any other default as it is."""
+    parser.add_argument(flag, default=env_default(flag.removeprefix("--"), default), **kw)
+
+
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pool", choices=("cpu", "gpu"), default=env_default("pool", "cpu"))
-    parser.add_argument("--engine", choices=("hf", "echo"), default=env_default("engine", "hf"),
-                        help="hf: the transformers model; echo: a model-free engine for benchmarks")
-    parser.add_argument("--slots", type=int, default=int(env_default("slots", 32)),
-                        help="sequences decoded together (continuous batching)")
-    parser.add_argument("--echo-tokens", type=int, default=int(env_default("echo_tokens", 16)))
-    parser.add_argument("--echo-step-ms", type=float, default=float(env_default("echo_step_ms", 0)),
-                        help="echo engine: 0 answers at once; >0 emits one token per step of this length")
-    parser.add_argument("--claim-idle", type=float, default=float(env_default("claim_idle", 15)),
-                        help="seconds after which a silent worker's pending batches are taken over")
-    parser.add_argument("--heartbeat", type=float, default=float(env_default("heartbeat", 1.0)),
-                        help="seconds between heartbeats (and liveness touches of running batches)")
-    parser.add_argument("--heartbeat-ttl", type=float, default=float(env_default("heartbeat_ttl", 5.0)),
-                        help="seconds without a heartbeat after which gateways drop this worker")
-    parser.add_argument("--max-deliveries", type=int, default=int(env_default("max_deliveries", 3)),
-                        help="deliveries after which a batch goes to the dead-letter stream")
-    parser.add_argument("--threads", type=int, default=env_default("threads"),
-                        help="torch intra-op threads (default: torch's choice)")
-    parser.add_argument("--worker-id", default=env_default("worker_id"))
+    _flag(parser, "--pool", setting_default("pool"), choices=("cpu", "gpu"))
+    _flag(parser, "--engine", setting_default("engine"), choices=("hf", "echo"),
+          help="hf: the transformers model; echo: a model-free engine for benchmarks")
+    _flag(parser, "--slots", setting_default("slots"), type=int,
+          help="sequences decoded together (continuous batching)")
+    _flag(parser, "--echo-tokens", setting_default("echo_tokens"), type=int)
+    _flag(parser, "--echo-step-ms", setting_default("echo_step_s") * 1000, type=float,
+          help="echo engine: 0 answers at once; >0 emits one token per step of this length")
+    _flag(parser, "--claim-idle", setting_default("claim_idle_s"), type=float,
+          help="seconds after which a silent worker's pending batches are taken over")
+    _flag(parser, "--heartbeat", setting_default("heartbeat_s"), type=float,
+          help="seconds between heartbeats (and liveness touches of running batches)")
+    _flag(parser, "--heartbeat-ttl", setting_default("heartbeat_ttl_s"), type=float,
+          help="seconds without a heartbeat after which gateways drop this worker")
+    _flag(parser, "--max-deliveries", setting_default("max_deliveries"), type=int,
+          help="deliveries after which a batch goes to the dead-letter stream")
+    _flag(parser, "--threads", setting_default("threads"), type=int,
+          help="torch intra-op threads (default: torch's choice)")
+    _flag(parser, "--worker-id", None, help="default: hostname-pid")
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
@@ -72,17 +87,15 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         heartbeat_s=args.heartbeat,
         heartbeat_ttl_s=args.heartbeat_ttl,
         max_deliveries=args.max_deliveries,
-        threads=None if args.threads is None else int(args.threads),
+        threads=args.threads,
         **extra,
     )
 
 
 def run(settings: WorkerSettings) -> None:
-    import redis
-
     from workers import model_store
     from workers.engine import EchoEngine, Engine
-    from workers.worker import Worker
+    from workers.worker import Worker, connect
 
     model_store.offline()
     engine: Engine
@@ -103,7 +116,7 @@ def run(settings: WorkerSettings) -> None:
         log.info("model %s from %s; %s", spec.name, spec.path, choice.reason)
         engine = HFEngine(spec.path, choice, slots=settings.slots)
         model_name = spec.name
-    client = redis.Redis.from_url(settings.redis_url)
+    client = connect(settings)
     worker = Worker(settings, engine, client, model_name)
     signal.signal(signal.SIGTERM, lambda *_: worker.request_stop())
     signal.signal(signal.SIGINT, lambda *_: worker.request_stop())

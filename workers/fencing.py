@@ -23,8 +23,9 @@ from workers import wire
 # KEYS: 1 jobs stream, 2 reply stream, then n_prog progress keys to write, n_del keys to
 #       delete, n_h KV keys and n_h target job streams for hand-overs
 # ARGV: 1 group, 2 consumer, 3 entry id, 4 version, 5 reply payload ('' = none), 6 reply
-#       maxlen, 7 ack (0/1), 8 ttl ms, 9 n_prog, 10 n_del, 11 n_h, then n_prog pairs
-#       (ids blob, chars), n_h KV blobs, n_h job payloads, then rids to check for a cancel
+#       maxlen, 7 ack (0/1), 8 ttl ms, 9 n_prog, 10 n_del, 11 n_h, 12 reply stream ttl ms,
+#       then n_prog pairs (ids blob, chars), n_h KV blobs, n_h job payloads, then rids to
+#       check for a cancel
 _PUBLISH = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if p[1] == nil or p[1][2] ~= ARGV[2] then
@@ -33,8 +34,9 @@ end
 local n_prog, n_del, n_h = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 if ARGV[5] ~= '' then
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'v', ARGV[4], 'm', ARGV[5])
+  redis.call('PEXPIRE', KEYS[2], ARGV[12])
 end
-local k, a = 3, 12
+local k, a = 3, 13
 for i = 1, n_prog do
   redis.call('HSET', KEYS[k], 'ids', ARGV[a], 'chars', ARGV[a + 1])
   redis.call('PEXPIRE', KEYS[k], ARGV[8])
@@ -78,14 +80,20 @@ return kept
 
 # Move a poison entry to the dead-letter stream, tell its clients, ack it: all or nothing.
 # KEYS: 1 jobs stream, 2 dead-letter stream, 3 reply stream
-# ARGV: 1 group, 2 consumer, 3 entry id, 4 version, 5 job payload, 6 error payload, 7 reason
+# ARGV: 1 group, 2 consumer, 3 entry id, 4 version, 5 job payload, 6 error payload ('' =
+#       none: the job named no reply stream), 7 reason, 8 dead-letter maxlen, 9 reply
+#       stream ttl ms
 _DEAD_LETTER = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if p[1] == nil or p[1][2] ~= ARGV[2] then
   return 0
 end
-redis.call('XADD', KEYS[2], '*', 'v', ARGV[4], 'm', ARGV[5], 'entry', ARGV[3], 'reason', ARGV[7])
-redis.call('XADD', KEYS[3], '*', 'v', ARGV[4], 'm', ARGV[6])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*', 'v', ARGV[4], 'm', ARGV[5], 'entry', ARGV[3],
+           'reason', ARGV[7])
+if ARGV[6] ~= '' then
+  redis.call('XADD', KEYS[3], '*', 'v', ARGV[4], 'm', ARGV[6])
+  redis.call('PEXPIRE', KEYS[3], ARGV[9])
+end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 return 1
 """
@@ -100,7 +108,7 @@ class HandoffWrite:
     job: bytes  # the encoded job document ("m")
 
 
-
+DEAD_LETTER_MAXLEN = 10_000  # approximate cap of the dead-letter stream (XADD MAXLEN ~)
 
 
 def pack_ids(ids: tuple[int, ...]) -> bytes:
@@ -154,7 +162,7 @@ class Fence:
         keys += [h.kv_key for h in handoffs] + [h.stream for h in handoffs]
         args: list[bytes | str | int] = [
             wire.GROUP, self.consumer, entry_id, p.VERSION, payload, maxlen, int(ack), self.progress_ttl_ms,
-            len(writes), len(delete), len(handoffs),
+            len(writes), len(delete), len(handoffs), wire.REPLIES_TTL_MS,
         ]
         for _rid, (ids, chars) in writes:
             args += [pack_ids(ids), chars]
@@ -167,21 +175,30 @@ class Fence:
             return 0
         return int(self._touch(keys=[self.stream], args=[wire.GROUP, self.consumer, *entry_ids]))
 
-    def dead_letter(self, entry_id: bytes, job_payload: bytes, job: p.BatchJob | None, deliveries: int) -> bool:
+    def dead_letter(
+        self,
+        entry_id: bytes,
+        job_payload: bytes,
+        job: p.BatchJob | None,
+        deliveries: int,
+        maxlen: int = DEAD_LETTER_MAXLEN,
+    ) -> bool:
         reason = f"failed {deliveries} deliveries"
-        rids = [s.rid for s in job.seqs] if job else []
         errors: list[p.Event] = [
             p.Failed(
-                rid, "poison", f"request {rid} {reason}; moved to the dead-letter stream {wire.DEAD_LETTER_STREAM}"
+                s.rid, "poison", f"request {s.rid} {reason}; moved to the dead-letter stream {wire.DEAD_LETTER_STREAM}"
             )
-            for rid in rids
+            for s in (job.seqs if job else ())
         ]
+        # an unreadable job names no reply stream: the third key is then a placeholder
         reply_to = job.reply_to if job else wire.DEAD_LETTER_STREAM
+        payload = p.encode_events(errors)["m"] if job else b""
         return bool(
             self._dead(
                 keys=[self.stream, wire.DEAD_LETTER_STREAM, reply_to],
                 args=[
-                    wire.GROUP, self.consumer, entry_id, p.VERSION, job_payload, p.encode_events(errors)["m"], reason
+                    wire.GROUP, self.consumer, entry_id, p.VERSION, job_payload, payload, reason, maxlen,
+                    wire.REPLIES_TTL_MS,
                 ],
             )
         )

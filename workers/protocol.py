@@ -7,6 +7,7 @@ Translation between these documents and the dataclasses below happens here and o
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -113,6 +114,9 @@ class BatchReport:
 Event = Delta | Finished | Failed | BatchReport
 
 
+HEARTBEAT_MAX_BATCHES = 64  # a heartbeat names at most this many held batches
+
+
 @dataclass(slots=True)
 class Heartbeat:
     worker: str
@@ -126,6 +130,9 @@ class Heartbeat:
     tokens_per_s: float
     started: float
     choice: str = ""  # why this device and dtype (AMX found or not, CUDA or not)
+    # in-flight work, so gateways can reconcile their slot bookkeeping
+    running: int = 0  # sequences in the engine (waiting or decoding)
+    batches: tuple[str, ...] = ()  # ids of the batches this worker holds, at most HEARTBEAT_MAX_BATCHES
 
 
 # -- encoding ---------------------------------------------------------------------------
@@ -218,7 +225,7 @@ def decode_job(fields: dict[bytes, bytes]) -> BatchJob:
 def encode_events(events: list[Event]) -> dict[str, bytes]:
     out = []
     for ev in events:
-        d = {f: getattr(ev, f) for f in ev.__slots__}  # type: ignore[union-attr]
+        d = {f: getattr(ev, f) for f in ev.__slots__}
         out.append(d)
     return _entry({"events": out})
 
@@ -245,21 +252,29 @@ def decode_events(fields: dict[bytes, bytes]) -> list[Event]:
     return events
 
 
+_HEARTBEAT_FIELDS = tuple(f.name for f in dataclasses.fields(Heartbeat))
+
+
 def encode_heartbeat(hb: Heartbeat) -> bytes:
     """A heartbeat is one string value (SET with a TTL), so it carries its version inside."""
-    doc = {f: getattr(hb, f) for f in hb.__slots__}  # type: ignore[attr-defined]
+    doc: dict[str, Any] = {f: getattr(hb, f) for f in _HEARTBEAT_FIELDS}
     doc["v"] = VERSION
     return orjson.dumps(doc)
 
 
 def decode_heartbeat(raw: bytes) -> Heartbeat:
+    """Fields added later have defaults (a heartbeat without them still decodes); fields
+    this version does not know are ignored (a newer worker's heartbeat still decodes)."""
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise ProtocolError(f"unreadable heartbeat: {exc}") from exc
     if not isinstance(doc, dict) or doc.pop("v", None) != VERSION:
         raise ProtocolError("heartbeat of an unsupported protocol version")
+    known = {k: v for k, v in doc.items() if k in _HEARTBEAT_FIELDS}
     try:
-        return Heartbeat(**doc)
+        if "batches" in known:
+            known["batches"] = tuple(str(b) for b in known["batches"])
+        return Heartbeat(**known)
     except TypeError as exc:
         raise ProtocolError(f"malformed heartbeat: {exc!r}") from exc

@@ -8,7 +8,12 @@ Delivery is at least once, effects exactly once (see ``workers/fencing.py``):
 - a live worker keeps its long batches from being claimed by touching them (heartbeat
   thread), so only a dead or stopped worker loses its entries;
 - an entry delivered more than ``max_deliveries`` times goes to the dead-letter stream
-  and its clients get an error naming their request id.
+  and its clients get an error naming their request id;
+- a job whose gateway is gone (``wire.gone_key``) is acked and dropped, not generated.
+
+Redis faults never end a worker (``workers/retry.py``): every loop backs off and tries
+again; batches whose replies cannot be written are abandoned to redelivery; a consumer
+group lost with Redis's data is created again.
 
 Shutdown follows uvicorn: the first signal drains (no new batches, finish the running
 ones, ack, exit), the second exits at once, leaving unacked entries to peers.
@@ -22,19 +27,22 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from workers import protocol as p
 from workers import wire
 from workers.engine import Engine, Handoff, StepResult
 from workers.fencing import Fence, HandoffWrite, Progress
+from workers.retry import Outage, Retrier, backoff_policy, is_nogroup
+from workers.trim import trim_jobs_stream
 
 log = logging.getLogger("tokengate.worker")
-
-
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
@@ -56,6 +64,10 @@ class WorkerSettings:
     claim_idle_s: float = 15.0  # a pending entry idle this long belongs to a dead worker
     claim_every_s: float = 1.0
     max_deliveries: int = 3
+    redis_timeout_s: float = 5.0  # socket connect and read timeout of every Redis call
+    retry_base_s: float = 0.05  # backoff after a failed Redis call: base·2^failures seconds,
+    retry_cap_s: float = 2.0  # at most this
+    trim_every_s: float = 5.0  # how often the heartbeat thread trims the jobs stream
 
     def __post_init__(self) -> None:
         if self.pool not in p.POOLS:
@@ -70,6 +82,22 @@ class WorkerSettings:
             raise ValueError("heartbeat TTL must exceed the heartbeat interval")
         if self.max_deliveries < 1:
             raise ValueError("max deliveries must be at least 1")
+        if self.redis_timeout_s * 1000 <= self.block_ms:
+            raise ValueError("the Redis timeout must exceed the blocking read time")
+        if not 0 < self.retry_base_s <= self.retry_cap_s:
+            raise ValueError("retry backoff needs 0 < base <= cap")
+
+
+def connect(settings: WorkerSettings) -> redis.Redis:
+    """The worker's Redis client. redis-py retries nothing itself: a pipeline re-sent after
+    a timeout could run a fenced publish twice (the same reply written twice); the
+    worker's loops retry instead, each with its own backoff (``workers/retry.py``)."""
+    return redis.Redis.from_url(
+        settings.redis_url,
+        socket_timeout=settings.redis_timeout_s,
+        socket_connect_timeout=settings.redis_timeout_s,
+        retry=Retry(NoBackoff(), 0),
+    )
 
 
 @dataclass(slots=True)
@@ -85,8 +113,26 @@ class _Batch:
     output_tokens: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class _Admission:
+    """A job read from the stream (fresh or reclaimed), before it enters the engine."""
+
+    entry_id: bytes
+    job: p.BatchJob
+    progress: dict[str, Progress]
+
+
 class Worker:
-    def __init__(self, settings: WorkerSettings, engine: Engine, client: redis.Redis, model: str) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        engine: Engine,
+        client: redis.Redis,
+        model: str,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], object] = time.sleep,
+    ) -> None:
         self.settings = settings
         self.engine = engine
         self.client = client
@@ -102,7 +148,12 @@ class Worker:
         self._stop_threads = threading.Event()
         self._tokens = 0
         self._started = time.time()
+        self._clock = clock
         self._next_claim = 0.0
+        self._group_ready = False
+        self._backoff = backoff_policy(settings.retry_base_s, settings.retry_cap_s)
+        self._outage = Outage(clock)
+        self._retry = Retrier(self._backoff, self._outage, sleep)  # the main loop's
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -114,7 +165,6 @@ class Worker:
             log.info("second signal: exiting now; unacked entries go to peers")
 
     def run(self) -> None:
-        self._ensure_group()
         threads = [
             threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True),
             threading.Thread(target=self._cancel_loop, name="cancels", daemon=True),
@@ -132,15 +182,8 @@ class Worker:
             self.engine.choice,
         )
         try:
-            while self._signals < 2:
-                if self._signals == 0:
-                    self._reclaim()
-                    self._read(0 if self.engine.busy else self.settings.block_ms)
-                elif not self.engine.busy:
-                    break
-                self._apply_cancels()
-                if self.engine.busy:
-                    self._step()
+            while self._signals < 2 and self.tick():
+                pass
         finally:
             self._stop_threads.set()
             for t in threads:
@@ -148,12 +191,41 @@ class Worker:
             self._deregister()
         log.info("worker %s stopped", self.settings.worker_id)
 
+    def tick(self) -> bool:
+        """One turn of the main loop; False once a drain has finished. A Redis error never
+        escapes: the loop waits per its backoff policy and the next turn tries again."""
+        started = self._clock()
+        try:
+            if not self._group_ready:
+                self._ensure_group()
+            if self._signals == 0:
+                self._reclaim()
+                self._read(0 if self.engine.busy else self.settings.block_ms)
+            elif not self.engine.busy:
+                return False
+            self._apply_cancels()
+            if self.engine.busy:
+                self._step()
+        except redis.RedisError as exc:
+            if is_nogroup(exc):
+                # Redis came back without its data: no group, no stream, no pending entries
+                log.warning("consumer group %s of %s is gone: creating it again", wire.GROUP, self.stream)
+                self._group_ready = False
+            else:
+                self._retry.failed(exc)
+            return True
+        # every turn after a failed one makes a Redis call (read, reclaim or group), so
+        # reaching here after a failure means Redis answered
+        self._retry.succeeded(started)
+        return True
+
     def _ensure_group(self) -> None:
         try:
             self.client.xgroup_create(self.stream, wire.GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+        self._group_ready = True
 
     # -- jobs in ----------------------------------------------------------------------------
 
@@ -163,12 +235,13 @@ class Worker:
         reply = self.client.xreadgroup(
             wire.GROUP, self.settings.worker_id, {self.stream: ">"}, count=1, block=block_ms or None
         )
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                self._accept(entry_id, fields, {})
+        # RESP2: [[stream, [(id, fields), ...]]], or None when the block timed out
+        entries = [entry for _stream, got in reply for entry in got] if isinstance(reply, list) else []
+        readable = [self._decode(entry_id, fields) for entry_id, fields in entries]
+        self._admit([_Admission(entry_id, job, {}) for entry_id, job in readable if job is not None])
 
     def _reclaim(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if now < self._next_claim or self.engine.free_slots <= 0:
             return
         self._next_claim = now + self.settings.claim_every_s
@@ -180,6 +253,7 @@ class Worker:
             start_id="0-0",
             count=max(1, min(self.engine.free_slots, 16)),
         )
+        admitted: list[_Admission] = []
         for entry_id, fields in entries:
             if not fields:  # trimmed away while pending
                 self.client.xack(self.stream, wire.GROUP, entry_id)
@@ -190,11 +264,10 @@ class Worker:
             if deliveries > self.settings.max_deliveries:
                 self._dead_letter(entry_id, fields, deliveries)
                 continue
-            try:
-                rids = [s.rid for s in p.decode_job(fields).seqs]
-            except p.ProtocolError:
-                rids = []
-            self._accept(entry_id, fields, self.fence.progress(rids))
+            _, job = self._decode(entry_id, fields)
+            if job is not None:
+                admitted.append(_Admission(entry_id, job, self.fence.progress([s.rid for s in job.seqs])))
+        self._admit(admitted)
 
     def _dead_letter(self, entry_id: bytes, fields: dict[bytes, bytes], deliveries: int) -> None:
         try:
@@ -206,26 +279,60 @@ class Worker:
                 "entry %s failed %d deliveries: moved to %s", entry_id.decode(), deliveries, wire.DEAD_LETTER_STREAM
             )
 
-    def _accept(self, entry_id: bytes, fields: dict[bytes, bytes], progress: dict[str, Progress]) -> None:
+    def _decode(self, entry_id: bytes, fields: dict[bytes, bytes]) -> tuple[bytes, p.BatchJob | None]:
+        """The entry's job; an unreadable one is acked and dropped (None)."""
         try:
-            job = p.decode_job(fields)
+            return entry_id, p.decode_job(fields)
         except p.ProtocolError as exc:
             log.error("dropping unreadable entry %s: %s", entry_id, exc)
             self.client.xack(self.stream, wire.GROUP, entry_id)
+            return entry_id, None
+
+    def _admit(self, admissions: list[_Admission]) -> None:
+        """Screen jobs in one round trip (gateway gone? sequence cancelled?), drop the gone
+        ones, run the rest. Every Redis call comes before the first batch is registered:
+        a failure leaves the entries pending for a later reclaim and nothing half-added."""
+        if not admissions:
             return
-        batch = _Batch(entry_id, job, {s.rid for s in job.seqs})
+        pipe = self.client.pipeline(transaction=False)
+        for a in admissions:
+            pipe.exists(wire.gone_key(a.job.reply_to))
+            for s in a.job.seqs:  # cancels sent before this worker subscribed (or while it was down)
+                pipe.exists(wire.cancel_key(s.rid))
+        flags = iter(pipe.execute())
+        live: list[tuple[_Admission, set[str]]] = []
+        gone: list[_Admission] = []
+        for a in admissions:
+            is_gone = bool(next(flags))
+            cancelled = {s.rid for s in a.job.seqs if next(flags)}
+            if is_gone:
+                gone.append(a)
+            else:
+                live.append((a, cancelled | {s.rid for s in a.job.seqs if s.rid in self._recent_cancels}))
+        kv = {s.rid: self._load_kv(s) for a, _ in live for s in a.job.seqs if s.kv_key is not None}
+        if gone:
+            self._drop_gone(gone)
+        for a, cancelled in live:
+            self._accept(a, cancelled, kv)
+
+    def _drop_gone(self, gone: list[_Admission]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for a in gone:
+            pipe.xack(self.stream, wire.GROUP, a.entry_id)
+            pipe.delete(*[wire.progress_key(s.rid) for s in a.job.seqs], *[wire.kv_key(s.rid) for s in a.job.seqs])
+        pipe.execute()
+        for a in gone:
+            log.info("dropped batch %s: its gateway is gone (%s)", a.job.batch_id, a.job.reply_to)
+
+    def _accept(self, a: _Admission, cancelled: set[str], kv: dict[str, dict[str, object] | None]) -> None:
         with self._lock:
-            self._batches[job.batch_id] = batch
-        # cancels sent before this worker subscribed (or while it was down) left keys
-        cancelled = set(self._recent_cancels)
-        if self.client.exists(*(wire.cancel_key(s.rid) for s in job.seqs)):
-            cancelled |= {s.rid for s in job.seqs if self.client.exists(wire.cancel_key(s.rid))}
-        for seq in job.seqs:
-            self._batch_of[seq.rid] = job.batch_id
-            done = progress.get(seq.rid)
+            self._batches[a.job.batch_id] = _Batch(a.entry_id, a.job, {s.rid for s in a.job.seqs})
+        for seq in a.job.seqs:
+            self._batch_of[seq.rid] = a.job.batch_id
+            done = a.progress.get(seq.rid)
             if done is not None:
                 seq = replace(seq, resume_ids=done.ids, resume_chars=done.chars)
-            self.engine.add(seq, self._load_kv(seq))
+            self.engine.add(seq, kv.get(seq.rid))
             if seq.rid in cancelled:
                 self.engine.cancel(seq.rid)
 
@@ -234,7 +341,7 @@ class Worker:
         if seq.kv_key is None:
             return None
         blob = self.client.get(seq.kv_key)
-        if blob is None:
+        if not isinstance(blob, bytes):
             log.warning("KV cache of %s is gone; recomputing its prefill", seq.rid)
             return None
         from safetensors.torch import load
@@ -244,17 +351,24 @@ class Worker:
     # -- cancellation ---------------------------------------------------------------------
 
     def _cancel_loop(self) -> None:
-        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(wire.CANCEL_CHANNEL)
-        try:
-            while not self._stop_threads.is_set():
-                msg = pubsub.get_message(timeout=0.5)
-                if msg is not None:
-                    self._cancels.append(msg["data"].decode())
-        except redis.RedisError as exc:
-            log.warning("cancel subscription lost: %s", exc)
-        finally:
-            pubsub.close()
+        """Subscribed until stopped; a lost connection is subscribed again after a backoff.
+        Cancels published meanwhile are not lost: their keys are checked when a job is
+        admitted and at every publish (``check_cancel``)."""
+        retry = Retrier(self._backoff, self._outage, self._stop_threads.wait)
+        while not self._stop_threads.is_set():
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(wire.CANCEL_CHANNEL)
+                while not self._stop_threads.is_set():
+                    msg = pubsub.get_message(timeout=0.5)
+                    retry.reset()  # subscribed; whether Redis answers, the other loops tell
+                    if msg is not None:
+                        self._cancels.append(wire.text(msg["data"]))
+            except redis.RedisError as exc:
+                log.debug("cancel subscription lost (%s): subscribing again after a backoff", exc)
+                retry.failed(exc)
+            finally:
+                pubsub.close()
 
     def _apply_cancels(self) -> None:
         now = time.monotonic()
@@ -279,10 +393,13 @@ class Worker:
             return
         try:
             self._publish(result)
-        except redis.RedisError:
-            log.exception("publishing replies failed; abandoning running batches to redelivery")
+        except redis.RedisError as exc:
+            log.warning(
+                "publishing replies failed (%s); abandoning %d running batches to redelivery", exc, len(self._batches)
+            )
             self.engine.reset()
             self._abandon(list(self._batch_of))
+            raise  # the main loop backs off (or creates a lost group again)
 
     def _abandon(self, rids: list[str]) -> None:
         """Forget batches without acking them: after the claim idle time a peer (or this
@@ -391,6 +508,8 @@ class Worker:
 
     def heartbeat(self) -> p.Heartbeat:
         elapsed = max(time.time() - self._started, 1e-9)
+        with self._lock:
+            held = list(self._batches.values())
         return p.Heartbeat(
             worker=self.settings.worker_id,
             pool=self.settings.pool,
@@ -403,31 +522,46 @@ class Worker:
             tokens_per_s=self._tokens / elapsed,
             started=self._started,
             choice=self.engine.choice,
+            running=sum(len(b.pending) for b in held),
+            batches=tuple(b.job.batch_id for b in held[: p.HEARTBEAT_MAX_BATCHES]),
         )
 
     def _heartbeat_loop(self) -> None:
+        """Beat, keep owned entries from being claimed, and trim the jobs stream."""
         ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
         key = wire.worker_key(self.settings.worker_id)
         touch_every = self.settings.claim_idle_s / 3
-        last_touch = time.monotonic()
+        last_touch = last_trim = self._clock()
+        retry = Retrier(self._backoff, self._outage, self._stop_threads.wait)
         while not self._stop_threads.is_set():
+            started = self._clock()
             try:
                 pipe = self.client.pipeline(transaction=False)
                 pipe.set(key, p.encode_heartbeat(self.heartbeat()), px=ttl_ms)
                 pipe.zadd(wire.WORKERS_ZSET, {self.settings.worker_id: time.time()})
                 pipe.execute()
-                if time.monotonic() - last_touch >= touch_every:
-                    last_touch = time.monotonic()
+                retry.succeeded(started)
+                if self._clock() - last_touch >= touch_every:
+                    last_touch = self._clock()
                     with self._lock:
                         owned = [b.entry_id for b in self._batches.values()]
                     self.fence.touch(owned)
+                if self._clock() - last_trim >= self.settings.trim_every_s:
+                    last_trim = self._clock()
+                    trim_jobs_stream(self.client, self.stream)
             except redis.RedisError as exc:
-                log.warning("heartbeat failed: %s", exc)
+                if is_nogroup(exc):
+                    log.debug("no consumer group yet (the main loop creates it): %s", exc)
+                else:
+                    retry.failed(exc)
+                    continue
             self._stop_threads.wait(self.settings.heartbeat_s)
 
     def _deregister(self) -> None:
-        try:
-            self.client.delete(wire.worker_key(self.settings.worker_id))
-            self.client.zrem(wire.WORKERS_ZSET, self.settings.worker_id)
+        try:  # one round trip: with Redis down, an exit waits one timeout, not two
+            pipe = self.client.pipeline(transaction=False)
+            pipe.delete(wire.worker_key(self.settings.worker_id))
+            pipe.zrem(wire.WORKERS_ZSET, self.settings.worker_id)
+            pipe.execute()
         except redis.RedisError:
             pass

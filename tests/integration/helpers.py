@@ -11,7 +11,7 @@ import redis
 from workers import protocol as p
 from workers import wire
 from workers.engine import Engine
-from workers.worker import Worker, WorkerSettings
+from workers.worker import Worker, WorkerSettings, connect
 
 
 @contextmanager
@@ -19,7 +19,7 @@ def running_worker(redis_url: str, engine: Engine, **kw: object) -> Iterator[Wor
     settings = WorkerSettings(
         redis_url=redis_url, block_ms=50, heartbeat_s=0.2, claim_idle_s=1.0, claim_every_s=0.2, **kw  # type: ignore[arg-type]
     )
-    worker = Worker(settings, engine, redis.Redis.from_url(redis_url), model="test")
+    worker = Worker(settings, engine, connect(settings), model="test")
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:

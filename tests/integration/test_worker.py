@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -71,3 +73,66 @@ def test_two_workers_share_a_pool(redis_client: redis.Redis, redis_url: str) -> 
     workers = {e.worker for e in events if isinstance(e, p.BatchReport)}
     assert {e.rid for e in events if isinstance(e, p.Finished)} == {f"r{i}" for i in range(40)}
     assert workers <= {a.settings.worker_id, b.settings.worker_id} and len(workers) >= 1
+
+
+def _wait_for(condition: Callable[[], object], timeout_s: float = 10, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_job_of_a_gone_gateway_is_acked_and_dropped(
+    redis_client: redis.Redis, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "tokengate.worker")
+    dead = wire.replies_stream("gw-dead")
+    redis_client.set(wire.gone_key(dead), 1, ex=60)
+    doomed = p.BatchJob("b-gone", dead, 0, (p.SeqJob("r-gone", (1, 2), p.SamplingParams(4), stream=True),))
+    redis_client.set(wire.progress_key("r-gone"), "x")
+    with running_worker(redis_url, EchoEngine(tokens=2)):
+        send(redis_client, doomed)
+        send(redis_client, _job("b-live", ["r-live"]))
+        events = collect(redis_client, REPLIES, until_batches=1)
+        _wait_for(lambda: redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 0, what="acks")
+    assert [e.rid for e in events if isinstance(e, p.Finished)] == ["r-live"]
+    assert not redis_client.exists(dead)  # nothing generated for it
+    assert not redis_client.exists(wire.progress_key("r-gone"))
+    assert any("b-gone" in r.getMessage() and "gone" in r.getMessage() for r in caplog.records)
+
+
+def test_reclaimed_job_of_a_gone_gateway_is_dropped(redis_client: redis.Redis, redis_url: str) -> None:
+    dead = wire.replies_stream("gw-dead")
+    stream = wire.jobs_stream("cpu")
+    redis_client.xgroup_create(stream, wire.GROUP, id="0", mkstream=True)
+    send(redis_client, p.BatchJob("b-gone", dead, 0, (p.SeqJob("r-gone", (1,), p.SamplingParams(4)),)))
+    # a worker took it and died; its gateway died too and was settled by a survivor
+    assert redis_client.xreadgroup(wire.GROUP, "w-dead", {stream: ">"}, count=1)
+    redis_client.set(wire.gone_key(dead), 1, ex=60)
+    with running_worker(redis_url, EchoEngine(tokens=2)):
+        _wait_for(lambda: redis_client.xpending(stream, wire.GROUP)["pending"] == 0, what="the reclaimed entry's ack")
+    assert not redis_client.exists(dead)
+
+
+def test_reply_stream_expires_after_the_last_publish(redis_client: redis.Redis, redis_url: str) -> None:
+    with running_worker(redis_url, EchoEngine(tokens=2)):
+        send(redis_client, _job("b-ttl", ["r-ttl"], stream=True))
+        collect(redis_client, REPLIES, until_batches=1)
+    assert 0 < redis_client.pttl(REPLIES) <= wire.REPLIES_TTL_MS
+
+
+def test_heartbeat_names_running_sequences_and_held_batches(redis_client: redis.Redis, redis_url: str) -> None:
+    n = p.HEARTBEAT_MAX_BATCHES + 6
+    with running_worker(redis_url, EchoEngine(tokens=10_000, step_s=0.01), worker_id="w-busy") as worker:
+        for i in range(n):
+            send(redis_client, _job(f"b{i}", [f"r{i}", f"s{i}"], stream=True, max_tokens=10_000))
+
+        def beat() -> p.Heartbeat | None:
+            raw = redis_client.get(wire.worker_key("w-busy"))
+            return p.decode_heartbeat(raw) if raw else None
+
+        _wait_for(lambda: (hb := beat()) is not None and hb.running == 2 * n, what="a heartbeat with every batch")
+        hb = beat()
+        assert hb is not None
+        assert len(hb.batches) == p.HEARTBEAT_MAX_BATCHES and set(hb.batches) < {f"b{i}" for i in range(n)}
+        worker.request_stop()  # the second stop (on leaving) exits without draining

@@ -71,3 +71,26 @@ def test_malformed_entries_raise_protocol_error(body: bytes) -> None:
 def test_stream_names() -> None:
     assert wire.jobs_stream("gpu") == "tg:jobs:gpu"
     assert wire.replies_stream("g1") == "tg:replies:g1"
+
+
+def test_heartbeat_carries_in_flight_work() -> None:
+    hb = p.Heartbeat("w1", "cpu", "cpu", "float32", "echo", "m", 32, 29, 1.0, 1.0, running=3, batches=("g:1", "g:2"))
+    back = p.decode_heartbeat(p.encode_heartbeat(hb))
+    assert back == hb and back.batches == ("g:1", "g:2")
+
+
+def test_heartbeat_without_the_later_fields_still_decodes() -> None:
+    old = {"v": 1, "worker": "w1", "pool": "cpu", "device": "cpu", "dtype": "float32", "engine": "echo",
+           "model": "m", "slots": 32, "free": 32, "tokens_per_s": 0.0, "started": 1.0}
+    hb = p.decode_heartbeat(orjson.dumps(old))
+    assert (hb.choice, hb.running, hb.batches) == ("", 0, ())
+
+
+def test_heartbeat_fields_a_newer_worker_adds_are_ignored() -> None:
+    hb = p.Heartbeat("w1", "cpu", "cpu", "float32", "echo", "m", 32, 32, 0.0, 1.0)
+    doc = orjson.loads(p.encode_heartbeat(hb))
+    doc["from_the_future"] = [1, 2]
+    assert p.decode_heartbeat(orjson.dumps(doc)) == hb
+    del doc["worker"]
+    with pytest.raises(p.ProtocolError, match="malformed"):
+        p.decode_heartbeat(orjson.dumps(doc))
