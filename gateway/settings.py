@@ -33,6 +33,11 @@ class GatewaySettings:
     handoff_min_prompt: int = 0  # >0: prompts this long prefill on cpu and decode on gpu
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # cost priors from --cost-priors
     shutdown_grace_s: int = 10  # after Ctrl-C/SIGTERM, in-flight requests get this long
+    # connection hygiene (docs/operations.md, "Connection limits and timeouts")
+    header_timeout_s: float = 10.0  # to send the request line and headers, from the first byte
+    body_timeout_s: float = 30.0  # to send the whole body, from the end of the headers
+    max_connections: int = 4096  # open client connections; beyond it new ones get a fast 503
+    keep_alive_timeout_s: int = 75  # an idle keep-alive connection is closed after this
 
     def __post_init__(self) -> None:
         if not self.redis_url:
@@ -53,5 +58,9 @@ class GatewaySettings:
             raise ValueError("the shutdown grace time must be positive")
         if self.handoff_min_prompt < 0:
             raise ValueError("the hand-off prompt length must not be negative")
+        if self.header_timeout_s <= 0 or self.body_timeout_s <= 0 or self.keep_alive_timeout_s <= 0:
+            raise ValueError("the header, body and keep-alive timeouts must be positive")
+        if self.max_connections < 1:
+            raise ValueError("max connections must be at least 1")
         if self.usage_retention_s < 60 or self.request_record_ttl_s < 1:
             raise ValueError("usage retention must be >= 60 s and the request record TTL positive")
