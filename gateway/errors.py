@@ -2,8 +2,8 @@
 
 OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``; the official client
 picks its exception class from the status code (400 BadRequestError, 401
-AuthenticationError, 404 NotFoundError, 409 ConflictError, 413 and others APIStatusError,
-429 RateLimitError, 503 InternalServerError).
+AuthenticationError, 404 NotFoundError, 409 ConflictError, 408, 413, 415 and others
+APIStatusError, 429 RateLimitError, 503 InternalServerError).
 """
 
 from __future__ import annotations
@@ -64,10 +64,26 @@ class Conflict(GatewayError):
     code = "conflict"
 
 
+class RequestTimeout(GatewayError):
+    """The client did not send its request (headers or body) in time."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "body_timeout"
+
+
 class PayloadTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class UnsupportedMediaType(GatewayError):
+    """A body declared as something other than JSON."""
+
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
 
 
 class RateLimited(GatewayError):

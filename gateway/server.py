@@ -1,31 +1,35 @@
 """Process wiring: `tokengate gateway` (HTTP only) and `tokengate serve` (everything on one host).
 
-`serve` owns its children: a private redis-server (unless --redis-url) and one worker per
-pool, each in its own session so that Ctrl-C reaches only this process, which then stops
-the gateway, drains the workers and stops Redis, in that order. Children also get
-PR_SET_PDEATHSIG, so even a SIGKILL of this process leaves no orphans.
+`serve` owns its children: a private redis-server (unless --redis-url; durable in
+--data-dir) and one worker per pool, each in its own session so that Ctrl-C reaches only
+this process (``gateway.processes``). While the gateway serves, a ``Supervisor`` starts again
+any child that dies. On SIGINT or SIGTERM (``gateway.shutdown``) the gateway stops admitting,
+in-flight requests get --shutdown-grace, then the workers drain, then Redis writes its AOF
+and stops, then temporary files go, in that order. Children also get PR_SET_PDEATHSIG, so
+even a SIGKILL of this process leaves no orphans.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
+import contextlib
 import faulthandler
 import logging
 import secrets
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import uvloop
 
+from gateway.embedded_redis import EmbeddedRedis, default_data_dir
 from gateway.scheduling import scheduler_config
 from gateway.settings import GatewaySettings
+from gateway.shutdown import FORCED_EXIT_S, Interrupted, StopSignals, exit_within
+from gateway.supervisor import Supervisor, worker_child
 from workers import model_store
 
 if TYPE_CHECKING:
@@ -36,33 +40,38 @@ log = logging.getLogger("tokengate.serve")
 DEMO_TENANT = "demo"
 CHILD_STOP_S = 15.0  # `serve`: workers drain this long before they are killed
 SHUTDOWN_SLACK_S = 10.0  # lifespan shutdown (settling, deregistering) after the grace time
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+DRAIN_SLACK_S = 2  # uvicorn's own cancellation waits this long after ``Drain`` has ended requests
 
 
-def _settings(args: argparse.Namespace, redis_url: str, model_name: str) -> GatewaySettings:
+def _settings(args: argparse.Namespace, redis_url: str, model_name: str, nofile: int) -> GatewaySettings:
+    from gateway.http_protocol import connection_cap
+
+    max_connections = connection_cap(args.max_connections, nofile)
+    if max_connections < args.max_connections:
+        log.warning("--max-connections %d lowered to %d: the open-file limit is %d",
+                    args.max_connections, max_connections, nofile)
     return GatewaySettings(
         redis_url=redis_url,
         model_name=model_name,
         host=args.host,
         port=args.port,
         max_body_bytes=args.max_body_bytes,
-        request_timeout_s=args.request_timeout,
+        request_timeout_s=args.request_timeout_s,
         default_max_tokens=args.default_max_tokens,
         admin_token=args.admin_token,
-        usage_retention_s=args.usage_retention,
-        request_record_ttl_s=args.request_record_ttl,
-        auth_cache_s=args.auth_cache,
+        usage_retention_s=args.usage_retention_s,
+        request_record_ttl_s=args.request_record_ttl_s,
+        auth_cache_s=args.auth_cache_s,
         handoff_min_prompt=args.handoff_min_prompt,
-        shutdown_grace_s=args.shutdown_grace,
+        shutdown_grace_s=args.shutdown_grace_s,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        max_connections=max_connections,
+        keep_alive_timeout_s=args.keep_alive_timeout_s,
+        max_in_flight=args.max_in_flight,
+        redis_max_connections=args.redis_max_connections,
+        redis_timeout_s=args.redis_timeout_s,
+        gateway_dead_after_s=args.gateway_dead_after_s,
         scheduler=scheduler_config(args.cost_priors),  # a bad file stops start-up, naming it
     )
 
@@ -79,45 +88,60 @@ def _model(args: argparse.Namespace) -> model_store.ModelSpec:
 async def _run_gateway(
     settings: GatewaySettings,
     model_dir: Path,
+    signals: StopSignals,
     ready: Callable[[], None] | None = None,
-    children: list[subprocess.Popen[bytes]] | None = None,
+    supervisor: Supervisor | None = None,
 ) -> None:
+    """Serves until a signal (or, under `serve`, until every worker died before the first
+    became ready); ``supervisor`` keeps the children alive from the moment it is ready."""
     import uvicorn
 
     from gateway.app import Gateway, create_app, redis_client
+    from gateway.http_protocol import ConnectionLimits, protocol_class
     from gateway.prompts import PromptBuilder
+    from gateway.shutdown import Drain, QuietServer, expire_after_grace
 
     prompts = PromptBuilder.load(model_dir)
     client = redis_client(settings)
     gw = Gateway(settings, prompts, client)
+    drain = Drain(create_app(gw), settings.shutdown_grace_s)
+    limits = ConnectionLimits(settings.header_timeout_s, settings.body_timeout_s, settings.max_connections)
     config = uvicorn.Config(
-        create_app(gw),
+        drain,
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http="httptools",
+        http=protocol_class(limits),
         lifespan="on",
         log_level="warning",
         access_log=False,
-        timeout_graceful_shutdown=settings.shutdown_grace_s,
+        timeout_keep_alive=settings.keep_alive_timeout_s,
+        timeout_graceful_shutdown=settings.shutdown_grace_s + DRAIN_SLACK_S,
     )
-    server = uvicorn.Server(config)
+    server = QuietServer(config)
+    signals.serving(server, drain)
     task = asyncio.create_task(server.serve())
-    watchdog = asyncio.create_task(_arm_watchdog(server, settings.shutdown_grace_s))
+    background = [
+        asyncio.create_task(_arm_watchdog(server, settings.shutdown_grace_s)),
+        asyncio.create_task(expire_after_grace(server, drain, settings.shutdown_grace_s)),
+    ]
     try:
         if ready is not None:
             while not task.done():
                 if server.started and gw.dispatcher.workers:
                     ready()
                     break
-                if children and all(c.poll() is not None for c in children):
+                if supervisor is not None and supervisor.workers_exited():
                     log.error("every worker exited before becoming ready; stopping")
                     server.should_exit = True
                     break
                 await asyncio.sleep(0.1)
+        if supervisor is not None and not server.should_exit:
+            background.append(asyncio.create_task(supervisor.run()))
         await task
     finally:
-        watchdog.cancel()
+        for t in background:
+            t.cancel()
         await client.aclose()
 
 
@@ -128,21 +152,33 @@ async def _arm_watchdog(server: uvicorn.Server, grace_s: float) -> None:
     process exits with status 1 instead of hanging."""
     while not server.should_exit:
         await asyncio.sleep(0.1)
-    _exit_within(grace_s + SHUTDOWN_SLACK_S)
+    exit_within(grace_s + SHUTDOWN_SLACK_S)
 
 
-def _exit_within(seconds: float) -> None:
-    """Arms (or re-arms) the exit timer of ``_arm_watchdog``."""
-    faulthandler.dump_traceback_later(seconds, exit=True)
+@contextlib.contextmanager
+def _stoppable(signals: StopSignals) -> Iterator[None]:
+    """The first SIGINT/SIGTERM during the start-up (``Interrupted``) ends it quietly; once
+    the block is left, whichever way, a signal hurries the cleanup instead."""
+    try:
+        yield
+    except Interrupted as exc:
+        log.info("%s during start-up: stopping", exc)
+    finally:
+        signals.stopping()
 
 
 def run_gateway(args: argparse.Namespace) -> None:
-    spec = _model(args)
-    settings = _settings(args, args.redis_url, spec.name)
-    log.info("gateway %s on http://%s:%d", settings.gateway_id, settings.host, settings.port)
-    if settings.admin_token is None:
-        log.warning("no --admin-token: the admin API under /admin is disabled")
-    uvloop.run(_run_gateway(settings, spec.path))
+    from gateway.http_protocol import raise_nofile_limit
+
+    signals = StopSignals().install()
+    with _stoppable(signals):
+        spec = _model(args)
+        settings = _settings(args, args.redis_url, spec.name, raise_nofile_limit())
+        log.info("gateway %s on http://%s:%d", settings.gateway_id, settings.host, settings.port)
+        if settings.admin_token is None:
+            log.warning("no --admin-token: the admin API under /admin is disabled")
+        uvloop.run(_run_gateway(settings, spec.path, signals))
+    faulthandler.cancel_dump_traceback_later()
 
 
 def _pools(choice: str) -> list[str]:
@@ -157,8 +193,8 @@ def _pools(choice: str) -> list[str]:
     return ["cpu", "gpu"] if torch.cuda.is_available() else ["cpu"]
 
 
-def _spawn_worker(pool: str, redis_url: str, args: argparse.Namespace, model_dir: Path, model_name: str,
-                  log_level: str) -> subprocess.Popen[bytes]:
+def _worker_argv(pool: str, redis_url: str, args: argparse.Namespace, model_dir: Path, model_name: str,
+                 log_level: str) -> list[str]:
     cmd = [
         sys.executable, "-m", "workers",
         "--log-level", log_level,
@@ -177,20 +213,7 @@ def _spawn_worker(pool: str, redis_url: str, args: argparse.Namespace, model_dir
     ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
-
-
-def _stop(children: list[subprocess.Popen[bytes]], timeout_s: float = CHILD_STOP_S) -> None:
-    for child in children:
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for child in children:
-        try:
-            child.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+    return cmd
 
 
 async def _demo_key(redis_url: str) -> str:
@@ -218,45 +241,57 @@ async def _demo_key(redis_url: str) -> str:
         await client.aclose()
 
 
+def _banner(settings: GatewaySettings, pools: list[str], key: str) -> str:
+    base = f"http://{settings.host}:{settings.port}"
+    model = settings.model_name
+    body = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Say hello in five words."}}]}}'
+    return (
+        f"\ntokengate is ready at {base}  (model {model}; workers: {', '.join(pools)}; redis {settings.redis_url})\n"
+        f"Tenant '{DEMO_TENANT}', API key: {key}\n"
+        f"Admin token (for /admin and `tokengate tenants|keys`): {settings.admin_token}\n"
+        f"Try:\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"-H 'Authorization: Bearer {key}' -d '{body}'\n"
+        "Ctrl-C stops everything.\n"
+    )
+
+
 def serve(args: argparse.Namespace) -> None:
-    from gateway.embedded_redis import EmbeddedRedis
+    from gateway.http_protocol import raise_nofile_limit
 
-    if args.admin_token is None:
-        args.admin_token = secrets.token_urlsafe(24)
-    spec = _model(args)
+    signals = StopSignals().install()
     embedded: EmbeddedRedis | None = None
-    redis_url = args.redis_url
-    if not redis_url:
-        embedded = EmbeddedRedis()
-        embedded.start()
-        redis_url = embedded.url
-        log.info("private redis-server (%s) at %s", embedded.binary, redis_url)
-    children: list[subprocess.Popen[bytes]] = []
+    supervisor: Supervisor | None = None
     try:
-        settings = _settings(args, redis_url, spec.name)
-        pools = _pools(args.pools)
-        children = [_spawn_worker(pool, redis_url, args, spec.path, spec.name, args.log_level) for pool in pools]
-        base = f"http://{settings.host}:{settings.port}"
-        key = uvloop.run(_demo_key(redis_url))
+        with _stoppable(signals):
+            if args.admin_token is None:
+                args.admin_token = secrets.token_urlsafe(24)
+            spec = _model(args)
+            redis_url = args.redis_url
+            if not redis_url:
+                data_dir = Path(args.data_dir or default_data_dir()).expanduser()
+                log.info("data directory: %s", data_dir)
+                embedded = EmbeddedRedis(data_dir=data_dir)
+                embedded.start()
+                redis_url = embedded.url
+                log.info("private redis-server (%s) at %s", embedded.binary, redis_url)
+            settings = _settings(args, redis_url, spec.name, raise_nofile_limit())
+            pools = _pools(args.pools)
+            workers = [
+                worker_child(pool, _worker_argv(pool, redis_url, args, spec.path, spec.name, args.log_level))
+                for pool in pools
+            ]
+            supervisor = Supervisor(workers, embedded)
+            supervisor.start()
+            key = uvloop.run(_demo_key(redis_url))
 
-        def banner() -> None:
-            body = (
-                f'{{"model": "{spec.name}", "messages": [{{"role": "user", "content": "Say hello in five words."}}]}}'
-            )
-            print(
-                f"\ntokengate is ready at {base}  (model {spec.name}; workers: {', '.join(pools)}; redis {redis_url})\n"
-                f"Tenant '{DEMO_TENANT}', API key: {key}\n"
-                f"Admin token (for /admin and `tokengate tenants|keys`): {args.admin_token}\n"
-                f"Try:\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
-                f"-H 'Authorization: Bearer {key}' -d '{body}'\n"
-                "Ctrl-C stops everything.\n",
-                flush=True,
-            )
+            def banner() -> None:
+                print(_banner(settings, pools, key), flush=True)
 
-        uvloop.run(_run_gateway(settings, spec.path, ready=banner, children=children))
+            uvloop.run(_run_gateway(settings, spec.path, signals, ready=banner, supervisor=supervisor))
     finally:
-        _exit_within(CHILD_STOP_S + SHUTDOWN_SLACK_S)
-        _stop(children)
-        if embedded is not None:
+        exit_within(FORCED_EXIT_S if signals.forced else CHILD_STOP_S + SHUTDOWN_SLACK_S)
+        if supervisor is not None:
+            supervisor.stop(CHILD_STOP_S, hurry=lambda: signals.forced)
+        elif embedded is not None:
             embedded.stop()
         faulthandler.cancel_dump_traceback_later()

@@ -36,6 +36,11 @@ class GatewaySettings:
     redis_max_connections: int = 256  # the gateway's Redis pool; a request waits for a free one
     redis_timeout_s: float = 5.0  # a Redis command (or a wait for a pooled connection) fails after this
     gateway_dead_after_s: float = 15.0  # a gateway silent this long is dead: a survivor settles its requests
+    # connection hygiene (docs/operations.md, "Connection limits and timeouts")
+    header_timeout_s: float = 10.0  # to send the request line and headers, from the first byte
+    body_timeout_s: float = 30.0  # to send the whole body, from the end of the headers
+    max_connections: int = 4096  # open client connections; beyond it new ones get a fast 503
+    keep_alive_timeout_s: int = 75  # an idle keep-alive connection is closed after this
 
     def __post_init__(self) -> None:
         if not self.redis_url:
@@ -62,5 +67,9 @@ class GatewaySettings:
             raise ValueError("the Redis timeout must exceed 1 s (the reply reader blocks that long)")
         if self.gateway_dead_after_s < 5.0:
             raise ValueError("a gateway may be declared dead only after 5 s of silence (ten renewals)")
+        if self.header_timeout_s <= 0 or self.body_timeout_s <= 0 or self.keep_alive_timeout_s <= 0:
+            raise ValueError("the header, body and keep-alive timeouts must be positive")
+        if self.max_connections < 1:
+            raise ValueError("max connections must be at least 1")
         if self.usage_retention_s < 60 or self.request_record_ttl_s < 1:
             raise ValueError("usage retention must be >= 60 s and the request record TTL positive")

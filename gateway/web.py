@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from gateway.errors import InvalidRequest, PayloadTooLarge
+from gateway.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+
+# The scope extension in which the server (``http_protocol.GuardedProtocol``) puts the event
+# loop time by which a request's body must have arrived: ``{"at": loop_time}``.
+BODY_DEADLINE = "tokengate.body_deadline"
 
 
 class ORJSONResponse(JSONResponse):
@@ -16,17 +21,44 @@ class ORJSONResponse(JSONResponse):
         return orjson.dumps(content)
 
 
+def is_json(content_type: str) -> bool:
+    """``application/json`` or ``application/<anything>+json``, parameters (charset) allowed."""
+    mime = content_type.split(";", 1)[0].strip().lower()
+    return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
+
+
+def body_deadline(request: Request) -> float | None:
+    """When the body must have arrived (event loop time), if the server set a deadline."""
+    deadline = request.scope.get("extensions", {}).get(BODY_DEADLINE)
+    return None if deadline is None else float(deadline["at"])
+
+
 async def read_json(request: Request, limit: int) -> Any:
+    """The request's JSON body: 415 if it is declared as something else (no Content-Type is
+    accepted), 413 over ``limit`` bytes, 408 past the server's body deadline, 400 if invalid."""
+    declared_type = request.headers.get("content-type", "").strip()
+    if declared_type and not is_json(declared_type):
+        raise UnsupportedMediaType(
+            f"The request body must be JSON (Content-Type: application/json), not {declared_type[:100]!r}.",
+            param="Content-Type",
+        )
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout_at(body_deadline(request)):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestTimeout(
+            f"The request body did not arrive in time ({size} bytes received).",
+            headers={"connection": "close"},
+        ) from None
     try:
         return orjson.loads(b"".join(chunks))
     except orjson.JSONDecodeError as exc:

@@ -38,10 +38,13 @@ class Served:
         return {"authorization": f"Bearer {token or self.key}"}
 
 
-def launch(args: list[str], tmp: Path) -> Served:
+def launch(args: list[str], tmp: Path, new_session: bool = False) -> Served:
+    """``new_session``: its own process group, like a command run from a terminal (so that
+    ``os.killpg(proc.pid, SIGINT)`` is what Ctrl-C does)."""
     port = free_port()
     log = tmp / f"tokengate-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    env.setdefault("TOKENGATE_DATA_DIR", str(tmp / f"data-{port}"))  # `serve` persists here, not in ~
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", *args, "--port", str(port)],
@@ -49,6 +52,7 @@ def launch(args: list[str], tmp: Path) -> Served:
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
+            start_new_session=new_session,
         )
     return Served(proc, f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct", log)
 
@@ -69,9 +73,9 @@ def wait_ready(served: Served, ready_path: str = "/readyz", timeout_s: float = 1
 
 
 def start(
-    args: list[str], tmp: Path, ready_path: str = "/readyz", timeout_s: float = 180
+    args: list[str], tmp: Path, ready_path: str = "/readyz", timeout_s: float = 180, new_session: bool = False
 ) -> Served:
-    return wait_ready(launch(args, tmp), ready_path, timeout_s)
+    return wait_ready(launch(args, tmp, new_session), ready_path, timeout_s)
 
 
 def banner_key(served: Served, timeout_s: float = 10) -> str:

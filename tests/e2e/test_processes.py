@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from pathlib import Path
@@ -42,23 +41,25 @@ def test_gateway_without_workers_answers_503(tmp_path: Path) -> None:
             assert served.stop() in (0, 130)  # 130: ended by Ctrl-C, by convention
 
 
-def test_ctrl_c_stops_everything_and_leaves_no_files(tmp_path: Path) -> None:
-    before = set(os.listdir("/tmp"))
+def test_ctrl_c_stops_everything_and_leaves_no_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    private_tmp = tmp_path / "tmpdir"  # its TMPDIR: other test runs on this machine share /tmp
+    private_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(private_tmp))
     served = start(["serve", "--engine", "echo"], tmp_path)
     children = psutil.Process(served.proc.pid).children(recursive=True)
     assert any("redis-server" in " ".join(c.cmdline()) for c in children)
     assert any("workers" in " ".join(c.cmdline()) for c in children)
-    assert served.stop() in (0, 130)  # 130: ended by Ctrl-C, by convention
+    assert served.stop() == 0
     time.sleep(0.5)
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-    leftovers = {f for f in set(os.listdir("/tmp")) - before if f.startswith("tokengate")}
-    assert not leftovers
+    assert not list(private_tmp.iterdir())
 
 
 def test_ctrl_c_with_a_request_in_flight_ends_within_the_grace_time(tmp_path: Path) -> None:
     """A request that would run for 20 s does not hold the process past --shutdown-grace:
-    the stream is cut, the workers drain, and nothing is left running."""
+    the stream ends with an error event, the workers drain, and nothing is left running."""
     import httpx
+    import orjson
 
     served = start(
         ["serve", "--engine", "echo", "--echo-step-ms", "20", "--echo-tokens", "1000",
@@ -75,10 +76,10 @@ def test_ctrl_c_with_a_request_in_flight_ends_within_the_grace_time(tmp_path: Pa
         assert next(line for line in lines if line.startswith("data:"))
         stopped_at = time.monotonic()
         served.proc.send_signal(signal.SIGINT)
-        with pytest.raises(httpx.HTTPError):
-            for line in lines:
-                assert line != "data: [DONE]", "the 20 s stream was not cut at shutdown"
-        assert served.proc.wait(timeout=40) in (0, 1, 130)
+        events = [line for line in lines if line.startswith("data:")]
+        assert events and events[-1] != "data: [DONE]", "the 20 s stream was not cut at shutdown"
+        assert orjson.loads(events[-1].removeprefix("data: "))["error"]["code"] == "shutting_down"
+        assert served.proc.wait(timeout=40) == 0
     assert time.monotonic() - stopped_at < 30
     time.sleep(0.5)
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]

@@ -1,0 +1,72 @@
+"""Child processes of `serve`: each in its own session, each dying with its parent.
+
+Its own session keeps Ctrl-C in the terminal (SIGINT to the foreground process group) away
+from the children, so `serve` alone decides the order they stop in. PR_SET_PDEATHSIG covers
+the case nothing else can: a SIGKILL of `serve` still ends them. The signal fires when the
+*thread* that started the child exits, so children are started from the main thread only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from typing import IO
+
+log = logging.getLogger("tokengate.serve")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` of every child: SIGTERM when the parent dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def spawn(argv: Sequence[str], stdout: int | IO[bytes] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        list(argv),
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+        stdout=stdout,
+        stderr=stdout,
+    )
+
+
+def stop(
+    procs: Sequence[subprocess.Popen[bytes]],
+    timeout_s: float,
+    hurry: Callable[[], bool] = lambda: False,
+    hurry_s: float = 2.0,
+) -> None:
+    """SIGTERM to each, then wait up to ``timeout_s`` for all; SIGKILL whatever is left.
+
+    ``hurry`` is polled while waiting: once it says yes (a second Ctrl-C), each child gets
+    one more SIGTERM (a worker's "exit now") and at most ``hurry_s`` more seconds.
+    """
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    hurried = False
+    while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+        if hurry() and not hurried:
+            hurried = True
+            left = sum(proc.poll() is None for proc in procs)
+            log.warning("stopping now: %d child process(es) get %g s more", left, hurry_s)
+            deadline = min(deadline, time.monotonic() + hurry_s)
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

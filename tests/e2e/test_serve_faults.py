@@ -1,0 +1,106 @@
+"""`serve` under faults: a killed redis-server or worker is started again, and tenants and keys
+live in the data directory (they survive a Redis crash and a restart of `serve`)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.e2e.conftest import ADMIN_TOKEN, Served, banner_key, start
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def _child(served: Served, marker: str) -> psutil.Process:
+    found = [c for c in psutil.Process(served.proc.pid).children(recursive=True) if marker in " ".join(c.cmdline())]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _listens_on(redis_server: psutil.Process) -> str:
+    """redis-server's process title: "<binary> <host>:<port>"."""
+    return next(word for word in " ".join(redis_server.cmdline()).split() if word.startswith("127.0.0.1:"))
+
+
+def _eventually(check: Callable[[], bool], what: str, served: Served, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except (httpx.HTTPError, psutil.Error, AssertionError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{what} within {timeout_s} s:\n{served.log.read_text()[-4000:]}")
+
+
+def _completes(served: Served, key: str) -> bool:
+    body = {"model": served.model, "prompt": "hi", "max_tokens": 4}
+    r = httpx.post(served.base_url + "/v1/completions", json=body, headers=served.auth(key), timeout=10)
+    return r.status_code == 200
+
+
+def _authenticates(served: Served, key: str) -> bool:
+    return httpx.get(served.base_url + "/v1/models", headers=served.auth(key), timeout=5).status_code == 200
+
+
+def test_a_killed_redis_server_comes_back_with_its_tenants_and_keys(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    args = ["serve", "--engine", "echo", "--admin-token", ADMIN_TOKEN, "--data-dir", str(data)]
+    served = start(args, tmp_path)
+    try:
+        admin = served.auth(ADMIN_TOKEN)
+        made = httpx.post(served.base_url + "/admin/tenants", json={"name": "acme", "rate": 1000}, headers=admin)
+        assert made.status_code == 201, made.text
+        key = httpx.post(served.base_url + "/admin/tenants/acme/keys", headers=admin).json()["key"]
+        assert _completes(served, key)
+
+        redis_server = _child(served, "redis-server")
+        address = _listens_on(redis_server)
+        redis_server.send_signal(signal.SIGKILL)
+        redis_server.wait(5)
+
+        def back() -> bool:
+            again = _child(served, "redis-server")
+            return again.pid != redis_server.pid and _listens_on(again) == address
+
+        _eventually(back, "redis-server started again on the same port", served)
+        _eventually(lambda: _authenticates(served, key), "the key authenticates after the Redis restart", served)
+        _eventually(lambda: _completes(served, key), "a completion after the Redis restart", served)
+        assert "redis-server (port" in served.log.read_text() and "exited with signal 9" in served.log.read_text()
+    finally:
+        assert served.stop() == 0
+
+    again = start(args, tmp_path)  # a new `serve` on the same data directory
+    try:
+        assert _authenticates(again, key)
+        assert _completes(again, key)
+    finally:
+        assert again.stop() == 0
+
+
+def test_a_killed_worker_is_started_again(tmp_path: Path) -> None:
+    served = start(["serve", "--engine", "echo", "--heartbeat-ttl", "2", "--admin-token", ADMIN_TOKEN], tmp_path)
+    served.key = banner_key(served)
+    try:
+        worker = _child(served, "-m workers")
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(5)
+
+        def only_the_new_worker_beats() -> bool:
+            new = _child(served, "-m workers")
+            beats = httpx.get(served.base_url + "/admin/workers", headers=served.auth(ADMIN_TOKEN)).json()["data"]
+            return new.pid != worker.pid and [b["worker"].rsplit("-", 1)[-1] for b in beats] == [str(new.pid)]
+
+        _eventually(only_the_new_worker_beats, "a new worker, and the dead one's heartbeat gone", served)
+        assert httpx.get(served.base_url + "/readyz").status_code == 200
+        _eventually(lambda: _completes(served, served.key), "a completion on the new worker", served)
+        assert "worker (pool cpu) exited with signal 9" in served.log.read_text()
+    finally:
+        assert served.stop() == 0

@@ -1,0 +1,63 @@
+"""`tokengate gateway|serve` flags: each default is the GatewaySettings field's, each flag an env var."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import build_parser, setting_default
+from gateway.settings import GatewaySettings
+
+# flag -> field, for every GatewaySettings field that has a flag
+FLAGS = {
+    "host": "host",
+    "port": "port",
+    "max-body-bytes": "max_body_bytes",
+    "request-timeout": "request_timeout_s",
+    "default-max-tokens": "default_max_tokens",
+    "admin-token": "admin_token",
+    "usage-retention": "usage_retention_s",
+    "handoff-min-prompt": "handoff_min_prompt",
+    "auth-cache": "auth_cache_s",
+    "shutdown-grace": "shutdown_grace_s",
+    "request-record-ttl": "request_record_ttl_s",
+    "header-timeout": "header_timeout_s",
+    "body-timeout": "body_timeout_s",
+    "max-connections": "max_connections",
+    "keep-alive-timeout": "keep_alive_timeout_s",
+}
+
+
+@pytest.mark.parametrize("command", ["gateway", "serve"])
+def test_every_default_is_the_settings_default(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for flag in FLAGS:
+        monkeypatch.delenv("TOKENGATE_" + flag.upper().replace("-", "_"), raising=False)
+    args = build_parser().parse_args([command, "--redis-url", "redis://x"])
+    fields = {f.name: f.default for f in dataclasses.fields(GatewaySettings)}
+    for field in FLAGS.values():
+        assert getattr(args, field) == fields[field] == setting_default(field), field
+
+
+@pytest.mark.parametrize(("flag", "field"), FLAGS.items())
+def test_every_flag_is_also_an_environment_variable(flag: str, field: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    default = setting_default(field)
+    value = {int: "7", float: "2.5", str: "a-long-admin-token-0123"}[str if default is None else type(default)]
+    monkeypatch.setenv("TOKENGATE_" + flag.upper().replace("-", "_"), value)
+    from_env = build_parser().parse_args(["serve"])
+    from_flag = build_parser().parse_args(["serve", f"--{flag}", value])
+    assert getattr(from_env, field) == getattr(from_flag, field) == type(from_flag.__dict__[field])(value)
+    assert getattr(from_env, field) != default
+
+
+def test_a_bad_environment_value_is_refused_like_a_bad_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENGATE_MAX_CONNECTIONS", "lots")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve"])
+
+
+def test_data_dir_flag_and_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENGATE_DATA_DIR", "/srv/tg")
+    assert build_parser().parse_args(["serve"]).data_dir == Path("/srv/tg")
+    assert build_parser().parse_args(["serve", "--data-dir", "d"]).data_dir == Path("d")
