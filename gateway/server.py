@@ -43,7 +43,7 @@ SHUTDOWN_SLACK_S = 10.0  # lifespan shutdown (settling, deregistering) after the
 DRAIN_SLACK_S = 2  # uvicorn's own cancellation waits this long after ``Drain`` has ended requests
 
 
-def _settings(args: argparse.Namespace, redis_url: str, model_name: str, nofile: int) -> GatewaySettings:
+def settings_from_args(args: argparse.Namespace, redis_url: str, model_name: str, nofile: int) -> GatewaySettings:
     from gateway.http_protocol import connection_cap
 
     max_connections = connection_cap(args.max_connections, nofile)
@@ -173,7 +173,7 @@ def run_gateway(args: argparse.Namespace) -> None:
     signals = StopSignals().install()
     with _stoppable(signals):
         spec = _model(args)
-        settings = _settings(args, args.redis_url, spec.name, raise_nofile_limit())
+        settings = settings_from_args(args, args.redis_url, spec.name, raise_nofile_limit())
         log.info("gateway %s on http://%s:%d", settings.gateway_id, settings.host, settings.port)
         if settings.admin_token is None:
             log.warning("no --admin-token: the admin API under /admin is disabled")
@@ -274,7 +274,7 @@ def serve(args: argparse.Namespace) -> None:
                 embedded.start()
                 redis_url = embedded.url
                 log.info("private redis-server (%s) at %s", embedded.binary, redis_url)
-            settings = _settings(args, redis_url, spec.name, raise_nofile_limit())
+            settings = settings_from_args(args, redis_url, spec.name, raise_nofile_limit())
             pools = _pools(args.pools)
             workers = [
                 worker_child(pool, _worker_argv(pool, redis_url, args, spec.path, spec.name, args.log_level))

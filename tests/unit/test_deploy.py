@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from gateway.cli import build_parser
-from gateway.server import _settings as gateway_settings  # what `tokengate gateway` builds its settings with
+from gateway.server import settings_from_args as gateway_settings  # what `tokengate gateway` builds
 from gateway.settings import GatewaySettings
 from workers import cli as worker_cli
 from workers.worker import WorkerSettings
@@ -165,7 +165,7 @@ def start(launch: Launch) -> Started:
             gateway = worker = None
             if args.command in ("gateway", "serve"):  # `serve` starts its own Redis when given none
                 redis_url = args.redis_url or "redis://127.0.0.1:6379/0"
-                gateway = gateway_settings(args, redis_url, args.model_name or "model")
+                gateway = gateway_settings(args, redis_url, args.model_name or "model", 1 << 20)
             if args.command in ("worker", "serve"):
                 worker = worker_cli.settings_from_args(args)
         except SystemExit:
