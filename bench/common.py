@@ -156,15 +156,34 @@ class RawClient:
         if not status_line:
             writer.close()
             return None
-        length = 0
+        length, chunked, keep = -1, False, True
         while True:
             line = await reader.readline()
             if line in (b"\r\n", b""):
                 break
-            if line[:15].lower() == b"content-length:":
-                length = int(line[15:])
-        payload = await reader.readexactly(length)
-        self._idle.append(conn)
+            name, _, value = line.partition(b":")
+            name, value = name.strip().lower(), value.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding":
+                chunked = value == b"chunked"
+            elif name == b"connection":
+                keep = value != b"close"
+        if chunked:  # a stream (SSE): chunks until the empty one
+            parts: list[bytes] = []
+            while size := int((await reader.readline()).split(b";")[0], 16):
+                parts.append(await reader.readexactly(size))
+                await reader.readexactly(2)
+            await reader.readline()
+            payload = b"".join(parts)
+        elif length >= 0:
+            payload = await reader.readexactly(length)
+        else:
+            payload, keep = await reader.read(), False
+        if keep:
+            self._idle.append(conn)
+        else:
+            writer.close()
         return int(status_line.split()[1]), payload
 
     async def close(self) -> None:

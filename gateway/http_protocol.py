@@ -6,10 +6,13 @@ and answers malformed HTTP with a plain-text 400. Per connection, this subclass 
 - a header timeout: from the connection's first moment (and, on a keep-alive connection,
   from the first byte of each later request) until the end of the headers; a connection
   that has not sent them by then is closed (with a 408 if it had started a request);
-- a connection cap: a connection beyond ``max_connections`` gets a 503 with ``Retry-After``
-  at once, before anything is parsed; its input is then discarded for at most a second
-  (closing a socket with unread input would send a reset that destroys the 503 on its way),
-  and beyond ``REFUSAL_LINGER_MAX`` such connections new ones are dropped without a word;
+- a connection cap: at ``max_connections``, a new connection first takes the place of an
+  idle one (a keep-alive connection between requests), which is closed, as nginx reuses
+  idle keep-alive connections; only when every connection
+  is busy does the new one get a 503 with ``Retry-After`` at once, before anything is
+  parsed; its input is then discarded for at most a second (closing a socket with unread
+  input would send a reset that destroys the 503 on its way), and beyond
+  ``REFUSAL_LINGER_MAX`` such connections new ones are dropped without a word;
 - OpenAI's error body (``errors.error_body``) on every answer uvicorn gives by itself;
 - the body deadline of each request in its scope (``web.BODY_DEADLINE``), which
   ``web.read_json`` enforces with a 408.
@@ -38,7 +41,7 @@ log = logging.getLogger("tokengate.gateway")
 
 REFUSAL_LOG_S = 10.0  # at most one warning about refused connections per this many seconds
 REFUSAL_LINGER_S = 1.0  # a refused connection is read (and discarded) this long for the 503 to arrive
-REFUSAL_LINGER_MAX = 64  # refused connections lingering at once; beyond it they are dropped at once
+REFUSAL_LINGER_MAX = 1024  # refused connections lingering at once; beyond it they are dropped at once
 NOFILE_MIN_HEADROOM = 256  # descriptors kept free of client connections (Redis, model, logs)
 
 
@@ -137,11 +140,32 @@ class GuardedProtocol(HttpToolsProtocol):
     # -- connection cap ---------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if len(self.connections) >= self.limits.max_connections:
+        if len(self.connections) >= self.limits.max_connections and not self._reclaim_idle():
             self._refuse(transport)
             return
         super().connection_made(transport)
         self._arm_header_timer()
+
+    def _idle(self) -> bool:
+        """A keep-alive connection between requests: closing it loses nothing. (A new
+        connection that has not sent its first request yet is not idle: it is about to.)"""
+        return (
+            self._linger is None
+            and not self._in_request
+            and self.cycle is not None
+            and self.cycle.response_complete
+            and not self.transport.is_closing()
+        )
+
+    def _reclaim_idle(self) -> bool:
+        """Close one idle connection to make room; False when every connection is busy."""
+        for conn in self.connections:
+            if isinstance(conn, GuardedProtocol) and conn._idle():
+                conn._disarm_header_timer()
+                conn.transport.close()
+                self.connections.discard(conn)  # counted out now; its connection_lost comes later
+                return True
+        return False
 
     def _refuse(self, transport: asyncio.Transport) -> None:
         """503 and FIN now; what the client sends is discarded until it closes, or a second."""

@@ -153,10 +153,11 @@ def test_connections_beyond_the_limit_are_refused_fast(tmp_path: Path) -> None:
     served = start(["serve", "--engine", "echo", "--max-connections", str(limit), "--header-timeout", "60"], tmp_path)
     held: list[socket.socket] = []
     try:
-        for _ in range(limit):  # each answers one request, so the server has surely counted it
+        for _ in range(limit):  # each answers one request, so the server has surely counted it,
             sock = socket.create_connection(_address(served), timeout=5)
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
             assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # then stays busy: half a request
             held.append(sock)
         t0 = time.monotonic()
         status, headers, body = _exchange(served, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", timeout_s=5)
@@ -177,6 +178,39 @@ def test_connections_beyond_the_limit_are_refused_fast(tmp_path: Path) -> None:
         while not healthy() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert httpx.get(served.base_url + "/readyz").status_code == 200
+    finally:
+        for sock in held:
+            sock.close()
+        assert served.stop() == 0
+
+
+def test_at_the_limit_a_new_connection_takes_the_place_of_an_idle_one(tmp_path: Path) -> None:
+    limit = 40
+    served = start(["serve", "--engine", "echo", "--max-connections", str(limit)], tmp_path)
+    held: list[socket.socket] = []
+    try:
+        for _ in range(limit):  # idle keep-alive connections, as a burst of clients leaves them
+            sock = socket.create_connection(_address(served), timeout=5)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = sock.recv(65536)
+            while not answer.endswith(b"}"):  # the whole response, so what follows can only be EOF
+                answer += sock.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200 ")
+            held.append(sock)
+        for _ in range(5):  # new clients are served, not refused
+            raw = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            status, _headers, _body = _exchange(served, raw, timeout_s=5)
+            assert status == 200
+        time.sleep(0.5)
+        closed = 0
+        for sock in held:  # the server closed idle ones to make room (at least the first time)
+            sock.setblocking(False)
+            try:
+                closed += sock.recv(1) == b""
+            except BlockingIOError:
+                pass
+        assert closed >= 1
+        assert "refused" not in served.log.read_text()
     finally:
         for sock in held:
             sock.close()
