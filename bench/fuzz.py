@@ -519,7 +519,8 @@ def _excerpt(data: bytes, n: int = 160) -> str:
 
 def print_report(report: Report, seed: int, console: Console, allowed: tuple[str, ...] = ()) -> None:
     rate = report.requests / report.seconds if report.seconds else 0.0
-    t = Table(title=f"bench.fuzz: {report.requests} requests, seed {seed}, {report.seconds:.1f} s ({rate:.0f}/s)")
+    console.print(f"bench.fuzz: {report.requests} requests, seed {seed}, {report.seconds:.1f} s ({rate:.0f}/s)")
+    t = Table()
     t.add_column("status")
     t.add_column("responses", justify="right")
     for status, n in sorted(report.statuses.items()):

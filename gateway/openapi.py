@@ -23,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
+from gateway import admin
 from gateway import admin_protocol as ap
 from gateway import openai_protocol as oai
 from gateway.settings import GatewaySettings
@@ -463,11 +464,9 @@ class Operation:
     streams: str | None = None  # the chunk schema of a text/event-stream 200
 
 
-def _path_param(name: str, description: str, pattern: str | None = None) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "string"}
-    if pattern:
-        schema["pattern"] = pattern
-    return {"name": name, "in": "path", "required": True, "description": description, "schema": schema}
+def _path_param(name: str, description: str) -> dict[str, Any]:
+    # any string: one that names nothing is a 404
+    return {"name": name, "in": "path", "required": True, "description": description, "schema": {"type": "string"}}
 
 
 def _query_seconds(name: str, default: str) -> dict[str, Any]:
@@ -521,6 +520,7 @@ def _generation(summary: str, body: str, chunk: str, ok: str) -> Operation:
     )
 
 
+ADMIN_TOO_LARGE = f"`payload_too_large`: the body is over {admin._ADMIN_BODY_LIMIT // 1024} KiB."
 _TENANT = _path_param("tenant", "The tenant's id (`tn_…`) or its name.")
 _NO_TENANT = "`not_found`: no such tenant."
 _ADMIN_401 = "`invalid_admin_token`, or `admin_disabled` when the gateway has no admin token."
@@ -546,7 +546,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/admin/tenants"): Operation(
         "Create a tenant", "admin", "AdminToken", (201, "TenantDoc"),
         {400: BAD_JSON + " Unknown fields are refused.", 401: _ADMIN_401,
-         409: "`conflict`: a tenant with this name exists.", 413: "`payload_too_large`: over 64 KiB.",
+         409: "`conflict`: a tenant with this name exists.", 413: ADMIN_TOO_LARGE,
          415: NOT_JSON, 503: REDIS_DOWN},
         body="TenantCreate",
     ),
@@ -562,7 +562,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         (200, "TenantDoc"),
         {400: BAD_JSON + " Unknown fields and nulls (outside `limits`) are refused.", 401: _ADMIN_401,
          404: _NO_TENANT, 409: "`conflict`: the new name is taken, or the tenant kept changing under us.",
-         413: "`payload_too_large`: over 64 KiB.", 415: NOT_JSON, 503: REDIS_DOWN},
+         413: ADMIN_TOO_LARGE, 415: NOT_JSON, 503: REDIS_DOWN},
         body="TenantUpdate", body_required=False, parameters=(_TENANT,),
     ),
     ("DELETE", "/admin/tenants/{tenant}"): Operation(
@@ -578,7 +578,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/admin/tenants/{tenant}/keys"): Operation(
         "Issue an API key (shown once)", "admin", "AdminToken", (201, "IssuedKey"),
         {400: BAD_JSON, 401: _ADMIN_401, 404: _NO_TENANT, 409: "`conflict`: no free key prefix (never in practice).",
-         413: "`payload_too_large`: over 64 KiB.", 415: NOT_JSON, 503: REDIS_DOWN},
+         413: ADMIN_TOO_LARGE, 415: NOT_JSON, 503: REDIS_DOWN},
         body="KeyCreate", body_required=False, parameters=(_TENANT,),
     ),
     ("GET", "/admin/tenants/{tenant}/keys"): Operation(
