@@ -490,7 +490,8 @@ DEADLINE_PARAM = {
 
 REDIS_DOWN = "`redis_unavailable`: the gateway's store is not answering."
 BAD_JSON = "The body is not a JSON object, or a field is invalid (`param` names it)."
-NOT_JSON = "The body's Content-Type is not JSON."
+NOT_JSON = "`unsupported_media_type`: the body is declared as something other than JSON."
+SLOW_BODY = "`body_timeout`: the body did not arrive within the server's body deadline; the connection closes."
 
 
 def _generation(summary: str, body: str, chunk: str, ok: str) -> Operation:
@@ -509,6 +510,7 @@ def _generation(summary: str, body: str, chunk: str, ok: str) -> Operation:
             401: "`invalid_api_key`: no, a malformed, an unknown or a revoked key.",
             404: "`model_not_found`: not a model this gateway serves, or not one the tenant may use.",
             413: "`payload_too_large`: the body is over the gateway's `--max-body-bytes`.",
+            408: SLOW_BODY,
             415: NOT_JSON,
             429: "`rate_limit_exceeded`: over the tenant's token budget (`type` `tokens`, with "
             "`budget_wait_s`) or its `max_concurrent` (`type` `requests`), or too many long prompts "
@@ -547,7 +549,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "Create a tenant", "admin", "AdminToken", (201, "TenantDoc"),
         {400: BAD_JSON + " Unknown fields are refused.", 401: _ADMIN_401,
          409: "`conflict`: a tenant with this name exists.", 413: ADMIN_TOO_LARGE,
-         415: NOT_JSON, 503: REDIS_DOWN},
+         408: SLOW_BODY, 415: NOT_JSON, 503: REDIS_DOWN},
         body="TenantCreate",
     ),
     ("GET", "/admin/tenants"): Operation(
@@ -562,7 +564,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         (200, "TenantDoc"),
         {400: BAD_JSON + " Unknown fields and nulls (outside `limits`) are refused.", 401: _ADMIN_401,
          404: _NO_TENANT, 409: "`conflict`: the new name is taken, or the tenant kept changing under us.",
-         413: ADMIN_TOO_LARGE, 415: NOT_JSON, 503: REDIS_DOWN},
+         413: ADMIN_TOO_LARGE, 408: SLOW_BODY, 415: NOT_JSON, 503: REDIS_DOWN},
         body="TenantUpdate", body_required=False, parameters=(_TENANT,),
     ),
     ("DELETE", "/admin/tenants/{tenant}"): Operation(
@@ -578,7 +580,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/admin/tenants/{tenant}/keys"): Operation(
         "Issue an API key (shown once)", "admin", "AdminToken", (201, "IssuedKey"),
         {400: BAD_JSON, 401: _ADMIN_401, 404: _NO_TENANT, 409: "`conflict`: no free key prefix (never in practice).",
-         413: ADMIN_TOO_LARGE, 415: NOT_JSON, 503: REDIS_DOWN},
+         413: ADMIN_TOO_LARGE, 408: SLOW_BODY, 415: NOT_JSON, 503: REDIS_DOWN},
         body="KeyCreate", body_required=False, parameters=(_TENANT,),
     ),
     ("GET", "/admin/tenants/{tenant}/keys"): Operation(
@@ -607,7 +609,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
 }
 
 _STATUS_TEXT = {
-    200: "OK", 201: "Created", 400: "Bad request", 401: "Unauthorized", 404: "Not found", 409: "Conflict",
+    200: "OK", 201: "Created", 400: "Bad request", 401: "Unauthorized", 404: "Not found", 408: "Request timeout",
+    409: "Conflict",
     413: "Payload too large", 415: "Unsupported media type", 429: "Too many requests",
     500: "Server error", 503: "Unavailable",
 }
