@@ -80,8 +80,22 @@ class TenantCreate(_Model):
     limits: LimitsIn = LimitsIn()
 
 
+def _schema_without_nulls(schema: dict[str, Any]) -> None:
+    """TenantUpdate's JSON schema (``gateway.openapi``): a field may be left out, but null is
+    refused (``_not_null``), so the schema admits no null; validation is unchanged."""
+    for prop in schema["properties"].values():
+        prop.pop("default", None)
+        branches = [b for b in prop.pop("anyOf", ()) if b != {"type": "null"}]
+        if len(branches) == 1:
+            prop.update(branches[0])
+        elif branches:
+            prop["anyOf"] = branches
+
+
 class TenantUpdate(_Model):
     """Every field optional; only the given ones change."""
+
+    model_config = ConfigDict(json_schema_extra=_schema_without_nulls)
 
     name: Name | None = None
     rate: Rate | None = None

@@ -20,7 +20,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import admin, limits, records
+from gateway import admin, limits, openapi, records
 from gateway import openai_protocol as oai
 from gateway.auth import AdminGuard, Authenticator
 from gateway.budget import Admission, Budget
@@ -345,16 +345,19 @@ def create_app(gw: Gateway) -> ASGIApp:
     from starlette.exceptions import HTTPException
 
     app = Starlette(
-        routes=[
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/v1/requests/{rid}", get_request, methods=["GET"]),
-            Mount("/admin", routes=admin.routes()),
-            Route("/healthz", healthz, methods=["GET"]),
-            Route("/readyz", readyz, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-        ],
+        routes=openapi.documented(  # adds GET /openapi.json, describing exactly these routes
+            [
+                Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+                Route("/v1/completions", completions, methods=["POST"]),
+                Route("/v1/models", models, methods=["GET"]),
+                Route("/v1/requests/{rid}", get_request, methods=["GET"]),
+                Mount("/admin", routes=admin.routes()),
+                Route("/healthz", healthz, methods=["GET"]),
+                Route("/readyz", readyz, methods=["GET"]),
+                Route("/metrics", metrics, methods=["GET"]),
+            ],
+            gw.settings,
+        ),
         exception_handlers={
             GatewayError: _gateway_error,
             HTTPException: _http_error,

@@ -34,6 +34,21 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
 
 
+# The JSON schemas (``gateway.openapi``) of fields whose validators refuse values the type
+# admits: the schema says what is accepted; validation is unchanged.
+def _only_false_or_null(schema: dict[str, Any]) -> None:
+    schema.pop("anyOf", None)
+    schema["anyOf"] = [{"const": False}, {"type": "null"}]
+
+
+def _only_empty_or_null(schema: dict[str, Any]) -> None:
+    schema.pop("anyOf", None)
+    schema["anyOf"] = [{"type": "array", "maxItems": 0}, {"type": "null"}]
+
+
+ONLY_ZERO: dict[str, Any] = {"const": 0}
+
+
 class TextPart(_Model):
     type: Literal["text"]
     text: str
@@ -65,9 +80,9 @@ class _Sampling(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
-    logprobs: bool | None = None
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
+    logprobs: bool | None = Field(default=None, json_schema_extra=_only_false_or_null)
+    presence_penalty: Penalty = Field(default=0.0, json_schema_extra=ONLY_ZERO)
+    frequency_penalty: Penalty = Field(default=0.0, json_schema_extra=ONLY_ZERO)
     user: Short | None = None
     ignore_eos: bool = False  # vLLM's extension: keep generating until max_tokens
 
@@ -97,7 +112,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    tools: list[Any] | None = None
+    tools: list[Any] | None = Field(default=None, json_schema_extra=_only_empty_or_null)
 
     @field_validator("tools")
     @classmethod
@@ -114,7 +129,7 @@ class CompletionRequest(_Sampling):
         | Annotated[list[Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]], Field(min_length=1, max_length=MAX_PROMPT_IDS)]
     )
     max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
-    echo: bool = False
+    echo: bool = Field(default=False, json_schema_extra={"const": False})
 
     @field_validator("echo")
     @classmethod

@@ -1,0 +1,179 @@
+"""Schemathesis against a live gateway (echo engine): requests generated from
+``/openapi.json`` for every operation, valid and invalid, authenticated. Every response must
+be documented (status, content type, headers, body schema); no status >= 500; every error
+body is OpenAI's error object (``openai_error_body``); no request may hang (a per-request
+timeout, reported as a network error)."""
+
+from __future__ import annotations
+
+import zlib
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from schemathesis import Case, CheckContext, Response
+from schemathesis.engine import events, from_schema
+
+from tests.e2e.conftest import ADMIN_TOKEN, Served
+from tests.e2e.echo_gateway import echo_gateway
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MAX_EXAMPLES = 100  # per operation and generation mode in the fuzzing phase: about a minute on 2 cores
+TIMEOUT_S = 15.0  # per request; the echo engine answers in milliseconds
+SEED = 20240601
+DEADLINE = "x-tokengate-deadline-ms"
+
+
+def is_openai_error(body: Any) -> bool:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    if not isinstance(body, dict) or set(body) != {"error"} or not isinstance(body["error"], dict):
+        return False
+    err = body["error"]
+    return (
+        {"message", "type", "param", "code"} <= set(err)
+        and isinstance(err["message"], str)
+        and isinstance(err["type"], str)
+        and (err["param"] is None or isinstance(err["param"], str))
+        and (err["code"] is None or isinstance(err["code"], str))
+    )
+
+
+def _json(response: Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None
+
+
+@schemathesis.check
+def openai_error_body(ctx: CheckContext, response: Response, case: Case) -> bool | None:
+    """Every error is OpenAI's error object, documented status or not (``/readyz``'s 503 is
+    a probe's answer, with its own documented shape)."""
+    if response.status_code >= 400 and case.operation.path != "/readyz" and not is_openai_error(_json(response)):
+        raise AssertionError(f"{response.status_code} without OpenAI's error object: {response.text[:300]!r}")
+    return None
+
+
+@schemathesis.check
+def no_server_error(ctx: CheckContext, response: Response, case: Case) -> bool | None:
+    """No status >= 500, except the documented 503 ``deadline_unmet`` for a request that
+    sent a deadline too short to meet (schemathesis draws plenty of those)."""
+    if response.status_code < 500:
+        return None
+    body = _json(response)
+    code = body["error"].get("code") if is_openai_error(body) else None
+    if response.status_code == 503 and code == "deadline_unmet" and case.headers and DEADLINE in case.headers:
+        return None
+    raise AssertionError(f"server error {response.status_code}: {response.text[:300]!r}")
+
+
+@dataclass
+class Run:
+    statuses: Counter[tuple[str, int]] = field(default_factory=Counter)  # (operation, status)
+    failures: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # timeouts, connection errors, engine errors
+    requests: int = 0
+
+    def table(self) -> str:
+        lines = [f"{self.requests} requests"]
+        lines += [f"  {op:44} {status}  {n}" for (op, status), n in sorted(self.statuses.items())]
+        return "\n".join(lines)
+
+
+def fuzz(served: Served, tenant: str) -> Run:
+    config = schemathesis.Config.from_dict(
+        {
+            "seed": SEED,
+            "generation": {"mode": "all", "max-examples": MAX_EXAMPLES, "deterministic": True},
+            "phases": {"stateful": {"enabled": False}},
+            "auth": {"openapi": {"ApiKey": {"bearer": served.key}, "AdminToken": {"bearer": ADMIN_TOKEN}}},
+            "request-timeout": TIMEOUT_S,
+            "checks": {
+                # replaced by no_server_error, which knows the one 503 a client can ask for
+                "not_a_server_error": {"enabled": False},
+                # a schema cannot say everything the gateway refuses with 400: the model's
+                # context length, since <= until, and 1.0 where an integer is due (JSON Schema
+                # counts 1.0 as an integer; the gateway's strict types do not)
+                "positive_data_acceptance": {"enabled": False},
+                # FINDING (gateway/app.py `_http_error`): 405 comes without `Allow`;
+                # test_405_names_the_allowed_methods below holds it
+                "unsupported_method": {"enabled": False},
+                # 413: an invalid body may also be too large
+                "negative_data_rejection": {"expected-statuses": [400, 401, 404, 405, 409, 413, 415, 422, 429]},
+            },
+        }
+    )
+    schema = schemathesis.openapi.from_url(served.base_url + "/openapi.json", config=config)
+    prefix = served.key.split("-")[1]
+
+    @schema.hook
+    def map_case(ctx: Any, case: Case) -> Case:
+        params = case.path_parameters
+        # schemathesis reuses ids it saw in responses: keep it from deleting, revoking or
+        # re-budgeting the tenant whose key it uses (it may change any other)
+        if params and params.get("tenant") in ("fuzz", tenant) and case.method.upper() != "GET":
+            case.path_parameters = {**params, "tenant": "not-fuzz"}
+        if params and params.get("prefix") == prefix:
+            case.path_parameters = {**params, "prefix": "00000000"}
+        # most generated model names are unknown (a documented 404); three valid bodies in
+        # four get the served one, so that generation itself is exercised
+        body = case.body
+        positive = case.meta is not None and case.meta.generation.mode.is_positive
+        if positive and isinstance(body, dict) and "model" in body and zlib.crc32(repr(body).encode()) % 4:
+            case.body = {**body, "model": served.model}
+        return case
+
+    run = Run()
+    for event in from_schema(schema).execute():
+        if isinstance(event, events.ScenarioFinished):
+            rec = event.recorder
+            for interaction in rec.interactions.values():
+                run.requests += 1
+                status = interaction.response.status_code if interaction.response is not None else 0
+                run.statuses[rec.label, status] += 1
+            for checks in rec.checks.values():
+                for check in checks:
+                    if check.failure_info is not None:
+                        f = check.failure_info.failure
+                        run.failures.append(
+                            f"{rec.label}: {check.name}: {f.title}\n{f.message}\n{check.failure_info.code_sample}"
+                        )
+        elif isinstance(event, events.NonFatalError):  # a timeout or a connection error among them
+            run.errors.append(f"{event.label}: {event.info.format()}")
+        elif isinstance(event, events.FatalError):
+            run.errors.append(f"schemathesis stopped: {event.exception!r}")
+    return run
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, str]]:
+    with echo_gateway(tmp_path_factory.mktemp("schemathesis")) as target:
+        yield target
+
+
+def test_every_operation_conforms_to_the_document(live: tuple[Served, str]) -> None:
+    run = fuzz(*live)
+    print("\nschemathesis:", run.table())
+    operations = {op for op, _ in run.statuses}
+    # every operation but GET /openapi.json, which schemathesis leaves out
+    assert len(operations) == 18, f"operations exercised: {sorted(operations)}"
+    problems = [*run.failures, *run.errors]
+    assert not problems, "\n\n".join(dict.fromkeys(problems))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="FINDING: gateway/app.py `_http_error` drops the HTTPException's headers, so a 405 has no "
+    "`Allow` (RFC 9110 requires one; schemathesis' unsupported_method check flags it)",
+)
+def test_405_names_the_allowed_methods(live: tuple[Served, str]) -> None:
+    served, _ = live
+    r = httpx.put(served.base_url + "/v1/models", headers=served.auth())
+    assert r.status_code == 405 and is_openai_error(r.json())
+    allowed = {m.strip() for m in r.headers.get("allow", "").split(",")}
+    assert allowed == {"GET", "HEAD"}
