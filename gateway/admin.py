@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -124,18 +125,32 @@ async def scheduler(request: Request) -> Response:
     return ORJSONResponse(_gw(request).scheduler_snapshot())
 
 
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def _by_method(handlers: dict[str, Endpoint]) -> Endpoint:
+    """One endpoint for all of a path's methods, so that a 405 lists them all in ``Allow``
+    (Starlette routes HEAD wherever GET is allowed)."""
+
+    async def endpoint(request: Request) -> Response:
+        return await handlers["GET" if request.method == "HEAD" else request.method](request)
+
+    return endpoint
+
+
 def routes() -> list[Route]:
-    """Mounted at ``/admin``."""
-    return [
-        Route("/tenants", create_tenant, methods=["POST"]),
-        Route("/tenants", list_tenants, methods=["GET"]),
-        Route("/tenants/{tenant}", get_tenant, methods=["GET"]),
-        Route("/tenants/{tenant}", update_tenant, methods=["PATCH"]),
-        Route("/tenants/{tenant}", delete_tenant, methods=["DELETE"]),
-        Route("/tenants/{tenant}/usage", tenant_usage, methods=["GET"]),
-        Route("/tenants/{tenant}/keys", issue_key, methods=["POST"]),
-        Route("/tenants/{tenant}/keys", list_keys, methods=["GET"]),
-        Route("/keys/{prefix}", revoke_key, methods=["DELETE"]),
-        Route("/workers", workers, methods=["GET"]),
-        Route("/scheduler", scheduler, methods=["GET"]),
-    ]
+    """Mounted at ``/admin``; one route per path (its 405 names every method it takes)."""
+    table: dict[str, dict[str, Endpoint]] = {
+        "/tenants": {"POST": create_tenant, "GET": list_tenants},
+        "/tenants/{tenant}": {"GET": get_tenant, "PATCH": update_tenant, "DELETE": delete_tenant},
+        "/tenants/{tenant}/usage": {"GET": tenant_usage},
+        "/tenants/{tenant}/keys": {"POST": issue_key, "GET": list_keys},
+        "/keys/{prefix}": {"DELETE": revoke_key},
+        "/workers": {"GET": workers},
+        "/scheduler": {"GET": scheduler},
+    }
+    out = []
+    for path, handlers in table.items():
+        endpoint = next(iter(handlers.values())) if len(handlers) == 1 else _by_method(handlers)
+        out.append(Route(path, endpoint, methods=list(handlers)))
+    return out

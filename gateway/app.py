@@ -287,7 +287,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     from starlette.exceptions import HTTPException
 
     assert isinstance(exc, HTTPException)
-    err = GatewayError(str(exc.detail))
+    err = GatewayError(str(exc.detail), headers=dict(exc.headers or {}))  # a 405 keeps its Allow
     err.status = exc.status_code
     err.type = "invalid_request_error"
     return error_response(err)

@@ -64,6 +64,15 @@ class Conflict(GatewayError):
     code = "conflict"
 
 
+class ClientGone(GatewayError):
+    """The client closed its connection before its request was complete: nobody is left to
+    answer; the status (nginx's 499) only reaches the metrics."""
+
+    status = 499
+    type = "invalid_request_error"
+    code = "client_closed_request"
+
+
 class RequestTimeout(GatewayError):
     """The client did not send its request (headers or body) in time."""
 

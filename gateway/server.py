@@ -112,6 +112,7 @@ async def _run_gateway(
         port=settings.port,
         loop="uvloop",
         http=protocol_class(limits),
+        ws="none",  # no route speaks websocket: an Upgrade request is served as plain HTTP
         lifespan="on",
         log_level="warning",
         access_log=False,

@@ -6,10 +6,10 @@ import asyncio
 from typing import Any
 
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
-from gateway.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+from gateway.errors import ClientGone, InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 
 # The scope extension in which the server (``http_protocol.GuardedProtocol``) puts the event
 # loop time by which a request's body must have arrived: ``{"at": loop_time}``.
@@ -54,6 +54,8 @@ async def read_json(request: Request, limit: int) -> Any:
                 if size > limit:
                     raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
                 chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone(f"The client left before its body was complete ({size} bytes received).") from None
     except TimeoutError:
         raise RequestTimeout(
             f"The request body did not arrive in time ({size} bytes received).",

@@ -166,11 +166,6 @@ def test_every_operation_conforms_to_the_document(live: tuple[Served, str]) -> N
     assert not problems, "\n\n".join(dict.fromkeys(problems))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FINDING: gateway/app.py `_http_error` drops the HTTPException's headers, so a 405 has no "
-    "`Allow` (RFC 9110 requires one; schemathesis' unsupported_method check flags it)",
-)
 def test_405_names_the_allowed_methods(live: tuple[Served, str]) -> None:
     served, _ = live
     r = httpx.put(served.base_url + "/v1/models", headers=served.auth())

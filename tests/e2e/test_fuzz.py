@@ -16,20 +16,8 @@ from tests.e2e.echo_gateway import echo_gateway
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REQUESTS, SEED = 400, 7
-TOLERATED = (
-    # until the HTTP layer answers with OpenAI's error object (being done elsewhere): uvicorn's
-    # own text/plain 400s for what its parser refuses (request line, header syntax,
-    # Content-Length, chunk framing)
-    fuzz.HTTP_LAYER_400,
-    # a known finding outside this suite's files, held by the strict xfail
-    # test_a_client_that_hangs_up_mid_body_is_no_server_error below: the 500s a handler counts
-    # when its client's connection ends inside the body (cut short, or a framing error uvicorn
-    # answered)
-    fuzz.UNSEEN_5XX,
-)
-# Not sent here: a websocket upgrade with a body hangs (10 s a request), a known finding held by
-# the strict xfail test_a_websocket_upgrade_is_answered_like_any_request below.
-KNOWN = ("upgrade",)
+TOLERATED: tuple[str, ...] = ()  # no finding class is tolerated
+KNOWN: tuple[str, ...] = ()  # every kind of malformed input is sent
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +43,6 @@ def _send(target: fuzz.Target, data: bytes, truncated: bool = False) -> fuzz.Out
     return asyncio.run(fuzz.send(target, fuzz.Case(0, "hand-made", data, truncated=truncated), 5.0))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FINDING: uvicorn's websocket layer is on (gateway/server.py; uvicorn.Config(ws='none') turns it off): "
-    "an Upgrade: websocket request gets an empty text/plain 403, and one with a body gets no answer at all",
-)
 def test_a_websocket_upgrade_is_answered_like_any_request(target: fuzz.Target) -> None:
     upgrade = (
         f"GET /v1/models HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {target.key}\r\nconnection: Upgrade\r\n"
@@ -71,11 +54,6 @@ def test_a_websocket_upgrade_is_answered_like_any_request(target: fuzz.Target) -
     assert with_body.status == 405 and fuzz.is_openai_error(fuzz._json(with_body.body)), with_body.error
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FINDING: a client that hangs up inside its body makes read_json raise Starlette's ClientDisconnect "
-    "(gateway/web.py), which the catch-all maps to a 500: logged as an unhandled error, counted in /metrics",
-)
 def test_a_client_that_hangs_up_mid_body_is_no_server_error(target: fuzz.Target) -> None:
     before = asyncio.run(fuzz.server_errors(target))
     cut = (
