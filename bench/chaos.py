@@ -50,7 +50,7 @@ import psutil
 import redis
 
 from bench.common import ADMIN_TOKEN, OUT, RawClient, console, pct, table
-from gateway.embedded_redis import EmbeddedRedis, free_port
+from gateway.embedded_redis import FSYNC_CHOICES, EmbeddedRedis, free_port
 from gateway.http_protocol import raise_nofile_limit
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -104,10 +104,10 @@ class Stack:
     """Redis (persistent) + gateways + echo workers as processes, each restartable."""
 
     def __init__(self, gateways: int = 1, workers: int = 1, step_ms: float = 0.0, slots: int = 64,
-                 gateway_args: tuple[str, ...] = ()) -> None:
+                 gateway_args: tuple[str, ...] = (), fsync: str = "everysec") -> None:
         OUT.mkdir(parents=True, exist_ok=True)
         self._tmp = tempfile.TemporaryDirectory(prefix="tokengate-chaos-")
-        self.redis = EmbeddedRedis(data_dir=Path(self._tmp.name))
+        self.redis = EmbeddedRedis(data_dir=Path(self._tmp.name), fsync=fsync)
         self.ports = [free_port() for _ in range(gateways)]
         url = self.redis.url
         py = sys.executable
@@ -348,10 +348,10 @@ def recovery_s(outcomes: list[Outcome], fault_end: float, p50_ok_s: float, until
     with a median within 2× the baseline's: full service."""
     t = fault_end
     last_bad = fault_end
-    while t < until:
-        window = [o for o in outcomes if t <= o.t0 < t + 1.0]
+    while t + 1.0 <= until:  # whole windows only; one without requests (load stopped) tells nothing
+        window = [o for o in outcomes if t <= o.t0 < t + 1.0 and o.kind != "unsent"]
         lat = [o.t1 - o.t0 for o in window if o.kind == "ok"]
-        if not window or any(o.kind != "ok" for o in window) or (lat and float(np.median(lat)) > 2 * p50_ok_s):
+        if any(o.kind != "ok" for o in window) or (lat and float(np.median(lat)) > 2 * p50_ok_s):
             last_bad = t + 1.0
         t += 1.0
     return last_bad - fault_end
@@ -466,7 +466,7 @@ async def redis_faults(args: argparse.Namespace) -> dict[str, Any]:
 async def kill(args: argparse.Namespace) -> dict[str, Any]:
     """Target 4: kill -9 of a worker, a gateway and Redis at random during a long load."""
     rng = random.Random(args.seed)
-    with Stack(gateways=2, workers=2, step_ms=2.0) as stack:
+    with Stack(gateways=2, workers=2, step_ms=2.0, fsync=args.redis_fsync) as stack:
         load = Load(stack, args.rate, seed=args.seed)
         runner = asyncio.create_task(load.run())
         start = time.monotonic()
@@ -485,12 +485,13 @@ async def kill(args: argparse.Namespace) -> dict[str, Any]:
                 name = "redis"
             else:
                 proc = rng.choice(stack.workers if what == "worker" else stack.gateways)
+                proc.killed_at.append((t, float("inf")))  # down until it answers again
                 proc.kill9()
                 await asyncio.sleep(rng.uniform(0.5, 2))
                 proc.start()
                 if what == "gateway":
                     await asyncio.to_thread(stack.wait_ready, stack.bases[stack.gateways.index(proc)])
-                proc.killed_at.append((t, time.monotonic()))
+                proc.killed_at[-1] = (t, time.monotonic())
                 name = proc.name
             kills.append((t - start, name))
             console.print(f"[yellow]{t - start:6.1f} s: kill -9 {name}[/yellow]")
@@ -646,6 +647,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spike-s", type=float, default=20.0)
     parser.add_argument("--connections", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--redis-fsync", choices=FSYNC_CHOICES, default="always",
+                        help="kill: the Redis append-only file's fsync (serve's --redis-fsync)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per scenario")
     args = parser.parse_args(argv)
     if TWO_CORES:  # the load generator beside Redis and the workers; the gateways get core 0

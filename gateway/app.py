@@ -7,7 +7,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -151,11 +151,32 @@ class Gateway:
         self, admission: Admission, state: str, prompt: int, completion: int, record: dict[str, float]
     ) -> bool:
         self.metrics.observe_contract(record)
-        try:
-            return await self.budget.settle(admission, state, prompt, completion, record)
-        except RedisError as exc:  # the lease expires on its own; a dead gateway's requests are swept
-            log.warning("settling request %s failed: %s", admission.rid, exc)
-            return False
+        return await self._until_settled(
+            admission.rid, lambda: self.budget.settle(admission, state, prompt, completion, record)
+        )
+
+    def refund_if_admitted(self, tenant: Tenant, rid: str, reserved: int) -> None:
+        """An admission whose reply was lost (Redis failed mid-call) may or may not have run:
+        settling it as failed refunds it if it did, and does nothing if it did not."""
+        self.spawn(self._until_settled(rid, lambda: self.budget.settle_raw(tenant, rid, -reserved, "failed", 0, 0)))
+
+    async def _until_settled(self, rid: str, attempt: Callable[[], Awaitable[bool]]) -> bool:
+        """Settling is idempotent (only the call that ends the lease changes anything), so a
+        settlement that Redis failed is tried again, with backoff, for as long as its lease
+        can last; a refund is never silently lost to a Redis hiccup."""
+        give_up = time.monotonic() + self.settings.request_timeout_s + 30.0
+        delay = 0.05
+        while True:
+            try:
+                return await attempt()
+            except RedisError as exc:
+                if time.monotonic() + delay > give_up:
+                    log.error("settling request %s failed for good: %s", rid, exc)
+                    return False
+                if delay == 0.05:
+                    log.warning("settling request %s failed (%s); retrying", rid, exc)
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
 
     async def drain(self) -> None:
         """Waits for settlements still in flight (at shutdown)."""

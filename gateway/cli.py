@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway import admin_cli, simulate_cli
-from gateway.embedded_redis import default_data_dir
+from gateway.embedded_redis import FSYNC_CHOICES, default_data_dir
 from gateway.settings import GatewaySettings
 from workers import cli as worker_cli
 from workers.cli import env_default
@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", type=Path, default=env_default("data_dir"),
                        help=f"where the private redis-server keeps its append-only file (tenants, keys, "
                        f"budgets); default {default_data_dir()}")
+    serve.add_argument("--redis-fsync", choices=FSYNC_CHOICES, default=env_default("redis_fsync", FSYNC_CHOICES[0]),
+                       help="everysec: a crash of the private redis-server may lose its last second of writes; "
+                       "always: none is lost (budget refunds stay exact through a crash), an fsync per write batch")
     _add_gateway_args(serve)
     worker_cli.add_model_args(serve)
     worker_cli.add_worker_args(serve)

@@ -47,15 +47,22 @@ def default_data_dir() -> Path:
     return Path(base) / "tokengate"
 
 
+FSYNC_CHOICES = ("everysec", "always")
+
+
 class EmbeddedRedis:
     """redis-server on a loopback port; ``stop`` leaves nothing temporary behind.
 
-    ``data_dir=None``: no persistence at all (the tests). A directory: append-only file
-    (``appendfsync everysec``) and the log there; ``restart`` comes back with the same port
-    and the same data.
+    ``data_dir=None``: no persistence at all (the tests). A directory: append-only file and
+    the log there; ``restart`` comes back with the same port and the same data. ``fsync``:
+    ``everysec`` (a crash of redis-server may lose the last second of writes) or ``always``
+    (no acknowledged write is lost; an fsync per batch of writes).
     """
 
-    def __init__(self, port: int | None = None, data_dir: Path | None = None) -> None:
+    def __init__(self, port: int | None = None, data_dir: Path | None = None, fsync: str = "everysec") -> None:
+        if fsync not in FSYNC_CHOICES:
+            raise ValueError(f"fsync must be one of {', '.join(FSYNC_CHOICES)}, not {fsync!r}")
+        self.fsync = fsync
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.binary = redis_server_binary()
@@ -86,7 +93,7 @@ class EmbeddedRedis:
         ]
         if self.data_dir is None:
             return [*argv, "--appendonly", "no"]
-        return [*argv, "--appendonly", "yes", "--appendfsync", "everysec"]
+        return [*argv, "--appendonly", "yes", "--appendfsync", self.fsync]
 
     def _lock_data_dir(self) -> None:
         if self.data_dir is None or self._lock is not None:

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import orjson
+from redis.exceptions import RedisError
 
 from gateway import limits
 from gateway import openai_protocol as oai
@@ -139,6 +140,9 @@ class RequestLife:
                 self.admission = await asyncio.shield(admit)
             except asyncio.CancelledError:  # shutdown: whatever the script reserved is given back
                 admit.add_done_callback(self._settle_orphan)
+                raise
+            except RedisError:  # the script may have run without its reply reaching us
+                gw.refund_if_admitted(tenant, seq.rid, len(ids) + max_tokens)
                 raise
             if self.admission.wait_s > 0.0:
                 gw.metrics.budget_wait.observe(self.admission.wait_s)

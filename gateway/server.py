@@ -271,7 +271,7 @@ def serve(args: argparse.Namespace) -> None:
             if not redis_url:
                 data_dir = Path(args.data_dir or default_data_dir()).expanduser()
                 log.info("data directory: %s", data_dir)
-                embedded = EmbeddedRedis(data_dir=data_dir)
+                embedded = EmbeddedRedis(data_dir=data_dir, fsync=args.redis_fsync)
                 embedded.start()
                 redis_url = embedded.url
                 log.info("private redis-server (%s) at %s", embedded.binary, redis_url)

@@ -257,3 +257,19 @@ async def test_httpx_client_sees_every_error_as_openai_json(harness: Harness) ->
     r = await harness.http.post("/v1/completions", content=b"{not json", headers={"authorization": f"Bearer {key}"})
     assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type", "param", "code"}
     assert isinstance(r, httpx.Response)
+
+
+async def test_an_admission_whose_reply_was_lost_is_refunded_exactly_once(harness: Harness) -> None:
+    """Redis failing mid-call leaves the gateway unsure whether the admission script ran; the
+    compensating settlement refunds it if it did and changes nothing if it did not."""
+    tenant_doc, _ = await harness.tenant("acme", rate=0.001, burst=10_000)
+    tenant = await harness.gw.tenants.get(tenant_doc["id"])
+    budget = harness.gw.budget
+    full = (await budget.state(tenant))["remaining_tokens"]
+    await budget.admit(tenant, "ran", 40, 60)  # the script ran; say its reply was lost
+    assert (await budget.state(tenant))["remaining_tokens"] == full - 100
+    harness.gw.refund_if_admitted(tenant, "ran", 100)
+    harness.gw.refund_if_admitted(tenant, "never-ran", 100)
+    await harness.gw.drain()
+    state = await budget.state(tenant)
+    assert state["remaining_tokens"] == full and state["in_flight"] == 0
