@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -15,6 +16,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Mount, Route
@@ -29,6 +31,7 @@ from gateway.errors import (
     GatewayError,
     InvalidRequest,
     Overloaded,
+    PayloadTooLarge,
     RateLimited,
     Unavailable,
     error_response,
@@ -48,6 +51,7 @@ log = logging.getLogger("tokengate.gateway")
 DEADLINE_HEADER = "x-tokengate-deadline-ms"
 
 
+OVERSIZE_CODES = frozenset({"payload_too_large", "context_length_exceeded", "prompt_too_long"})
 LARGE_PROMPT_CHARS = 4096  # prompts longer than this are tokenized off the event loop
 LARGE_PROMPTS_PER_TENANT = 2  # ... at most this many at a time per tenant (429 beyond)
 LARGE_PROMPTS_QUEUED = 16  # ... and this many in all (503 beyond)
@@ -87,6 +91,7 @@ class Gateway:
         self._tasks: set[asyncio.Future[Any]] = set()
         self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._large: dict[str, int] = {}  # tenant id -> large prompts being tokenized
+        self.oversize = limits.OversizePenalty()
 
     def _count_workers(self, workers: dict[str, p.Heartbeat]) -> None:
         for pool in self.settings.pools:
@@ -203,12 +208,53 @@ def _deadline_s(request: Request) -> float | None:
     return ms / 1000
 
 
+def _held(gw: Gateway, tenant: Tenant) -> RateLimited | None:
+    """The 429 for a tenant that just sent an oversized request (``limits.OversizePenalty``);
+    the connection closes, so the body it is sending is never read."""
+    held = gw.oversize.wait_s(tenant.id, time.monotonic())
+    if held <= 0.0:
+        return None
+    return RateLimited(
+        f"Tenant '{tenant.name}' sent a request too large to serve; wait {held:.2f} s before the next.",
+        headers={"retry-after": str(max(1, math.ceil(held))), "connection": "close"},
+    )
+
+
+class OversizeGate:
+    """Raw ASGI before routing: a held tenant's generation request is refused from its
+    headers alone, the cheapest refusal there is (the handler checks again for keys not in
+    the auth cache)."""
+
+    def __init__(self, app: ASGIApp, gw: Gateway) -> None:
+        self.app = app
+        self.gw = gw
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in _GENERATION_PATHS:
+            tenant = self.gw.auth.cached(Headers(scope=scope))
+            refusal = _held(self.gw, tenant) if tenant is not None else None
+            if refusal is not None:
+                await error_response(refusal)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 async def _generate(request: Request, parse: Any) -> Response:
     gw: Gateway = request.app.state.gateway
     caller = await gw.auth.caller(request.headers)
-    gen = parse(await read_json(request, gw.settings.max_body_bytes))
-    life = RequestLife(gw, caller, gen, _deadline_s(request))
-    await life.start()
+    tenant = caller.tenant
+    refusal = _held(gw, tenant)
+    if refusal is not None:
+        raise refusal
+    try:
+        gen = parse(await read_json(request, gw.settings.max_body_bytes))
+        life = RequestLife(gw, caller, gen, _deadline_s(request))
+        await life.start()
+    except (PayloadTooLarge, InvalidRequest) as exc:
+        if exc.code in OVERSIZE_CODES:
+            size = int(request.headers.get("content-length") or gw.settings.max_body_bytes)
+            gw.oversize.charge(tenant.id, size, time.monotonic())
+        raise
     headers = life.headers()
     if gen.stream:
         return StreamingResponse(
@@ -343,6 +389,7 @@ class Instrument:
 
 
 _ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models"}
+_GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 def _route_label(path: str) -> str:
@@ -388,4 +435,4 @@ def create_app(gw: Gateway) -> ASGIApp:
         lifespan=lifespan,
     )
     app.state.gateway = gw
-    return Instrument(AdminGuard(app, gw.settings.admin_token), gw.metrics)
+    return Instrument(OversizeGate(AdminGuard(app, gw.settings.admin_token), gw), gw.metrics)

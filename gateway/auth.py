@@ -108,6 +108,14 @@ class Authenticator:
             self.cache.put(ref, tenant, now)
         return Caller(tenant, ref)
 
+    def cached(self, headers: Headers) -> Tenant | None:
+        """The tenant the presented key's prefix was verified for recently, without checking
+        the secret (no hashing, no Redis): only for refusing cheaply, never for serving."""
+        key = bearer(headers)
+        prefix = keys.prefix_of(key) if key else None
+        found = self.cache.entries.get(prefix) if prefix else None
+        return found[1] if found is not None else None
+
     async def tenant(self, headers: Headers) -> Tenant:
         """The caller's tenant, checked against Redis now (no cache)."""
         return (await self.caller(headers, fresh=True)).tenant

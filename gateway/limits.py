@@ -78,3 +78,25 @@ def over_burst(tenant: Tenant, cost: int, param: str = "max_tokens") -> InvalidR
         param=param,
         code="budget_exceeded",
     )
+
+
+class OversizePenalty:
+    """Refusing a request for its size is itself work (reading, parsing and measuring up to
+    a megabyte), which a sender could repeat for free. So a tenant whose request was refused
+    for its size waits ``bytes / bytes_per_s`` seconds, accumulated, before the gateway reads
+    another of its requests: its next ones get a 429 with ``Retry-After`` at once, before
+    their bodies are read. Other tenants are not affected. Pure: ``now`` is an argument."""
+
+    def __init__(self, bytes_per_s: float = 2e6, max_tenants: int = 10_000) -> None:
+        self.bytes_per_s = bytes_per_s
+        self.max_tenants = max_tenants
+        self._until: dict[str, float] = {}
+
+    def charge(self, tenant_id: str, size: int, now: float) -> None:
+        if len(self._until) >= self.max_tenants:
+            self._until = {t: u for t, u in self._until.items() if u > now}
+        self._until[tenant_id] = max(self._until.get(tenant_id, now), now) + size / self.bytes_per_s
+
+    def wait_s(self, tenant_id: str, now: float) -> float:
+        """How long the tenant must still wait (0: its request may be read)."""
+        return max(0.0, self._until.get(tenant_id, now) - now)

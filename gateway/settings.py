@@ -39,7 +39,7 @@ class GatewaySettings:
     # connection hygiene (docs/operations.md, "Connection limits and timeouts")
     header_timeout_s: float = 10.0  # to send the request line and headers, from the first byte
     body_timeout_s: float = 30.0  # to send the whole body, from the end of the headers
-    max_connections: int = 4096  # open client connections; beyond it new ones get a fast 503
+    max_connections: int = 16384  # open client connections (capped below the open-file limit); beyond: a fast 503
     keep_alive_timeout_s: int = 75  # an idle keep-alive connection is closed after this
 
     def __post_init__(self) -> None:

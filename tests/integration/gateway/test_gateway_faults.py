@@ -273,3 +273,16 @@ async def test_an_admission_whose_reply_was_lost_is_refunded_exactly_once(harnes
     await harness.gw.drain()
     state = await budget.state(tenant)
     assert state["remaining_tokens"] == full and state["in_flight"] == 0
+
+
+async def test_a_tenant_that_sent_a_megabyte_prompt_waits_and_no_other_does(harness: Harness) -> None:
+    _, big = await harness.tenant("big")
+    _, small = await harness.tenant("small")
+    huge = {"model": harness.model, "prompt": "word " * 200_000, "max_tokens": 4}
+    r = await harness.http.post("/v1/completions", json=huge, headers={"authorization": f"Bearer {big}"})
+    assert r.status_code == 400
+    again = await harness.complete(big)  # refused before its body is read
+    assert again.status_code == 429 and again.headers["retry-after"] == "1", again.text
+    assert (await harness.complete(small)).status_code == 200
+    await asyncio.sleep(0.6)  # a megabyte holds its sender about half a second
+    assert (await harness.complete(big)).status_code == 200

@@ -58,3 +58,26 @@ def test_completions_name_the_prompt() -> None:
     with pytest.raises(InvalidRequest) as info:
         output_tokens(gen, 50, CONTEXT, 16, tenant(max_prompt_tokens=10))
     assert info.value.param == "prompt"
+
+
+def test_an_oversized_request_holds_its_tenant_for_its_size_and_no_other() -> None:
+    from gateway.limits import OversizePenalty
+
+    p = OversizePenalty(bytes_per_s=1e6)
+    assert p.wait_s("a", 10.0) == 0.0
+    p.charge("a", 1_000_000, now=10.0)  # a megabyte refused: one second
+    p.charge("a", 500_000, now=10.2)  # a second one (sent anyway) adds half a second
+    assert p.wait_s("a", 10.2) == pytest.approx(1.3)
+    assert p.wait_s("b", 10.2) == 0.0
+    assert p.wait_s("a", 11.5) == 0.0
+    p.charge("a", 1_000, now=20.0)  # a debt in the past is not carried over
+    assert p.wait_s("a", 20.0) == pytest.approx(0.001)
+
+
+def test_the_penalty_table_stays_bounded() -> None:
+    from gateway.limits import OversizePenalty
+
+    p = OversizePenalty(bytes_per_s=1.0, max_tenants=3)
+    for i in range(10):
+        p.charge(f"t{i}", 1, now=float(i) * 10)
+    assert len(p._until) <= 3
