@@ -50,6 +50,7 @@ import psutil
 import redis
 
 from bench.common import ADMIN_TOKEN, OUT, RawClient, console, pct, table
+from bench.fuzz import is_openai_error
 from gateway.embedded_redis import FSYNC_CHOICES, EmbeddedRedis, free_port
 from gateway.http_protocol import raise_nofile_limit
 
@@ -215,9 +216,8 @@ class Outcome:
 
 
 def _openai_error(body: bytes) -> bool:
-    with contextlib.suppress(orjson.JSONDecodeError, TypeError, AttributeError):
-        err = orjson.loads(body)["error"]
-        return {"message", "type", "param", "code"} <= set(err)
+    with contextlib.suppress(orjson.JSONDecodeError):
+        return is_openai_error(orjson.loads(body))
     return False
 
 

@@ -17,6 +17,50 @@ from workers import cli as worker_cli
 from workers.cli import env_default
 
 _SETTINGS = {f.name: f for f in dataclasses.fields(GatewaySettings)}
+# every GatewaySettings flag: (flag, field, help); its dest is the field's name, its default the field's
+GATEWAY_FLAGS: tuple[tuple[str, str, str | None], ...] = (
+    ("host", "host", None),
+    ("port", "port", None),
+    ("max-body-bytes", "max_body_bytes", None),
+    ("request-timeout", "request_timeout_s",
+     "seconds before an accepted request ends with 503"),
+    ("default-max-tokens", "default_max_tokens", None),
+    ("admin-token", "admin_token",
+     "bearer token for /admin (16+ characters); without one the admin API is disabled, "
+     "except that `serve` makes one up and prints it"),
+    ("usage-retention", "usage_retention_s",
+     "seconds per-minute usage counters are kept"),
+    ("handoff-min-prompt", "handoff_min_prompt",
+     "prompts of at least this many tokens prefill on a cpu worker and decode on the gpu pool "
+     "when both are alive (0: never)"),
+    ("auth-cache", "auth_cache_s",
+     "seconds a verified API key is reused without a lookup (revocation is still immediate; "
+     "tenant changes reach other replicas within this time)"),
+    ("shutdown-grace", "shutdown_grace_s",
+     "seconds in-flight requests may still finish after Ctrl-C/SIGTERM; then they end with a "
+     "503 (or a final error event); the process exits at the latest 10 s after that"),
+    ("request-record-ttl", "request_record_ttl_s",
+     "seconds a request's owner and state stay readable"),
+    ("header-timeout", "header_timeout_s",
+     "seconds a client may take to send a request line and headers (from its first byte; "
+     "from the connection on a new one); a slower one is closed"),
+    ("body-timeout", "body_timeout_s",
+     "seconds a client may take to send a request body (408 after)"),
+    ("max-connections", "max_connections",
+     "open client connections; beyond it new ones get an immediate 503 (capped below the "
+     "open-file limit)"),
+    ("keep-alive-timeout", "keep_alive_timeout_s",
+     "seconds an idle keep-alive connection stays open"),
+    ("max-in-flight", "max_in_flight",
+     "requests this gateway holds at once (admitted, not yet answered); beyond it a 503 at once"),
+    ("redis-max-connections", "redis_max_connections",
+     "the gateway's Redis connection pool; a request waits (up to --redis-timeout) for a free one"),
+    ("redis-timeout", "redis_timeout_s",
+     "seconds a Redis command or a wait for a pooled connection may take before the request gets a 503"),
+    ("gateway-dead-after", "gateway_dead_after_s",
+     "seconds of silence after which a gateway is dead and a survivor settles its requests"),
+)
+SETTING_FLAGS = frozenset(name for _flag, name, _help in GATEWAY_FLAGS)
 
 
 def setting_default(name: str) -> Any:
@@ -35,45 +79,11 @@ def _setting(parser: argparse.ArgumentParser, flag: str, name: str, help: str | 
 
 
 def _add_gateway_args(parser: argparse.ArgumentParser) -> None:
-    _setting(parser, "host", "host")
-    _setting(parser, "port", "port")
-    _setting(parser, "max-body-bytes", "max_body_bytes")
-    _setting(parser, "request-timeout", "request_timeout_s", "seconds before an accepted request ends with 503")
-    _setting(parser, "default-max-tokens", "default_max_tokens")
-    _setting(parser, "admin-token", "admin_token",
-             "bearer token for /admin (16+ characters); without one the admin API is disabled, "
-             "except that `serve` makes one up and prints it")
-    _setting(parser, "usage-retention", "usage_retention_s", "seconds per-minute usage counters are kept")
-    _setting(parser, "handoff-min-prompt", "handoff_min_prompt",
-             "prompts of at least this many tokens prefill on a cpu worker and decode on the gpu pool "
-             "when both are alive (0: never)")
-    _setting(parser, "auth-cache", "auth_cache_s",
-             "seconds a verified API key is reused without a lookup (revocation is still immediate; "
-             "tenant changes reach other replicas within this time)")
+    for flag, name, help in GATEWAY_FLAGS:
+        _setting(parser, flag, name, help)
     parser.add_argument("--cost-priors", default=env_default("cost_priors"),
                         help="JSON file of measured per-path cost priors for the scheduler "
                         "(docs/scheduling.md); default: built-in guesses, refitted online")
-    _setting(parser, "shutdown-grace", "shutdown_grace_s",
-             "seconds in-flight requests may still finish after Ctrl-C/SIGTERM; then they end with a "
-             "503 (or a final error event); the process exits at the latest 10 s after that")
-    _setting(parser, "request-record-ttl", "request_record_ttl_s", "seconds a request's owner and state stay readable")
-    _setting(parser, "header-timeout", "header_timeout_s",
-             "seconds a client may take to send a request line and headers (from its first byte; "
-             "from the connection on a new one); a slower one is closed")
-    _setting(parser, "body-timeout", "body_timeout_s", "seconds a client may take to send a request body (408 after)")
-    _setting(parser, "max-connections", "max_connections",
-             "open client connections; beyond it new ones get an immediate 503 (capped below the "
-             "open-file limit)")
-    _setting(parser, "keep-alive-timeout", "keep_alive_timeout_s",
-             "seconds an idle keep-alive connection stays open")
-    _setting(parser, "max-in-flight", "max_in_flight",
-             "requests this gateway holds at once (admitted, not yet answered); beyond it a 503 at once")
-    _setting(parser, "redis-max-connections", "redis_max_connections",
-             "the gateway's Redis connection pool; a request waits (up to --redis-timeout) for a free one")
-    _setting(parser, "redis-timeout", "redis_timeout_s",
-             "seconds a Redis command or a wait for a pooled connection may take before the request gets a 503")
-    _setting(parser, "gateway-dead-after", "gateway_dead_after_s",
-             "seconds of silence after which a gateway is dead and a survivor settles its requests")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import uvloop
 
+from gateway.cli import SETTING_FLAGS
 from gateway.embedded_redis import EmbeddedRedis, default_data_dir
 from gateway.scheduling import scheduler_config
 from gateway.settings import GatewaySettings
@@ -50,30 +51,14 @@ def settings_from_args(args: argparse.Namespace, redis_url: str, model_name: str
     if max_connections < args.max_connections:
         log.warning("--max-connections %d lowered to %d: the open-file limit is %d",
                     args.max_connections, max_connections, nofile)
-    return GatewaySettings(
-        redis_url=redis_url,
-        model_name=model_name,
-        host=args.host,
-        port=args.port,
-        max_body_bytes=args.max_body_bytes,
-        request_timeout_s=args.request_timeout_s,
-        default_max_tokens=args.default_max_tokens,
-        admin_token=args.admin_token,
-        usage_retention_s=args.usage_retention_s,
-        request_record_ttl_s=args.request_record_ttl_s,
-        auth_cache_s=args.auth_cache_s,
-        handoff_min_prompt=args.handoff_min_prompt,
-        shutdown_grace_s=args.shutdown_grace_s,
-        header_timeout_s=args.header_timeout_s,
-        body_timeout_s=args.body_timeout_s,
-        max_connections=max_connections,
-        keep_alive_timeout_s=args.keep_alive_timeout_s,
-        max_in_flight=args.max_in_flight,
-        redis_max_connections=args.redis_max_connections,
-        redis_timeout_s=args.redis_timeout_s,
-        gateway_dead_after_s=args.gateway_dead_after_s,
-        scheduler=scheduler_config(args.cost_priors),  # a bad file stops start-up, naming it
-    )
+    given = {name: getattr(args, name) for name in SETTING_FLAGS}
+    given |= {
+        "redis_url": redis_url,
+        "model_name": model_name,
+        "max_connections": max_connections,
+        "scheduler": scheduler_config(args.cost_priors),  # a bad file stops start-up, naming it
+    }
+    return GatewaySettings(**given)
 
 
 def _model(args: argparse.Namespace) -> model_store.ModelSpec:

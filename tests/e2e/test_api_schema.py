@@ -18,6 +18,7 @@ import schemathesis
 from schemathesis import Case, CheckContext, Response
 from schemathesis.engine import events, from_schema
 
+from bench.fuzz import is_openai_error
 from tests.e2e.conftest import ADMIN_TOKEN, Served
 from tests.e2e.echo_gateway import echo_gateway
 
@@ -27,20 +28,6 @@ MAX_EXAMPLES = 100  # per operation and generation mode in the fuzzing phase: ab
 TIMEOUT_S = 15.0  # per request; the echo engine answers in milliseconds
 SEED = 20240601
 DEADLINE = "x-tokengate-deadline-ms"
-
-
-def is_openai_error(body: Any) -> bool:
-    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
-    if not isinstance(body, dict) or set(body) != {"error"} or not isinstance(body["error"], dict):
-        return False
-    err = body["error"]
-    return (
-        {"message", "type", "param", "code"} <= set(err)
-        and isinstance(err["message"], str)
-        and isinstance(err["type"], str)
-        and (err["param"] is None or isinstance(err["param"], str))
-        and (err["code"] is None or isinstance(err["code"], str))
-    )
 
 
 def _json(response: Response) -> Any:
