@@ -96,6 +96,7 @@ class Dispatcher:
         self.on_fatal = on_fatal
         self._on_workers = on_workers
         self._wake = asyncio.Event()
+        self._closing = False  # loops end at their next turn (a cancel can be swallowed, see close)
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
 
@@ -126,11 +127,18 @@ class Dispatcher:
             raise
 
     async def close(self) -> None:
+        """Stop the loops. Cancelling alone is not enough: a cancel that lands as a Redis
+        call's own timeout fires is reported as that timeout (``asyncio.timeout`` in 3.11),
+        which the loop retries; so the loops also check ``_closing`` every turn, and the
+        wait here is bounded."""
+        self._closing = True
+        self._wake.set()
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if self._tasks:
+            _done, stuck = await asyncio.wait(self._tasks, timeout=5.0)
+            for task in stuck:
+                log.error("the %s loop did not stop within 5 s", task.get_name())
         self.fail_all("shutdown", "The gateway is shutting down; retry on another replica.")
         with contextlib.suppress(RedisError):
             await self.liveness.leave(self.replies)
@@ -197,7 +205,7 @@ class Dispatcher:
     # -- jobs out ---------------------------------------------------------------------------
 
     async def _send_loop(self) -> None:
-        while True:
+        while not self._closing:
             if len(self.shell):
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(TICK_S):
@@ -248,7 +256,7 @@ class Dispatcher:
         last = b"0-0"
         outage = Outage("reading replies")
         trimmed = time.monotonic()
-        while True:
+        while not self._closing:
             try:
                 reply: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self.client.xread(
                     {self.replies: last}, count=1000, block=1000
@@ -317,7 +325,7 @@ class Dispatcher:
 
     async def _watch_loop(self) -> None:
         outage = Outage("reading worker heartbeats")
-        while True:
+        while not self._closing:
             await asyncio.sleep(WATCH_S if not outage.failures else outage.backoff_s())
             expired = self.shell.expire(time.monotonic())
             for rid in expired:

@@ -286,3 +286,28 @@ async def test_a_tenant_that_sent_a_megabyte_prompt_waits_and_no_other_does(harn
     assert (await harness.complete(small)).status_code == 200
     await asyncio.sleep(0.6)  # a megabyte holds its sender about half a second
     assert (await harness.complete(big)).status_code == 200
+
+
+async def test_close_stops_a_loop_whose_cancel_was_reported_as_a_redis_timeout(
+    redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec
+) -> None:
+    """A cancel that lands as a Redis call's own timeout fires comes out as that timeout
+    (asyncio.timeout in 3.11, then redis-py's TimeoutError), which the loop would retry:
+    the gateway must stop anyway."""
+    from redis.exceptions import TimeoutError as RedisTimeout
+
+    async with make_harness(redis_url, prompts, model_spec.name) as h:
+        dispatcher = h.gw.dispatcher
+
+        async def renew_swallowing_cancel(replies: str, now: float | None = None) -> None:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                raise RedisTimeout("Timeout reading from socket") from None
+
+        dispatcher.liveness.renew = renew_swallowing_cancel  # type: ignore[method-assign,assignment]
+        await asyncio.sleep(1.0)  # the watch loop is now inside the patched call
+        started = time.monotonic()
+        await dispatcher.close()
+        assert time.monotonic() - started < 2.0
+        assert all(task.done() for task in dispatcher._tasks)
