@@ -402,7 +402,7 @@ async def _spike(stack: Stack, rate: float, seconds: float) -> dict[str, Any]:
     bottleneck): ``clients`` connections, each sending at ``rate / clients`` per second."""
     if shutil.which("h2load") is None:
         raise RuntimeError("the overload spike needs h2load (Debian: apt install nghttp2-client)")
-    clients = 2000
+    clients = 8000  # HTTP/1.1 waits for each answer: clients enough to keep 4x capacity outstanding
     with tempfile.NamedTemporaryFile(suffix=".json") as body:
         body.write(orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}],
                                  "max_tokens": ECHO_TOKENS}))
