@@ -26,7 +26,7 @@ from gateway import admin, limits, openapi, records
 from gateway import openai_protocol as oai
 from gateway.auth import AdminGuard, Authenticator
 from gateway.budget import Admission, Budget
-from gateway.dispatch import Dispatcher
+from gateway.dispatch import BACKOFF, Dispatcher
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -79,15 +79,12 @@ class Gateway:
         self.prompts = prompts
         self.client = client
         self.metrics = Metrics()
-        self.dispatcher = Dispatcher(
-            settings, client, on_workers=self._count_workers, config=settings.scheduler, on_fatal=self._fatal
-        )
+        self.dispatcher = Dispatcher(settings, client, on_workers=self._count_workers, config=settings.scheduler)
         self.tenants = TenantStore(client)
         self.auth = Authenticator(self.tenants, settings.auth_cache_s)
         self.budget = Budget(client, settings)
         self.started = int(time.time())
         self.in_flight = 0  # requests between admission and their end (RequestLife)
-        self.on_fatal: Callable[[str], None] | None = None  # the server's exit, when a loop is lost
         self._tasks: set[asyncio.Future[Any]] = set()
         self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._large: dict[str, int] = {}  # tenant id -> large prompts being tokenized
@@ -96,10 +93,6 @@ class Gateway:
     def _count_workers(self, workers: dict[str, p.Heartbeat]) -> None:
         for pool in self.settings.pools:
             self.metrics.workers.labels(pool).set(sum(1 for w in workers.values() if w.pool == pool))
-
-    def _fatal(self, why: str) -> None:
-        if self.on_fatal is not None:
-            self.on_fatal(why)
 
     def new_rid(self) -> str:
         return secrets.token_hex(12)
@@ -170,18 +163,19 @@ class Gateway:
         settlement that Redis failed is tried again, with backoff, for as long as its lease
         can last; a refund is never silently lost to a Redis hiccup."""
         give_up = time.monotonic() + self.settings.request_timeout_s + 30.0
-        delay = 0.05
+        failures = 0
         while True:
             try:
                 return await attempt()
             except RedisError as exc:
+                failures += 1
+                delay = BACKOFF.compute(failures)
                 if time.monotonic() + delay > give_up:
                     log.error("settling request %s failed for good: %s", rid, exc)
                     return False
-                if delay == 0.05:
+                if failures == 1:
                     log.warning("settling request %s failed (%s); retrying", rid, exc)
                 await asyncio.sleep(delay)
-                delay = min(2.0, delay * 2)
 
     async def drain(self) -> None:
         """Waits for settlements still in flight (at shutdown)."""

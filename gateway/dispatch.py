@@ -33,12 +33,14 @@ from gateway.settings import GatewaySettings
 from sched_core import Contract, Reject, SchedulerConfig
 from workers import protocol as p
 from workers import wire
+from workers.retry import Outage, backoff_policy
 
 log = logging.getLogger("tokengate.dispatch")
 
 CANCEL_TTL_S = 600
 TICK_S = 0.002  # how often the scheduler is asked while requests wait
 WATCH_S = 0.5  # how often workers and peers are re-read (and slot leases checked)
+BACKOFF = backoff_policy(base_s=0.05, cap_s=2.0)  # after the n-th Redis failure in a row of one loop
 
 
 @dataclass(slots=True)
@@ -47,29 +49,6 @@ class Pending:
     created: float
     contract: Contract
     events: asyncio.Queue[p.Event] = field(default_factory=asyncio.Queue)
-
-
-class Outage:
-    """One warning when failures start, one line when they end; the count drives backoff."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.failures = 0
-        self._since = 0.0
-
-    def failed(self, exc: BaseException) -> None:
-        self.failures += 1
-        if self.failures == 1:
-            self._since = time.monotonic()
-            log.warning("%s failed: %r (retrying quietly)", self.what, exc)
-
-    def ok(self) -> None:
-        if self.failures:
-            log.info("%s works again after %.1f s", self.what, time.monotonic() - self._since)
-        self.failures = 0
-
-    def backoff_s(self) -> float:
-        return min(2.0, 0.05 * 2 ** min(self.failures, 6))
 
 
 class Dispatcher:
@@ -97,6 +76,7 @@ class Dispatcher:
         self._on_workers = on_workers
         self._wake = asyncio.Event()
         self._closing = False  # loops end at their next turn (a cancel can be swallowed, see close)
+        self._outage = Outage()  # shared by the loops: one warning when Redis fails, one line when it is back
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
 
@@ -254,18 +234,21 @@ class Dispatcher:
 
     async def _reply_loop(self) -> None:
         last = b"0-0"
-        outage = Outage("reading replies")
+        failures = 0
         trimmed = time.monotonic()
         while not self._closing:
+            started = time.monotonic()
             try:
                 reply: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self.client.xread(
                     {self.replies: last}, count=1000, block=1000
                 )  # type: ignore[assignment]
-                outage.ok()
             except RedisError as exc:
-                outage.failed(exc)
-                await asyncio.sleep(outage.backoff_s())
+                failures += 1
+                self._outage.failed(exc)
+                await asyncio.sleep(BACKOFF.compute(failures))
                 continue
+            failures = 0
+            self._outage.recovered(started)
             for _stream, entries in reply or []:
                 for entry_id, fields in entries:
                     last = entry_id
@@ -324,16 +307,20 @@ class Dispatcher:
             self._on_workers(workers)
 
     async def _watch_loop(self) -> None:
-        outage = Outage("reading worker heartbeats")
+        failures = 0
         while not self._closing:
-            await asyncio.sleep(WATCH_S if not outage.failures else outage.backoff_s())
+            await asyncio.sleep(BACKOFF.compute(failures) if failures else WATCH_S)
             expired = self.shell.expire(time.monotonic())
             for rid in expired:
                 self._route_event(p.Failed(rid, "lost", "The request's batch was lost; retry it."))
             if expired:
                 self._wake.set()
+            started = time.monotonic()
             try:
                 await self.refresh_workers()
-                outage.ok()
             except RedisError as exc:
-                outage.failed(exc)
+                failures += 1
+                self._outage.failed(exc)
+                continue
+            failures = 0
+            self._outage.recovered(started)

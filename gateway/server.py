@@ -105,6 +105,13 @@ async def _run_gateway(
         timeout_graceful_shutdown=settings.shutdown_grace_s + DRAIN_SLACK_S,
     )
     server = QuietServer(config)
+    lost: list[str] = []
+
+    def fatal(why: str) -> None:  # a dispatch loop stopped: this process cannot serve; exit non-zero
+        lost.append(why)
+        server.should_exit = True
+
+    gw.dispatcher.on_fatal = fatal
     signals.serving(server, drain)
     task = asyncio.create_task(server.serve())
     background = [
@@ -129,6 +136,8 @@ async def _run_gateway(
         for t in background:
             t.cancel()
         await client.aclose()
+    if lost:
+        raise RuntimeError(f"stopped because {lost[0]}")  # `tokengate` exits with status 2
 
 
 async def _arm_watchdog(server: uvicorn.Server, grace_s: float) -> None:

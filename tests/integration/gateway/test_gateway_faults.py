@@ -88,7 +88,7 @@ async def test_batches_that_cannot_be_queued_fail_with_a_503_and_free_their_slot
 async def test_a_loop_that_stops_makes_the_gateway_unready_and_asks_to_exit(harness: Harness) -> None:
     _, key = await harness.tenant("acme")
     fatal: list[str] = []
-    harness.gw.on_fatal = fatal.append
+    harness.gw.dispatcher.on_fatal = fatal.append
 
     def broken(now: float) -> None:
         raise RuntimeError("scheduler bug")
