@@ -146,19 +146,18 @@ class Stack:
             self.wait_ready(base)
         # a tenant whose budget drains at 0.001 tokens/s: what it was charged stays visible
         # as the budget's consumption, so refunds can be checked to the token
-        self.key = self.new_key("chaos", rate=0.001)
+        self.tenant, self.key = self.new_tenant("chaos", rate=0.001)
         return self
 
-    def new_key(self, name: str, rate: float = 1e6) -> str:
-        """A new tenant (its budget never binds) and a key for it."""
+    def new_tenant(self, name: str, rate: float = 1e6) -> tuple[str, str]:
+        """A new tenant (its budget never binds at the default rate): (its id, a key for it)."""
         body = {"name": name, "rate": rate, "burst": 10**9, "max_queue_delay_s": 0, "weight": 1000.0}
         r = httpx.post(self.bases[0] + "/admin/tenants", json=body, headers=ADMIN)
         r.raise_for_status()
-        if name == "chaos":
-            self.tenant = r.json()["id"]
-        r = httpx.post(self.bases[0] + f"/admin/tenants/{r.json()['id']}/keys", headers=ADMIN)
+        tenant = str(r.json()["id"])
+        r = httpx.post(self.bases[0] + f"/admin/tenants/{tenant}/keys", headers=ADMIN)
         r.raise_for_status()
-        return str(r.json()["key"])
+        return tenant, str(r.json()["key"])
 
     def __exit__(self, *exc: object) -> None:
         for p in [*self.gateways, *self.workers]:
@@ -573,7 +572,7 @@ async def prompts(args: argparse.Namespace) -> dict[str, Any]:
         base = summary(load.outcomes, t0, time.monotonic())
         huge = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 4}
         payload = orjson.dumps(huge)  # encoded once: the load generator's own cost stays out of the figures
-        keys = [stack.new_key(f"abuser-{i}") for i in range(2)]
+        keys = [stack.new_tenant(f"abuser-{i}")[1] for i in range(2)]
         variants: dict[str, Any] = {}
         for name, honor in (("hammering", False), ("honoring Retry-After", True)):
             statuses: Counter[int | str] = Counter()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -82,7 +83,7 @@ def failure(ev: p.Failed) -> GatewayError:
 def refused(rid: str, reject: Reject) -> GatewayError:
     """The scheduler will not run the request: say why, with its estimate."""
     estimate = {"estimate_ms": round(reject.estimate_s * 1000, 1)} if reject.estimate_s else {}
-    headers = {"retry-after": str(max(1, int(reject.retry_after_s + 0.999)))} if reject.retry_after_s else {}
+    headers = {"retry-after": str(max(1, math.ceil(reject.retry_after_s)))} if reject.retry_after_s else {}
     if estimate:
         headers["x-tokengate-estimate-ms"] = str(estimate["estimate_ms"])
     if reject.reason == "too_long":

@@ -83,7 +83,7 @@ class Liveness:
         )
         forgotten = self._joined and not known
         self._joined = True
-        return View(int(alive), tuple(wire.text(g) for g in dead if wire.text(g) != self.me), forgotten)
+        return View(int(alive), tuple(wire.text(g) for g in dead), forgotten)  # never this one: just stamped
 
     async def sweep(self, gateway_id: str, *, force: bool = False, now: float | None = None) -> int:
         """Settle a dead gateway's requests; -1 when it is not (or no longer) dead.
