@@ -112,7 +112,8 @@ class EmbeddedRedis:
         if self._proc is not None and self._proc.poll() is None:
             return
         self._lock_data_dir()
-        self._proc = processes.spawn(self._argv(self._dir()), stdout=subprocess.DEVNULL)
+        with processes.signals_deferred():
+            self._proc = processes.spawn(self._argv(self._dir()), stdout=subprocess.DEVNULL)
 
     def answers(self) -> bool:
         """One PING: True once redis-server accepts commands (not while it loads its AOF)."""

@@ -8,12 +8,13 @@ the case nothing else can: a SIGKILL of `serve` still ends them. The signal fire
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO
 
 log = logging.getLogger("tokengate.serve")
@@ -21,8 +22,25 @@ log = logging.getLogger("tokengate.serve")
 _PR_SET_PDEATHSIG = 1
 
 
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block ends. A stop signal during start-up raises
+    (``shutdown.Interrupted``) wherever the main thread is: between a child's start and the
+    line that records it, it would leave a child nobody stops. Start and record in here."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def die_with_parent() -> None:
-    """``preexec_fn`` of every child: SIGTERM when the parent dies."""
+    """``preexec_fn`` of every child: SIGTERM when the parent dies, and the stop signals
+    unblocked (a child inherits the mask ``signals_deferred`` holds while it starts it)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -88,7 +88,8 @@ class Supervisor:
     def start(self) -> None:
         for child in self.children:
             if child.proc is None:
-                child.proc = child.start()
+                with processes.signals_deferred():
+                    child.proc = child.start()
                 child.started_at = self.clock()
 
     def procs(self) -> list[subprocess.Popen[bytes]]:
@@ -114,7 +115,8 @@ class Supervisor:
             if child.restart_at is not None and now >= child.restart_at:
                 child.restart_at = None
                 child.started_at = now
-                child.proc = child.start()
+                with processes.signals_deferred():
+                    child.proc = child.start()
                 log.warning("%s started again (pid %d)", child.name, child.proc.pid)
 
     async def run(self) -> None:
