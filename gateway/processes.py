@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -22,25 +23,34 @@ log = logging.getLogger("tokengate.serve")
 _PR_SET_PDEATHSIG = 1
 
 
-STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
     """SIGINT and SIGTERM wait until the block ends. A stop signal during start-up raises
     (``shutdown.Interrupted``) wherever the main thread is: between a child's start and the
-    line that records it, it would leave a child nobody stops. Start and record in here."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    line that records it, it would leave a child nobody stops. Start and record in here.
+    The handlers are swapped for a recorder (Python runs handlers in the main thread only,
+    whichever thread the signal reached; a mask would cover just this thread), and a signal
+    that came meanwhile goes to the real handler as the block ends. Main thread only."""
+    caught: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for signum in caught:
+            handler = previous[signal.Signals(signum)]
+            if callable(handler):
+                handler(signum, None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)
 
 
 def die_with_parent() -> None:
-    """``preexec_fn`` of every child: SIGTERM when the parent dies, and the stop signals
-    unblocked (a child inherits the mask ``signals_deferred`` holds while it starts it)."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    """``preexec_fn`` of every child: SIGTERM when the parent dies."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
