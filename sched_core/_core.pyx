@@ -12,7 +12,7 @@ no pin.
 
 from dataclasses import fields
 
-from libc.math cimport INFINITY
+from libc.math cimport INFINITY, ceil
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memmove
 from cpython.ref cimport Py_INCREF
@@ -24,7 +24,7 @@ from sched_core._heap cimport (
     Entry, Heap, entry_lt, heap_free, heap_pop, heap_push, heap_replace_top
 )
 
-from sched_core.costmodel import PathModel
+from sched_core.costmodel import COEFFICIENTS, StepModel
 from sched_core.report import queued_explanation, route_reason, snapshot_dict, thresholds
 from sched_core.types import LN100 as _LN100
 from sched_core.types import PATHS, Contract, Dispatch, Reject, Request, SchedulerConfig
@@ -113,6 +113,7 @@ cdef struct Cold:
     double budget_wait
     double service      # predicted prefill + decode at admission
     double deadline
+    long long batch     # while dispatched: its batch id
 
 
 cdef struct Fifo:
@@ -192,7 +193,8 @@ cdef class _Batch:
     cdef int path
     cdef double end     # dispatch time + predicted batch time
     cdef int n
-    cdef int* h
+    cdef int open       # requests not yet finished
+    cdef int* h         # their handles; -1 once finished
 
     def __dealloc__(self):
         free(self.h)
@@ -205,10 +207,13 @@ cdef class Scheduler:
     cdef tuple _models
     cdef int nb
     cdef int* bounds
-    cdef double coef[2][4]
+    cdef double coef[2][5]
     cdef long long maxb[2]
     cdef long long cap[2]
-    cdef long long used[2]
+    cdef long long used[2]      # sequences dispatched and not finished
+    cdef long long kv[2]        # KV tokens they hold, mid-life: prompt + half the expected output
+    cdef long long workers[2]
+    cdef long long budget[2]    # tokens per worker step
     cdef double now
     cdef long long next_batch
     cdef long long nqueued
@@ -269,6 +274,7 @@ cdef class Scheduler:
     cdef double tau
     cdef double alpha
     cdef double slo
+    cdef double tpot
     cdef int default_out
 
     def __init__(self, config=None):
@@ -283,11 +289,15 @@ cdef class Scheduler:
         self.bounds = <int*>_zalloc(nb, sizeof(int))
         for k in range(nb):
             self.bounds[k] = bounds[k]
-        self._models = (PathModel(cfg.cpu, cfg), PathModel(cfg.gpu, cfg))
+        self._models = (StepModel(cfg.cpu, cfg), StepModel(cfg.gpu, cfg))
         self._load_coef(CPU)
         self._load_coef(GPU)
         self.maxb[CPU] = cfg.cpu.max_batch
         self.maxb[GPU] = cfg.gpu.max_batch
+        self.workers[CPU] = 1
+        self.workers[GPU] = 1
+        self.budget[CPU] = cfg.cpu.step_tokens
+        self.budget[GPU] = cfg.gpu.step_tokens
         self.next_batch = 1
         self.max_queued = cfg.max_queued
         idt_init(&self.by_id, 1024)
@@ -317,6 +327,7 @@ cdef class Scheduler:
         self.tau = cfg.rate_window_s
         self.alpha = cfg.ewma_alpha
         self.slo = cfg.ttft_p99_slo_s
+        self.tpot = cfg.tpot_slo_s
         self.default_out = cfg.default_output_tokens
 
     def __dealloc__(self):
@@ -380,7 +391,7 @@ cdef class Scheduler:
                          f"after arrival misses the deadline by "
                          f"{arrival + total - <double>deadline:.3f}s", tm.wait, total)
         self._enqueue(rid, hv, t, k, prompt, out, slot(req, _REQUEST[R_WEIGHT]), arrival, bw,
-                      slot(req, _REQUEST[R_PRIORITY]), deadline, tm.prefill + tm.decode, now)
+                      slot(req, _REQUEST[R_PRIORITY]), deadline, tm.prefill, tm.decode, now)
         return _contract(rid, k, tm.path, ttft, total, bw + tm.tail + tm.decode_hi, ahead, bw)
 
     def tick(self, double now):
@@ -407,34 +418,62 @@ cdef class Scheduler:
                 self._dispatch(p, k, now, out)
         return out
 
+    def finished(self, request_id, long long output_tokens, double now):
+        """One dispatched request finished with ``output_tokens``: its slot comes back now,
+        not when its whole batch ends. False if it is not running (unknown, or its batch
+        already reported)."""
+        self.now = now
+        cdef int h = self._find(request_id)
+        if h < 0 or self.reqs[h].state != INFLIGHT:
+            return False
+        cdef long long bid = self.cold[h].batch
+        cdef _Batch batch = <_Batch>self.inflight[bid]
+        cdef int i
+        for i in range(batch.n):
+            if batch.h[i] == h:
+                batch.h[i] = -1
+        self._finish(h, batch.path, output_tokens)
+        batch.open -= 1
+        if batch.open == 0:
+            del self.inflight[bid]
+        return True
+
     def completed(self, timings, double now):
-        """A batch finished: return its slots, refit its path, learn output lengths."""
+        """A batch ended: the slots of its requests not yet ``finished`` come back, and their
+        output lengths are learnt (a failed batch reports none)."""
         self.now = now
         found = self.inflight.pop(timings.batch_id, None)
         if found is None:
             return
         cdef _Batch batch = <_Batch>found
-        cdef int p = batch.path
         cdef int i, h
-        self.used[p] -= batch.n
-        self._models[p].observe(timings)
-        self._load_coef(p)
         outs = timings.output_tokens
-        if len(outs) == batch.n:
-            for i in range(batch.n):
-                self._observe_output(batch.h[i], outs[i])
+        cdef bint exact = len(outs) == batch.n
         for i in range(batch.n):
             h = batch.h[i]
-            idt_remove(&self.by_id, self.reqs[h].hash, h)
-            self.reqs[h].state = DONE
-            self._maybe_release(h)
+            if h >= 0:
+                batch.h[i] = -1
+                self._finish(h, batch.path, outs[i] if exact else -1)
 
-    def worker_capacity(self, path, slots, double now):
-        """``path``'s live workers offer ``slots`` sequence slots in all (in use ones included)."""
-        if path not in PATHS or slots < 0:
-            raise ValueError(f"unknown path {path!r} or negative slots {slots}")
+    def observe_steps(self, path, records, double now):
+        """Refit ``path``'s step-time model from worker step records
+        ``(prefill tokens, decode sequences, KV tokens, seconds)``."""
         self.now = now
-        self.cap[PATHS.index(path)] = slots
+        cdef int p = PATHS.index(path)
+        self._models[p].observe_many(records)
+        self._load_coef(p)
+
+    def worker_capacity(self, path, slots, double now, workers=1, step_tokens=0):
+        """``path``'s live workers, ``workers`` of them, offer ``slots`` sequence slots in all
+        (in use ones included); ``step_tokens`` > 0 is their per-step token budget."""
+        if path not in PATHS or slots < 0 or workers < 0 or step_tokens < 0:
+            raise ValueError(f"unknown path {path!r}, or negative slots, workers or step tokens")
+        self.now = now
+        cdef int p = PATHS.index(path)
+        self.cap[p] = slots
+        self.workers[p] = workers if workers > 0 else 1
+        if step_tokens > 0:
+            self.budget[p] = step_tokens
 
     def cancel(self, request_id, double now):
         """Remove a queued request; False if it is unknown, running or already gone."""
@@ -452,24 +491,28 @@ cdef class Scheduler:
         cdef FM fc, fg
         cdef Tail tl = self._tail(now)
         buckets = []
+        cdef double u, kv
         for k in range(self.nb):
             n = self.n[k]
             nbar = self.osum[k] / <double>n if n else self.mix_out
-            lam = meter_rate(&self.arrivals[k], now, self.tau)
             fc = self._fm(CPU, k, nbar)
             fg = self._fm(GPU, k, nbar)
             buckets.append({
                 "bucket": k, "max_prompt": self.bounds[k], "queued": n, "tokens": self.tok[k],
-                "arrival_rate": lam, "mean_output": nbar,
-                **thresholds((fc.f, fc.m), (fg.f, fg.m), lam),
+                "arrival_rate": meter_rate(&self.arrivals[k], now, self.tau), "mean_output": nbar,
+                **thresholds((fc.f, fc.m), (fg.f, fg.m), self._b2(GPU, k, nbar)),
             })
         paths = []
         for p in range(2):
+            u = <double>self.used[p] / <double>self.workers[p]
+            kv = <double>self.kv[p] / <double>self.workers[p]
             paths.append({
-                "capacity": self.cap[p], "in_flight": self.used[p], "max_batch": self.maxb[p],
-                "fitted_batches": self._models[p].prefill.observations,
-                "prefill": {"a": self.coef[p][0], "b": self.coef[p][1]},
-                "decode": {"c": self.coef[p][2], "d": self.coef[p][3]},
+                "capacity": self.cap[p], "in_flight": self.used[p], "kv_tokens": self.kv[p],
+                "workers": self.workers[p], "step_tokens": self.budget[p],
+                "max_batch": self.maxb[p], "fitted_steps": self._models[p].observations,
+                "step_model": dict(zip(COEFFICIENTS, [self.coef[p][i] for i in range(5)],
+                                       strict=True)),
+                "step_s": self._step_s(p, 0.0, u, kv),
             })
         tenants = {
             self.tenant_names[t]: {"counter": self.counter[t], "queued": self.backlog[t]}
@@ -513,19 +556,20 @@ cdef class Scheduler:
         cdef Terms tm = self._terms(k, n, nbar, self.psum[k] / <double>n, ahead_tok, r.out, now)
         cdef Tail tl = self._tail(now)
         cdef double lo = self._min_counter()
-        cdef FM fm = self._fm(tm.path, k, nbar)
-        cdef double lam = meter_rate(&self.arrivals[k], now, self.tau)
         path, reason = route_reason(
             target=tm.path, free=(self._free(CPU), self._free(GPU)),
             capacity=(self.cap[CPU], self.cap[GPU]), eligible=self._eligible(t),
-            overdue=r.t_in + tl.t_cut <= now, holds=self._holds(tm.path, k, n, nbar, now),
-            queued=n, b_star=(lam * fm.f - 1.0) / (1.0 + lam * fm.m))
+            overdue=r.t_in + tl.t_cut <= now, holds=self._tpot_holds(tm.path, k, n, now),
+            tpot_slo=self.tpot)
+        cdef FM fc = self._fm(CPU, k, nbar)
+        cdef FM fg = self._fm(GPU, k, nbar)
         cdef double since = c.budget_wait + (now - r.t_in)
         return queued_explanation(
             request_id=request_id, tenant=self.tenant_names[t], bucket=k,
             max_prompt=self.bounds[k], requests_ahead=ahead_n, tokens_ahead=ahead_tok,
             queued_in_bucket=n, waited_s=now - r.t_in, path=path, reason=reason,
             counter=self.counter[t], min_counter=lo, t_cut=tl.t_cut,
+            limits=thresholds((fc.f, fc.m), (fg.f, fg.m), self._b2(GPU, k, nbar)),
             ttft_s=since + tm.wait + tm.prefill,
             total_s=since + tm.wait + tm.prefill + tm.decode,
             p99_s=since + tm.tail + tm.decode_hi)
@@ -539,11 +583,9 @@ cdef class Scheduler:
         return idt_find(&self.by_id, hash(request_id), request_id, self.ids)
 
     cdef int _load_coef(self, int p) except -1:
-        a, b, c, d = self._models[p].coefficients()
-        self.coef[p][0] = a
-        self.coef[p][1] = b
-        self.coef[p][2] = c
-        self.coef[p][3] = d
+        cdef int i
+        for i, value in enumerate(self._models[p].coefficients()):
+            self.coef[p][i] = value
         return 0
 
     cdef int _bucket(self, int prompt) noexcept:
@@ -601,29 +643,26 @@ cdef class Scheduler:
         cdef Terms r
         cdef int p = self._target(k, n, nbar)
         cdef long long cap = self.cap[p] if self.cap[p] > 1 else 1
-        cdef long long full = lmin(self.maxb[p], cap)
-        cdef long long run = lmin(n, self.maxb[p])
-        cdef double a = self.coef[p][0], b = self.coef[p][1]
-        cdef double c = self.coef[p][2], d = self.coef[p][3]
+        cdef long long w = self.workers[p]
+        cdef long long per = cap // w if cap // w > 1 else 1
+        per = lmin(self.maxb[p], per)
         cdef double length = self.bounds[k]
-        cdef double s_full = a + b * (<double>full * length) + c * nbar + d * (<double>full * nbar)
-        cdef double wait = <double>ahead * s_full / (<double>cap * (lbar + nbar))
+        cdef double s_full = (self._prefill_s(p, <double>per * length, 0.0, 0.0)
+                              + nbar * self._step_s(p, 0.0, <double>per,
+                                                    <double>per * (length + 0.5 * nbar)))
+        cdef double wait = <double>ahead * s_full / (<double>(w * per) * (lbar + nbar))
         cdef Tail tl = self._tail(now)
-        cdef FM fm = self._fm(p, k, nbar)
-        cdef double lam = meter_rate(&self.arrivals[k], now, self.tau)
-        cdef double b_star = (lam * fm.f - 1.0) / (1.0 + lam * fm.m)
-        cdef double hold
-        if n < b_star:
-            hold = (b_star - n) / lam
-            wait += hold if hold < tl.t_cut else tl.t_cut
-        cdef long long used = self.used[p]
-        if used > 0:
-            wait += c + d * <double>used
+        cdef double u = <double>self.used[p] / <double>w
+        cdef double kv = <double>self.kv[p] / <double>w
+        if self.used[p] > 0:
+            wait += self._step_s(p, 0.0, u, kv)
+        cdef long long run = lmin(n, self.maxb[p])
         r.path = p
         r.wait = wait
-        r.prefill = a + b * (<double>run * length)
-        r.decode = out * (c + d * <double>(used + run))
-        r.decode_hi = out * (c + d * <double>(cap if cap > used + run else used + run))
+        r.prefill = self._prefill_s(p, <double>run * length, u, kv)
+        r.decode = out * self._step_s(p, 0.0, u + run, kv + <double>run * length)
+        cdef double hi = u + run if u + run > per else <double>per
+        r.decode_hi = out * self._step_s(p, 0.0, hi, hi * (length + out))
         cdef double queue = wait + r.prefill
         cdef double bound
         if tl.t_cut < INF:
@@ -635,9 +674,11 @@ cdef class Scheduler:
 
     cdef int _enqueue(self, str rid, Py_hash_t hv, int t, int k, int prompt, int out,
                       double weight, double arrival, double bw, long long priority, deadline,
-                      double service, double now) except -1:
+                      double prefill, double decode, double now) except -1:
         cdef long long cost = prompt + out
-        cdef double key = cost + self.aging * arrival + self.prio_tokens * priority
+        # least slack first: t_in + SLO − prefill, the SLO common to all (in tokens of aging)
+        cdef double key = self.aging * (arrival + bw - prefill) + self.prio_tokens * priority
+        cdef double service = prefill + decode
         cdef int h = self._new_handle(rid)
         idt_insert(&self.by_id, hv, h)
         cdef Req* r = &self.reqs[h]
@@ -938,14 +979,54 @@ cdef class Scheduler:
     cdef inline long long _free(self, int p) noexcept:
         return self.cap[p] - self.used[p]
 
+    cdef inline double _step_s(self, int p, double prefill, double seqs, double kv) noexcept:
+        """One worker step: a decode forward of ``seqs`` sequences holding ``kv`` KV tokens
+        and a prefill forward of ``prefill`` prompt tokens (either may be absent)."""
+        cdef double s = 0.0
+        if seqs > 0.0:
+            s = self.coef[p][0] + self.coef[p][1] * seqs + self.coef[p][2] * kv
+        if prefill > 0.0:
+            s = s + (self.coef[p][3] + self.coef[p][4] * prefill)
+        return s
+
+    cdef inline double _chunk(self, int p, double u) noexcept:
+        """Prompt tokens per step a worker running u sequences prefills."""
+        cdef double budget = self.budget[p]
+        cdef double c = budget - u
+        return c if c > 0.25 * budget else 0.25 * budget
+
+    cdef double _prefill_s(self, int p, double tokens, double u, double kv) noexcept:
+        """Chunked prefill of ``tokens`` prompt tokens next to u running sequences."""
+        if tokens <= 0.0:
+            return 0.0
+        cdef double steps = ceil(tokens / self._chunk(p, u))
+        cdef double run = 0.0
+        if u > 0.0:
+            run = self.coef[p][0] + self.coef[p][1] * u + self.coef[p][2] * kv
+        return steps * (self.coef[p][3] + run) + self.coef[p][4] * tokens
+
     cdef inline FM _fm(self, int p, int k, double nbar) noexcept:
+        """The batch line ``S(B) = F + m·B`` of path p for bucket k."""
         cdef FM r
-        r.f = self.coef[p][0] + self.coef[p][2] * nbar
-        r.m = self.coef[p][1] * self.bounds[k] + self.coef[p][3] * nbar
+        cdef double w = self.workers[p]
+        cdef double u = self.used[p] / w, kv = self.kv[p] / w
+        cdef double length = self.bounds[k]
+        cdef double dl = self.coef[p][0], ds = self.coef[p][1], kc = self.coef[p][2]
+        cdef double pl = self.coef[p][3], pt = self.coef[p][4]
+        cdef double step = dl + ds * u + kc * kv
+        cdef double fixed = pl + step if u > 0.0 else pl
+        r.f = fixed + nbar * step
+        r.m = length * (fixed / self._chunk(p, u) + pt) + nbar * (ds + kc * (length + 0.5 * nbar))
         return r
 
+    cdef double _b2(self, int p, int k, double nbar) noexcept:
+        """B2: the most sequences of bucket k one worker of p decodes within the TPOT SLO."""
+        cdef double per = self.coef[p][1] + self.coef[p][2] * (self.bounds[k] + 0.5 * nbar)
+        cdef double room = self.tpot - self.coef[p][0]
+        return room / per if room > 0.0 else 0.0
+
     cdef int _target(self, int k, long long n, double nbar) noexcept:
-        """The path with the lower batch-time curve at n (n < B1 ⟺ cpu)."""
+        """The path that finishes n requests of bucket k sooner (n < B1 ⟺ cpu)."""
         if self.cap[GPU] <= 0:
             return CPU
         if self.cap[CPU] <= 0:
@@ -954,25 +1035,35 @@ cdef class Scheduler:
         cdef FM g = self._fm(GPU, k, nbar)
         return CPU if c.f + c.m * n < g.f + g.m * n else GPU
 
-    cdef bint _holds(self, int p, int k, long long n, double nbar, double now) noexcept:
-        """Marginal-cost rule: waiting for one more arrival pays iff (n + 1)/λ < F − m·n."""
-        cdef FM fm = self._fm(p, k, nbar)
-        cdef double gain = fm.f - fm.m * n
-        if gain <= 0.0:
+    cdef bint _tpot_holds(self, int p, int k, long long n, double now) except -1:
+        """Hold bucket k's next batch off path p iff it would push the running sequences'
+        time per output token past the TPOT SLO while they now meet it, and the bucket's
+        oldest request still has TTFT slack. Nothing running: never held."""
+        if self.used[p] <= 0:
             return False
-        cdef Meter* meter = &self.arrivals[k]
-        return (n + 1 < meter_rate(meter, now, self.tau) * gain
-                and (n + 1) * (now - meter.last) < gain)
+        cdef double w = self.workers[p]
+        cdef double u = self.used[p] / w, kv = self.kv[p] / w
+        if self._step_s(p, 0.0, u, kv) > self.tpot:
+            return False
+        cdef long long r = lmin(lmin(n, self._free(p)), self.maxb[p])
+        cdef double tokens = <double>r * (<double>self.psum[k] / <double>n)
+        cdef double pf = self._prefill_s(p, tokens, u, kv)
+        cdef double steps = ceil(tokens / self._chunk(p, u))
+        cdef double after = self._step_s(p, 0.0, u + r, kv + tokens)
+        cdef double h = self.mix_out if self.mix_out > 1.0 else 1.0
+        cdef double during = steps if steps < h else h
+        if (during * (pf / steps) + (h - during) * after) / h <= self.tpot:
+            return False
+        cdef int head = self._fifo_head(k)
+        return head >= 0 and (now - self.reqs[head].t_in) + pf < self.slo
 
     cdef bint _overdue(self, int k, double now, double t_cut) except -1:
         cdef int h = self._fifo_head(k)
         return h >= 0 and self.reqs[h].t_in + t_cut <= now
 
-    cdef bint _releases(self, int p, int k, long long n, double nbar, double now,
-                        double t_cut) except -1:
-        if n >= lmin(self._free(p), self.maxb[p]) or self._overdue(k, now, t_cut):
-            return True
-        return not self._holds(p, k, n, nbar, now)
+    cdef bint _releases(self, int p, int k, long long n, double now, double t_cut) except -1:
+        """Release to p now unless the TPOT rule holds it; an overdue bucket always leaves."""
+        return self._overdue(k, now, t_cut) or not self._tpot_holds(p, k, n, now)
 
     cdef double _busy_for(self, int p, double now) except -1.0:
         """Predicted time until the first in-flight batch of path p finishes."""
@@ -995,10 +1086,10 @@ cdef class Scheduler:
             return -1
         cdef double nbar = self.osum[k] / <double>n
         cdef int target = self._target(k, n, nbar)
-        if (fc if target == CPU else fg) > 0:
-            return target if self._releases(target, k, n, nbar, now, t_cut) else -1
-        # Work conservation: the target is busy; the other path takes the batch if it
-        # finishes it no later than the target would after it frees up.
+        if (fc if target == CPU else fg) > 0 and self._releases(target, k, n, now, t_cut):
+            return target
+        # The target is busy or holds the batch for its running sequences: the other path
+        # takes it if it finishes it no later than the target would after it frees up.
         cdef int other = 1 - target
         if (fc if other == CPU else fg) <= 0:
             return -1
@@ -1007,7 +1098,7 @@ cdef class Scheduler:
         cdef FM ft = self._fm(target, k, nbar)
         if fo.f + fo.m * size > self._busy_for(target, now) + (ft.f + ft.m * size):
             return -1
-        return other if self._releases(other, k, n, nbar, now, t_cut) else -1
+        return other if self._releases(other, k, n, now, t_cut) else -1
 
     cdef int _bucket_order(self) except -1:
         """Non-empty buckets into sortbuf: first the one holding the best request of the
@@ -1072,14 +1163,17 @@ cdef class Scheduler:
         return r
 
     cdef double _mu_cpu(self) noexcept:
-        """μ_a: requests/s the cpu path serves in full batches of the current mix."""
+        """μ_a: requests/s the cpu path serves with every worker full, at the current mix."""
         cdef long long cap = self.cap[CPU]
         if cap <= 0:
             return 0.0
-        cdef double b = lmin(cap, self.maxb[CPU])
+        cdef long long w = self.workers[CPU]
+        cdef long long b = cap // w if cap // w > 1 else 1
+        b = lmin(b, self.maxb[CPU])
         cdef double lp = self.mix_prompt, lo = self.mix_out
-        return cap / (self.coef[CPU][0] + self.coef[CPU][1] * (b * lp)
-                      + self.coef[CPU][2] * lo + self.coef[CPU][3] * (b * lo))
+        cdef double s = (self._prefill_s(CPU, <double>b * lp, 0.0, 0.0)
+                         + lo * self._step_s(CPU, 0.0, <double>b, <double>b * (lp + 0.5 * lo)))
+        return <double>(w * b) / s
 
     cdef int _tail_cut(self, double now, double t_cut, list out) except -1:
         """Requests that waited T_cut go to the cpu path in admission order, bucket by
@@ -1118,7 +1212,7 @@ cdef class Scheduler:
 
     cdef int _dispatch(self, int p, int k, double now, list out) except -1:
         cdef int size = self.nbuf, i, h
-        cdef long long length = 0, steps = 0, seq_steps = 0
+        cdef long long length = 0, steps = 0
         cdef Req* r
         for i in range(size):
             r = &self.reqs[self.buf[i]]
@@ -1126,15 +1220,18 @@ cdef class Scheduler:
                 length = r.prompt
             if r.out > steps:
                 steps = r.out
-            seq_steps += r.out
-        cdef double predicted = (self.coef[p][0] + self.coef[p][1] * (<double>size * length)
-                                 + self.coef[p][2] * steps + self.coef[p][3] * seq_steps)
+        cdef double tokens = <double>(size * length)
+        cdef double w = self.workers[p]
+        cdef double u = self.used[p] / w, kv = self.kv[p] / w
+        cdef double predicted = (self._prefill_s(p, tokens, u, kv)
+                                 + steps * self._step_s(p, 0.0, u + size, kv + tokens))
         cdef long long bid = self.next_batch
         self.next_batch += 1
         cdef _Batch batch = _Batch.__new__(_Batch)
         batch.path = p
         batch.end = now + predicted
         batch.n = size
+        batch.open = size
         batch.h = <int*>malloc(size * sizeof(int))
         if batch.h == NULL:
             raise MemoryError()
@@ -1142,6 +1239,8 @@ cdef class Scheduler:
         for i in range(size):
             h = self.buf[i]
             batch.h[i] = h
+            self.cold[h].batch = bid
+            self.kv[p] += self.reqs[h].prompt + self.reqs[h].out / 2
             rid = self.ids[h]
             Py_INCREF(rid)
             PyTuple_SET_ITEM(request_ids, i, rid)
@@ -1156,4 +1255,16 @@ cdef class Scheduler:
         put(d, _DISPATCH[3], request_ids)
         put(d, _DISPATCH[4], predicted)
         out.append(d)
+        return 0
+
+    cdef int _finish(self, int h, int p, long long produced) except -1:
+        """A dispatched request is over: its slot and KV come back; ``produced`` ≥ 0 is
+        learnt as its output length."""
+        self.used[p] -= 1
+        self.kv[p] -= self.reqs[h].prompt + self.reqs[h].out / 2
+        if produced >= 0:
+            self._observe_output(h, produced)
+        idt_remove(&self.by_id, self.reqs[h].hash, h)
+        self.reqs[h].state = DONE
+        self._maybe_release(h)
         return 0

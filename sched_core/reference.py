@@ -24,7 +24,7 @@ from bisect import bisect_left
 from collections import deque
 from typing import Any
 
-from sched_core.costmodel import PathModel
+from sched_core.costmodel import COEFFICIENTS, StepModel
 from sched_core.report import queued_explanation, route_reason, snapshot_dict, thresholds
 from sched_core.types import (
     LN100,
@@ -95,12 +95,13 @@ class _Req:
 
 
 class _Batch:
-    __slots__ = ("path", "reqs", "end")
+    __slots__ = ("path", "reqs", "end", "open")
 
     def __init__(self, path: int, reqs: list[_Req], end: float) -> None:
         self.path = path
         self.reqs = reqs
         self.end = end  # dispatch time + predicted batch time
+        self.open = len(reqs)  # requests not yet finished
 
 
 class Scheduler:
@@ -111,11 +112,14 @@ class Scheduler:
         self.config = cfg
         self._bounds = cfg.bucket_bounds
         nb = len(self._bounds)
-        self._models = (PathModel(cfg.cpu, cfg), PathModel(cfg.gpu, cfg))
+        self._models = (StepModel(cfg.cpu, cfg), StepModel(cfg.gpu, cfg))
         self._coef = [m.coefficients() for m in self._models]
         self._max_batch = (cfg.cpu.max_batch, cfg.gpu.max_batch)
         self._cap = [0, 0]
-        self._used = [0, 0]
+        self._used = [0, 0]  # sequences dispatched and not finished
+        self._kv = [0, 0]  # KV tokens they hold, mid-life: prompt + half the expected output
+        self._workers = [1, 1]
+        self._budget = [cfg.cpu.step_tokens, cfg.gpu.step_tokens]  # tokens per worker step
         self._now = 0.0
         self._seq = 0
         self._next_batch = 1
@@ -185,7 +189,7 @@ class Scheduler:
             return Reject(rid, "deadline", f"estimated completion {total:.3f}s after arrival "
                           f"misses the deadline by {req.arrival + total - req.deadline:.3f}s",
                           wait, total)
-        self._enqueue(req, t, k, out, prefill + decode, now)
+        self._enqueue(req, t, k, out, prefill, decode, now)
         return Contract(rid, k, PATHS[p], ttft, total, bw + tail + decode_hi, ahead, bw)
 
     def tick(self, now: float) -> list[Dispatch | Reject]:
@@ -208,30 +212,56 @@ class Scheduler:
                 self._dispatch(p, k, batch, now, out)
         return out
 
+    def finished(self, request_id: str, output_tokens: int, now: float) -> bool:
+        """One dispatched request finished with ``output_tokens``: its slot comes back now,
+        not when its whole batch ends. False if it is not running (unknown, or its batch
+        already reported)."""
+        self._now = now
+        r = self._by_id.get(request_id)
+        if r is None or r.state != INFLIGHT:
+            return False
+        batch = self._inflight[r.batch]
+        self._finish(r, batch.path, output_tokens)
+        batch.open -= 1
+        if batch.open == 0:
+            del self._inflight[r.batch]
+        return True
+
     def completed(self, timings: BatchTimings, now: float) -> None:
-        """A batch finished: return its slots, refit its path, learn output lengths."""
+        """A batch ended: the slots of its requests not yet ``finished`` come back, and their
+        output lengths are learnt (a failed batch reports none)."""
         self._now = now
         batch = self._inflight.pop(timings.batch_id, None)
         if batch is None:
             return
-        p = batch.path
-        self._used[p] -= len(batch.reqs)
-        model = self._models[p]
-        model.observe(timings)
-        self._coef[p] = model.coefficients()
-        if len(timings.output_tokens) == len(batch.reqs):
-            for r, produced in zip(batch.reqs, timings.output_tokens, strict=True):
-                self._observe_output(r, produced)
-        for r in batch.reqs:
-            r.state = DONE
-            del self._by_id[r.req.id]
+        outs = timings.output_tokens
+        exact = len(outs) == len(batch.reqs)
+        for i, r in enumerate(batch.reqs):
+            if r.state == INFLIGHT:
+                self._finish(r, batch.path, outs[i] if exact else -1)
 
-    def worker_capacity(self, path: str, slots: int, now: float) -> None:
-        """``path``'s live workers offer ``slots`` sequence slots in all (in use ones included)."""
-        if path not in PATHS or slots < 0:
-            raise ValueError(f"unknown path {path!r} or negative slots {slots}")
+    def observe_steps(self, path: str, records: list[tuple[int, int, int, float]],
+                      now: float) -> None:
+        """Refit ``path``'s step-time model from worker step records
+        ``(prefill tokens, decode sequences, KV tokens, seconds)``."""
         self._now = now
-        self._cap[PATHS.index(path)] = slots
+        p = PATHS.index(path)
+        model = self._models[p]
+        model.observe_many(records)
+        self._coef[p] = model.coefficients()
+
+    def worker_capacity(self, path: str, slots: int, now: float, workers: int = 1,
+                        step_tokens: int = 0) -> None:
+        """``path``'s live workers, ``workers`` of them, offer ``slots`` sequence slots in all
+        (in use ones included); ``step_tokens`` > 0 is their per-step token budget."""
+        if path not in PATHS or slots < 0 or workers < 0 or step_tokens < 0:
+            raise ValueError(f"unknown path {path!r}, or negative slots, workers or step tokens")
+        self._now = now
+        p = PATHS.index(path)
+        self._cap[p] = slots
+        self._workers[p] = workers if workers > 0 else 1
+        if step_tokens > 0:
+            self._budget[p] = step_tokens
 
     def cancel(self, request_id: str, now: float) -> bool:
         """Remove a queued request; False if it is unknown, running or already gone."""
@@ -250,19 +280,21 @@ class Scheduler:
         for k, bound in enumerate(self._bounds):
             n = self._n[k]
             nbar = self._osum[k] / n if n else self._mix_out
-            lam = self._arrivals[k].rate(now)
             buckets.append({
                 "bucket": k, "max_prompt": bound, "queued": n, "tokens": self._tok[k],
-                "arrival_rate": lam, "mean_output": nbar,
-                **thresholds(self._fm(CPU, k, nbar), self._fm(GPU, k, nbar), lam),
+                "arrival_rate": self._arrivals[k].rate(now), "mean_output": nbar,
+                **thresholds(self._fm(CPU, k, nbar), self._fm(GPU, k, nbar),
+                             self._b2(GPU, k, nbar)),
             })
         paths = []
         for p, model in enumerate(self._models):
-            a, b, c, d = self._coef[p]
+            u, kv = self._per_worker(p)
             paths.append({
-                "capacity": self._cap[p], "in_flight": self._used[p],
-                "max_batch": self._max_batch[p], "fitted_batches": model.prefill.observations,
-                "prefill": {"a": a, "b": b}, "decode": {"c": c, "d": d},
+                "capacity": self._cap[p], "in_flight": self._used[p], "kv_tokens": self._kv[p],
+                "workers": self._workers[p], "step_tokens": self._budget[p],
+                "max_batch": self._max_batch[p], "fitted_steps": model.observations,
+                "step_model": dict(zip(COEFFICIENTS, self._coef[p], strict=True)),
+                "step_s": self._step_s(p, 0.0, u, kv),
             })
         tenants = {
             name: {"counter": self._counter[t], "queued": self._backlog[t]}
@@ -296,19 +328,19 @@ class Scheduler:
                                                                 ahead_tok, r.out, now)
         t_cut, _ = self._tail(now)
         lo = self._min_counter()
-        f, m = self._fm(p, k, nbar)
-        lam = self._arrivals[k].rate(now)
         path, reason = route_reason(
             target=p, free=(self._free(CPU), self._free(GPU)),
             capacity=(self._cap[CPU], self._cap[GPU]), eligible=self._eligible(t),
-            overdue=r.t_in + t_cut <= now, holds=self._holds(p, k, n, nbar, now),
-            queued=n, b_star=(lam * f - 1.0) / (1.0 + lam * m))
+            overdue=r.t_in + t_cut <= now, holds=self._tpot_holds(p, k, n, now),
+            tpot_slo=self.config.tpot_slo_s)
         since = r.req.budget_wait + (now - r.t_in)
         return queued_explanation(
             request_id=request_id, tenant=self._tenant_names[t], bucket=k,
             max_prompt=self._bounds[k], requests_ahead=ahead_n, tokens_ahead=ahead_tok,
             queued_in_bucket=n, waited_s=now - r.t_in, path=path, reason=reason,
             counter=self._counter[t], min_counter=lo, t_cut=t_cut,
+            limits=thresholds(self._fm(CPU, k, nbar), self._fm(GPU, k, nbar),
+                              self._b2(GPU, k, nbar)),
             ttft_s=since + wait + prefill, total_s=since + wait + prefill + decode,
             p99_s=since + tail + decode_hi)
 
@@ -348,45 +380,44 @@ class Scheduler:
         ``ahead`` tokens before it: (path, wait, prefill, decode, decode bound, p99 of
         wait + prefill).
 
-        wait = tokens ahead ÷ the path's token throughput on this bucket in full batches,
-        plus the expected hold of the release rule, plus the decode step its workers are
-        running (a continuous-batching worker admits new sequences between steps); the p99
-        term is the tail-cut bound ``T_cut + ln(100)/(μ_a − λ_a)`` where the cut is active,
-        else the exponential tail ``ln(100)·(wait + prefill)``. Decode steps run with every
-        sequence in flight on the path: expected ``out·D(in flight + batch)``, bounded by
-        ``out·D(capacity)`` since a path never runs more sequences than its slots.
+        wait = tokens ahead ÷ the path's token throughput when every worker runs full, plus
+        the step its worker is in (a continuous-batching worker admits sequences between
+        steps); the p99 term is the tail-cut bound ``T_cut + ln(100)/(μ_a − λ_a)`` where the
+        cut is active, else the exponential tail ``ln(100)·(wait + prefill)``. Prefill is
+        chunked next to the worker's running sequences; each decode step runs with them and
+        the batch: expected ``out·step(running + batch)``, bounded by the steps of a full
+        worker, since a worker never runs more sequences than its share of the slots.
         """
         p = self._target(k, n, nbar)
         cap = max(self._cap[p], 1)
-        full = min(self._max_batch[p], cap)
-        run = min(n, self._max_batch[p])
-        a, b, c, d = self._coef[p]
-        length = self._bounds[k]
-        s_full = a + b * (full * length) + c * nbar + d * (full * nbar)
-        wait = ahead * s_full / (cap * (lbar + nbar))
+        w = self._workers[p]
+        per = min(self._max_batch[p], max(cap // w, 1))
+        length = float(self._bounds[k])
+        s_full = (self._prefill_s(p, per * length, 0.0, 0.0)
+                  + nbar * self._step_s(p, 0.0, float(per), per * (length + 0.5 * nbar)))
+        wait = ahead * s_full / ((w * per) * (lbar + nbar))
         t_cut, gap = self._tail(now)
-        f, m = self._fm(p, k, nbar)
-        lam = self._arrivals[k].rate(now)
-        b_star = (lam * f - 1.0) / (1.0 + lam * m)
-        if n < b_star:
-            wait += min(t_cut, (b_star - n) / lam)
-        used = self._used[p]
-        if used > 0:
-            wait += c + d * used
-        prefill = a + b * (run * length)
-        decode = out * (c + d * (used + run))
-        decode_hi = out * (c + d * max(cap, used + run))
+        u, kv = self._per_worker(p)
+        if self._used[p] > 0:
+            wait += self._step_s(p, 0.0, u, kv)
+        run = min(n, self._max_batch[p])
+        prefill = self._prefill_s(p, run * length, u, kv)
+        decode = out * self._step_s(p, 0.0, u + run, kv + run * length)
+        hi = u + run if u + run > per else float(per)
+        decode_hi = out * self._step_s(p, 0.0, hi, hi * (length + out))
         queue = wait + prefill
         tail = max(queue, t_cut + LN100 / gap) if t_cut < INF else LN100 * queue
         return p, wait, prefill, decode, decode_hi, tail
 
-    def _enqueue(self, req: Request, t: int, k: int, out: int, service: float,
+    def _enqueue(self, req: Request, t: int, k: int, out: int, prefill: float, decode: float,
                  now: float) -> None:
         cfg = self.config
         prompt = req.prompt_tokens
         cost = prompt + out
-        key = cost + cfg.aging_tokens_per_s * req.arrival + cfg.priority_tokens * req.priority
-        r = _Req(req, k, t, out, key, service, self._seq)
+        # least slack first: t_in + SLO − prefill, the SLO common to all (in tokens of aging)
+        key = (cfg.aging_tokens_per_s * (req.arrival + req.budget_wait - prefill)
+               + cfg.priority_tokens * req.priority)
+        r = _Req(req, k, t, out, key, prefill + decode, self._seq)
         self._seq += 1
         self._by_id[req.id] = r
         self._weight[t] = req.weight
@@ -536,13 +567,64 @@ class Scheduler:
     def _free(self, p: int) -> int:
         return self._cap[p] - self._used[p]
 
+    def _per_worker(self, p: int) -> tuple[float, float]:
+        """Sequences and KV tokens one worker of path p holds now: the path's dispatched,
+        unfinished requests spread over its workers."""
+        w = float(self._workers[p])
+        return self._used[p] / w, self._kv[p] / w
+
+    def _step_s(self, p: int, prefill: float, seqs: float, kv: float) -> float:
+        """One worker step: a decode forward of ``seqs`` sequences holding ``kv`` KV tokens
+        and a prefill forward of ``prefill`` prompt tokens (either may be absent)."""
+        dl, ds, kc, pl, pt = self._coef[p]
+        s = 0.0
+        if seqs > 0.0:
+            s = dl + ds * seqs + kc * kv
+        if prefill > 0.0:
+            s = s + (pl + pt * prefill)
+        return s
+
+    def _chunk(self, p: int, u: float) -> float:
+        """Prompt tokens per step a worker running u sequences prefills: its step budget
+        less their decode tokens, at least a quarter of the budget."""
+        budget = float(self._budget[p])
+        c = budget - u
+        return c if c > 0.25 * budget else 0.25 * budget
+
+    def _prefill_s(self, p: int, tokens: float, u: float, kv: float) -> float:
+        """Chunked prefill of ``tokens`` prompt tokens next to u running sequences:
+        ``ceil(tokens / chunk)`` steps, each also decoding the running ones."""
+        if tokens <= 0.0:
+            return 0.0
+        steps = math.ceil(tokens / self._chunk(p, u))
+        dl, ds, kc, pl, pt = self._coef[p]
+        run = dl + ds * u + kc * kv if u > 0.0 else 0.0
+        return steps * (pl + run) + pt * tokens
+
     def _fm(self, p: int, k: int, nbar: float) -> tuple[float, float]:
-        """Launch cost F and marginal cost m of path p on bucket k: ``S(B) = F + m·B``."""
-        a, b, c, d = self._coef[p]
-        return a + c * nbar, b * self._bounds[k] + d * nbar
+        """The batch line ``S(B) = F + m·B`` of path p for bucket k (prefill in chunks of the
+        worker's budget, then ``nbar`` decode steps with the batch joined to the running
+        sequences): F the fixed part, m the part per request."""
+        u, kv = self._per_worker(p)
+        length = float(self._bounds[k])
+        dl, ds, kc, pl, pt = self._coef[p]
+        step = dl + ds * u + kc * kv
+        fixed = pl + step if u > 0.0 else pl
+        f = fixed + nbar * step
+        m = length * (fixed / self._chunk(p, u) + pt) + nbar * (ds + kc * (length + 0.5 * nbar))
+        return f, m
+
+    def _b2(self, p: int, k: int, nbar: float) -> float:
+        """B2 for continuous batching: the most sequences of bucket k one worker of path p
+        decodes within the TPOT SLO, ``step(B2) = tpot_slo_s``."""
+        dl, ds, kc, _, _ = self._coef[p]
+        per = ds + kc * (self._bounds[k] + 0.5 * nbar)
+        room = self.config.tpot_slo_s - dl
+        return room / per if room > 0.0 else 0.0
 
     def _target(self, k: int, n: int, nbar: float) -> int:
-        """The path with the lower batch-time curve at n (n < B1 ⟺ cpu)."""
+        """The path that finishes n requests of bucket k sooner, running sequences counted
+        (n < B1 ⟺ cpu)."""
         if self._cap[GPU] <= 0:
             return CPU
         if self._cap[CPU] <= 0:
@@ -551,29 +633,36 @@ class Scheduler:
         fg, mg = self._fm(GPU, k, nbar)
         return CPU if fc + mc * n < fg + mg * n else GPU
 
-    def _holds(self, p: int, k: int, n: int, nbar: float, now: float) -> bool:
-        """Marginal-cost rule: waiting for one more arrival pays iff (n + 1)/λ < F − m·n.
-
-        λ is capped by the silence since the last arrival (1/λ ≥ now − last), so a burst
-        that ended does not keep a batch waiting for arrivals that no longer come.
-        """
-        f, m = self._fm(p, k, nbar)
-        gain = f - m * n
-        if gain <= 0.0:
+    def _tpot_holds(self, p: int, k: int, n: int, now: float) -> bool:
+        """Marginal cost in continuous batching: hold bucket k's next batch off path p iff its
+        prefill and decode would push the running sequences' time per output token (over the
+        next ``mix_out`` tokens) past the TPOT SLO while they now meet it, and the bucket's
+        oldest request still has TTFT slack. Nothing running: never held."""
+        if self._used[p] <= 0:
             return False
-        meter = self._arrivals[k]
-        return n + 1 < meter.rate(now) * gain and (n + 1) * (now - meter.last) < gain
+        slo = self.config.tpot_slo_s
+        u, kv = self._per_worker(p)
+        if self._step_s(p, 0.0, u, kv) > slo:
+            return False
+        r = min(n, self._free(p), self._max_batch[p])
+        tokens = r * (self._psum[k] / n)
+        pf = self._prefill_s(p, tokens, u, kv)
+        steps = float(math.ceil(tokens / self._chunk(p, u)))
+        after = self._step_s(p, 0.0, u + r, kv + tokens)
+        h = self._mix_out if self._mix_out > 1.0 else 1.0
+        during = steps if steps < h else h
+        if (during * (pf / steps) + (h - during) * after) / h <= slo:
+            return False
+        head = self._fifo_head(k)
+        return head is not None and (now - head.t_in) + pf < self.config.ttft_p99_slo_s
 
     def _overdue(self, k: int, now: float, t_cut: float) -> bool:
         r = self._fifo_head(k)
         return r is not None and r.t_in + t_cut <= now
 
-    def _releases(self, p: int, k: int, n: int, nbar: float, now: float, t_cut: float) -> bool:
-        """Release to p now: the batch cannot grow, its oldest is overdue, or waiting does
-        not pay."""
-        if n >= min(self._free(p), self._max_batch[p]) or self._overdue(k, now, t_cut):
-            return True
-        return not self._holds(p, k, n, nbar, now)
+    def _releases(self, p: int, k: int, n: int, now: float, t_cut: float) -> bool:
+        """Release to p now unless the TPOT rule holds it; an overdue bucket always leaves."""
+        return self._overdue(k, now, t_cut) or not self._tpot_holds(p, k, n, now)
 
     def _busy_for(self, p: int, now: float) -> float:
         """Predicted time until the first in-flight batch of path p finishes."""
@@ -588,10 +677,10 @@ class Scheduler:
             return -1
         nbar = self._osum[k] / n
         target = self._target(k, n, nbar)
-        if free[target] > 0:
-            return target if self._releases(target, k, n, nbar, now, t_cut) else -1
-        # Work conservation: the target is busy; the other path takes the batch if it
-        # finishes it no later than the target would after it frees up.
+        if free[target] > 0 and self._releases(target, k, n, now, t_cut):
+            return target
+        # The target is busy or holds the batch for its running sequences: the other path
+        # takes it if it finishes it no later than the target would after it frees up.
         other = 1 - target
         if free[other] <= 0:
             return -1
@@ -600,7 +689,7 @@ class Scheduler:
         ft, mt = self._fm(target, k, nbar)
         if fo + mo * size > self._busy_for(target, now) + (ft + mt * size):
             return -1
-        return other if self._releases(other, k, n, nbar, now, t_cut) else -1
+        return other if self._releases(other, k, n, now, t_cut) else -1
 
     def _bucket_order(self) -> list[int]:
         """Non-empty buckets: first the one holding the best request of the most-behind
@@ -652,14 +741,16 @@ class Scheduler:
         return slo - LN100 / gap, gap
 
     def _mu_cpu(self) -> float:
-        """μ_a: requests/s the cpu path serves in full batches of the current mix."""
+        """μ_a: requests/s the cpu path serves with every worker full, at the current mix."""
         cap = self._cap[CPU]
         if cap <= 0:
             return 0.0
-        b = min(cap, self._max_batch[CPU])
-        a, bb, c, d = self._coef[CPU]
+        w = self._workers[CPU]
+        b = min(max(cap // w, 1), self._max_batch[CPU])
         lp, lo = self._mix_prompt, self._mix_out
-        return cap / (a + bb * (b * lp) + c * lo + d * (b * lo))
+        s = (self._prefill_s(CPU, b * lp, 0.0, 0.0)
+             + lo * self._step_s(CPU, 0.0, float(b), b * (lp + 0.5 * lo)))
+        return (w * b) / s
 
     def _tail_cut(self, now: float, t_cut: float, out: list[Dispatch | Reject]) -> None:
         """Requests that waited T_cut go to the cpu path in admission order, bucket by
@@ -691,19 +782,29 @@ class Scheduler:
 
     def _dispatch(self, p: int, k: int, batch: list[_Req], now: float,
                   out: list[Dispatch | Reject]) -> None:
-        a, b, c, d = self._coef[p]
         size = len(batch)
-        length = max(r.req.prompt_tokens for r in batch)
+        tokens = float(size * max(r.req.prompt_tokens for r in batch))
         steps = max(r.out for r in batch)
-        seq_steps = sum(r.out for r in batch)
-        predicted = a + b * (size * length) + c * steps + d * seq_steps
+        u, kv = self._per_worker(p)
+        predicted = (self._prefill_s(p, tokens, u, kv)
+                     + steps * self._step_s(p, 0.0, u + size, kv + tokens))
         bid = self._next_batch
         self._next_batch += 1
         for r in batch:
             r.batch = bid
+            self._kv[p] += r.req.prompt_tokens + r.out // 2
         self._used[p] += size
         self._inflight[bid] = _Batch(p, batch, now + predicted)
         if p == CPU:
             self._cpu_meter.add(now, float(size))
         out.append(Dispatch(bid, PATHS[p], k, tuple(r.req.id for r in batch), predicted))
 
+    def _finish(self, r: _Req, p: int, produced: int) -> None:
+        """A dispatched request is over: its slot and KV come back; ``produced`` ≥ 0 is
+        learnt as its output length."""
+        self._used[p] -= 1
+        self._kv[p] -= r.req.prompt_tokens + r.out // 2
+        if produced >= 0:
+            self._observe_output(r, produced)
+        r.state = DONE
+        del self._by_id[r.req.id]

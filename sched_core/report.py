@@ -18,13 +18,13 @@ def finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def thresholds(cpu: tuple[float, float], gpu: tuple[float, float], lam: float) -> dict[str, Any]:
-    """B1, B2 and B*(λ) of one bucket, from each path's batch-time line ``S(B) = F + m·B``.
+def thresholds(cpu: tuple[float, float], gpu: tuple[float, float], b2: float) -> dict[str, Any]:
+    """B1 and B2 of one bucket.
 
-    B1: the crossover ``S_cpu(B1) = S_gpu(B1)``; below it the CPU finishes a batch sooner.
-    B2 = F/m of the GPU: the batch size whose marginal work equals the launch cost; waiting
-    for more requests never pays beyond it, whatever the arrival rate.
-    B*(λ) = (λF − 1)/(1 + λm): the GPU waits for the next arrival while fewer are queued.
+    B1: the crossover of the paths' batch lines ``S(B) = F + m·B`` (running sequences
+    counted); below it the CPU finishes a batch sooner. B2: the most sequences of the bucket
+    one GPU worker decodes within the TPOT SLO; past it, each added sequence pushes the
+    running ones over the SLO, which is when the release rule may hold a batch.
     """
     f_cpu, m_cpu = cpu
     f_gpu, m_gpu = gpu
@@ -33,9 +33,7 @@ def thresholds(cpu: tuple[float, float], gpu: tuple[float, float], lam: float) -
         b1 = max(0.0, d_f / d_m)
     else:
         b1 = math.inf if d_f > 0.0 else 0.0
-    b2 = f_gpu / m_gpu if m_gpu > 0.0 else math.inf
-    b_star = max(0.0, (lam * f_gpu - 1.0) / (1.0 + lam * m_gpu))
-    return {"b1": finite(b1), "b2": finite(b2), "b_star": finite(b_star)}
+    return {"b1": finite(b1), "b2": finite(b2)}
 
 
 def route_reason(
@@ -46,8 +44,7 @@ def route_reason(
     eligible: bool,
     overdue: bool,
     holds: bool,
-    queued: int,
-    b_star: float,
+    tpot_slo: float,
 ) -> tuple[str, str]:
     """Which path a queued request is headed for, and why it is still waiting."""
     if overdue and capacity[0] > 0:
@@ -61,8 +58,9 @@ def route_reason(
         return name, f"{name} is busy: it leaves when slots come back"
     if holds:
         return name, (
-            f"waiting for a larger {name} batch: {queued} queued, waiting pays below "
-            f"B* = {b_star:.2f}"
+            f"held: starting it now would push {name}'s running sequences past the "
+            f"{tpot_slo * 1000:.0f} ms per-token SLO; it leaves when they finish or its own "
+            f"time-to-first-token slack runs out"
         )
     return name, f"it leaves for {name} at the next tick"
 
@@ -111,6 +109,7 @@ def queued_explanation(
     counter: float,
     min_counter: float,
     t_cut: float,
+    limits: dict[str, Any],
     ttft_s: float,
     total_s: float,
     p99_s: float,
@@ -131,5 +130,6 @@ def queued_explanation(
         "tenant_counter": counter,
         "min_counter": finite(min_counter),
         "t_cut_s": finite(t_cut),
+        "thresholds": limits,
         "estimate": {"ttft_s": ttft_s, "total_s": total_s, "p99_s": p99_s},
     }

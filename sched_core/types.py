@@ -124,34 +124,23 @@ class BatchTimings:
 
 @dataclass(frozen=True, slots=True)
 class PathConfig:
-    """Prior cost model and batch limit of one path.
+    """Prior step-time model of one path (seconds) and its limits (interface stub)."""
 
-    Prefill of ``B`` sequences padded to ``L`` tokens takes ``prefill_a + prefill_b·B·L``
-    seconds; one decode step with ``B`` running sequences takes ``decode_c + decode_d·B``.
-    The scheduler refits all four online; these values seed the fit.
-    """
-
-    prefill_a: float
-    prefill_b: float
-    decode_c: float
-    decode_d: float
+    decode_launch: float
+    decode_seq: float
+    kv_token: float
+    prefill_launch: float
+    prefill_token: float
     max_batch: int
-
-    def __post_init__(self) -> None:
-        if min(self.prefill_a, self.decode_c) < 0.0 or min(self.prefill_b, self.decode_d) <= 0.0:
-            raise ValueError("cost priors: intercepts must be >= 0 and slopes > 0")
-        if self.max_batch < 1:
-            raise ValueError("max_batch must be at least 1")
+    step_tokens: int = 256
 
 
 def _default_cpu() -> PathConfig:
-    # Small model on a few CPU cores: cheap to start, expensive per token.
-    return PathConfig(prefill_a=0.004, prefill_b=4e-5, decode_c=0.006, decode_d=0.0015, max_batch=8)
+    return PathConfig(0.079, 0.0043, 1.25e-5, 0.063, 0.00218, 32, 128)
 
 
 def _default_gpu() -> PathConfig:
-    # Launch and transfer cost dominate small batches; the marginal token is nearly free.
-    return PathConfig(prefill_a=0.030, prefill_b=1e-6, decode_c=0.008, decode_d=1e-4, max_batch=64)
+    return PathConfig(0.0096, 3.5e-5, 3.4e-8, 0.0096, 8.6e-7, 64, 512)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +167,7 @@ class SchedulerConfig:
     cpu: PathConfig = field(default_factory=_default_cpu)
     gpu: PathConfig = field(default_factory=_default_gpu)
     ttft_p99_slo_s: float = 2.0
+    tpot_slo_s: float = 0.1
     aging_tokens_per_s: float = 1000.0
     priority_tokens: float = 4096.0
     max_queued: int = 250_000
@@ -196,6 +186,7 @@ class SchedulerConfig:
             raise ValueError("bucket_bounds must be positive and strictly increasing")
         positive = {
             "ttft_p99_slo_s": self.ttft_p99_slo_s,
+            "tpot_slo_s": self.tpot_slo_s,
             "aging_tokens_per_s": self.aging_tokens_per_s,
             "rate_window_s": self.rate_window_s,
             "prior_weight": self.prior_weight,
