@@ -660,9 +660,11 @@ cdef class Scheduler:
         r.path = p
         r.wait = wait
         r.prefill = self._prefill_s(p, <double>run * length, u, kv)
-        r.decode = out * self._step_s(p, 0.0, u + run, kv + <double>run * length)
+        cdef double kv_run = kv + <double>run * length
+        r.decode = out * self._step_s(p, 0.0, u + run, kv_run)
         cdef double hi = u + run if u + run > per else <double>per
-        r.decode_hi = out * self._step_s(p, 0.0, hi, hi * (length + out))
+        cdef double kv_hi = hi * (length + out)
+        r.decode_hi = out * self._step_s(p, 0.0, hi, kv_hi if kv_hi > kv_run else kv_run)
         cdef double queue = wait + r.prefill
         cdef double bound
         if tl.t_cut < INF:
@@ -1046,6 +1048,8 @@ cdef class Scheduler:
         if self._step_s(p, 0.0, u, kv) > self.tpot:
             return False
         cdef long long r = lmin(lmin(n, self._free(p)), self.maxb[p])
+        if r <= 0:
+            return False
         cdef double tokens = <double>r * (<double>self.psum[k] / <double>n)
         cdef double pf = self._prefill_s(p, tokens, u, kv)
         cdef double steps = ceil(tokens / self._chunk(p, u))

@@ -402,9 +402,11 @@ class Scheduler:
             wait += self._step_s(p, 0.0, u, kv)
         run = min(n, self._max_batch[p])
         prefill = self._prefill_s(p, run * length, u, kv)
-        decode = out * self._step_s(p, 0.0, u + run, kv + run * length)
+        kv_run = kv + run * length
+        decode = out * self._step_s(p, 0.0, u + run, kv_run)
         hi = u + run if u + run > per else float(per)
-        decode_hi = out * self._step_s(p, 0.0, hi, hi * (length + out))
+        kv_hi = hi * (length + out)
+        decode_hi = out * self._step_s(p, 0.0, hi, kv_hi if kv_hi > kv_run else kv_run)
         queue = wait + prefill
         tail = max(queue, t_cut + LN100 / gap) if t_cut < INF else LN100 * queue
         return p, wait, prefill, decode, decode_hi, tail
@@ -447,7 +449,7 @@ class Scheduler:
         if len(fifo) > 2 * self._n[k] + 64:
             self._fifo[k] = deque(q for q in fifo if q.state == QUEUED)
         if req.deadline is not None:
-            heapq.heappush(self._deadlines, (req.deadline - service, req.arrival, req.id, r.seq, r))
+            heapq.heappush(self._deadlines, (req.deadline - r.service, req.arrival, req.id, r.seq, r))
         self._arrivals[k].add(now, 1.0)
         alpha = cfg.ewma_alpha
         self._mix_prompt += alpha * (prompt - self._mix_prompt)
@@ -645,6 +647,8 @@ class Scheduler:
         if self._step_s(p, 0.0, u, kv) > slo:
             return False
         r = min(n, self._free(p), self._max_batch[p])
+        if r <= 0:
+            return False
         tokens = r * (self._psum[k] / n)
         pf = self._prefill_s(p, tokens, u, kv)
         steps = float(math.ceil(tokens / self._chunk(p, u)))

@@ -40,6 +40,7 @@ class Lockstep:
     impls: list[Any] = field(default_factory=list)
     open: set[str] = field(default_factory=set)  # admitted, not yet dispatched/ended
     running: dict[int, Dispatch] = field(default_factory=dict)
+    unfinished: dict[int, set[str]] = field(default_factory=dict)  # per running batch
     capacity: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "gpu": 0})
     used: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "gpu": 0})
 
@@ -82,21 +83,40 @@ class Lockstep:
             assert self.used[d.path] + size <= self.capacity[d.path]
             self.used[d.path] += size
             self.running[d.batch_id] = d
+            self.unfinished[d.batch_id] = set(d.request_ids)
 
     def complete(self, batch_id: int, rng: random.Random) -> None:
         d = self.running.pop(batch_id)
-        self.used[d.path] -= len(d.request_ids)
+        self.used[d.path] -= len(self.unfinished.pop(batch_id))
         outs = tuple(rng.randint(0, 300) for _ in d.request_ids)
         self.call("completed", BatchTimings(
             d.batch_id, d.path, len(outs), 64 * (d.bucket + 1), rng.uniform(0.001, 1.0),
             max(outs), rng.uniform(0.001, 2.0), outs), self.now)
 
-    def set_capacity(self, path: str, slots: int) -> None:
+    def finish(self, rid: str, out: int) -> None:
+        """One request of a running batch finishes before its batch reports."""
+        batch = next((b for b, left in self.unfinished.items() if rid in left), None)
+        assert self.call("finished", rid, out, self.now) == (batch is not None)
+        if batch is not None:
+            self.unfinished[batch].remove(rid)
+            self.used[self.running[batch].path] -= 1
+            if not self.unfinished[batch]:
+                del self.unfinished[batch]
+                del self.running[batch]
+
+    def steps(self, path: str, rng: random.Random) -> None:
+        """Worker step telemetry: (prefill tokens, decode sequences, KV tokens, seconds)."""
+        records = [(rng.choice([0, 0, rng.randint(1, 512)]), rng.randint(0, 32),
+                    rng.randint(0, 20000), rng.uniform(0.001, 0.5))
+                   for _ in range(rng.randint(1, 8))]
+        self.call("observe_steps", path, records, self.now)
+
+    def set_capacity(self, path: str, slots: int, workers: int = 1, step_tokens: int = 0) -> None:
         self.capacity[path] = slots
-        self.call("worker_capacity", path, slots, self.now)
+        self.call("worker_capacity", path, slots, self.now, workers, step_tokens)
 
     def is_running(self, rid: str) -> bool:
-        return any(rid in d.request_ids for d in self.running.values())
+        return any(rid in left for left in self.unfinished.values())
 
     def check_reports(self, ids: list[str]) -> None:
         self.call("snapshot")
@@ -108,13 +128,16 @@ class Lockstep:
 configs = st.builds(
     SchedulerConfig,
     bucket_bounds=st.sampled_from([(64, 128, 256, 512, 1024, 2048, 4096, 8192), (100, 1000)]),
-    cpu=st.builds(PathConfig, prefill_a=st.sampled_from([0.0, 0.004]),
-                  prefill_b=st.just(4e-5), decode_c=st.sampled_from([0.0, 0.006]),
-                  decode_d=st.just(0.0015), max_batch=st.integers(1, 8)),
-    gpu=st.builds(PathConfig, prefill_a=st.sampled_from([0.03, 0.3]), prefill_b=st.just(1e-6),
-                  decode_c=st.just(0.008), decode_d=st.just(1e-4),
-                  max_batch=st.integers(1, 64)),
+    cpu=st.builds(PathConfig, decode_launch=st.sampled_from([0.0, 0.006]),
+                  decode_seq=st.just(0.0015), kv_token=st.sampled_from([1e-7, 2e-6]),
+                  prefill_launch=st.sampled_from([0.0, 0.004]), prefill_token=st.just(4e-5),
+                  max_batch=st.integers(1, 8), step_tokens=st.sampled_from([16, 128, 512])),
+    gpu=st.builds(PathConfig, decode_launch=st.just(0.008), decode_seq=st.just(1e-4),
+                  kv_token=st.just(3e-8), prefill_launch=st.sampled_from([0.03, 0.3]),
+                  prefill_token=st.just(1e-6), max_batch=st.integers(1, 64),
+                  step_tokens=st.sampled_from([64, 512])),
     ttft_p99_slo_s=st.sampled_from([0.3, 2.0, 30.0]),
+    tpot_slo_s=st.sampled_from([0.01, 0.1, 1.0]),
     max_queued=st.sampled_from([3, 1000]),
     fair_slack_tokens=st.sampled_from([0.0, 500.0, 65536.0]),
     rate_window_s=st.sampled_from([0.05, 10.0]),
@@ -131,8 +154,11 @@ events = st.lists(st.one_of(
     arrivals,
     st.tuples(st.just("tick"), st.floats(0.0, 0.5)),
     st.tuples(st.just("complete"), st.integers(0, 10**6)),
+    st.tuples(st.just("finish"), st.integers(0, 10**6), st.integers(0, 300)),
+    st.tuples(st.just("steps"), st.sampled_from(["cpu", "gpu"])),
     st.tuples(st.just("cancel"), st.integers(0, 10**6)),
-    st.tuples(st.just("capacity"), st.sampled_from(["cpu", "gpu"]), st.integers(0, 12)),
+    st.tuples(st.just("capacity"), st.sampled_from(["cpu", "gpu"]), st.integers(0, 12),
+              st.integers(0, 3), st.sampled_from([0, 32, 256])),
 ), min_size=20, max_size=100)
 
 
@@ -160,12 +186,16 @@ def test_both_implementations_decide_alike_and_every_request_ends_once(
             run.tick()
         elif kind == "complete" and run.running:
             run.complete(sorted(run.running)[event[1] % len(run.running)], rng)
+        elif kind == "finish" and ids:
+            run.finish(ids[event[1] % len(ids)], event[2])
+        elif kind == "steps":
+            run.steps(event[1], rng)
         elif kind == "cancel" and ids:
             rid = ids[event[1] % len(ids)]
             if run.call("cancel", rid, run.now):
                 run.open.remove(rid)
         elif kind == "capacity":
-            run.set_capacity(event[1], event[2])
+            run.set_capacity(*event[1:])
         run.queued()
     run.check_reports(ids)
 
@@ -256,8 +286,13 @@ def test_long_runs_agree(seed: int, rate: float, slo: float) -> None:
                 deadline=run.now + rng.uniform(0.5, 5.0) if rng.random() < 0.1 else None))
         elif roll < 0.85:
             run.tick()
-        elif roll < 0.97 and run.running:
+        elif roll < 0.93 and run.running:
             run.complete(rng.choice(sorted(run.running)), rng)
+        elif roll < 0.96 and run.running:
+            batch = rng.choice(sorted(run.unfinished))
+            run.finish(rng.choice(sorted(run.unfinished[batch])), rng.randint(1, 300))
+        elif roll < 0.97:
+            run.steps(rng.choice(["cpu", "gpu"]), rng)
         else:
             rid = f"r{rng.randrange(i + 1)}"
             if run.call("cancel", rid, run.now):
