@@ -51,6 +51,10 @@ GATEWAY_FLAGS: tuple[tuple[str, str, str | None], ...] = (
      "open-file limit)"),
     ("keep-alive-timeout", "keep_alive_timeout_s",
      "seconds an idle keep-alive connection stays open"),
+    ("policy", "policy",
+     "scheduling policy: tokengate (the step-time scheduler: fair share, least slack, latency "
+     "contracts), fcfs, or fixed:batch=B,window_ms=W (a dynamic batcher); baselines send no "
+     "contract headers"),
     ("max-in-flight", "max_in_flight",
      "requests this gateway holds at once (admitted, not yet answered); beyond it a 503 at once"),
     ("redis-max-connections", "redis_max_connections",

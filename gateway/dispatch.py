@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -38,7 +39,6 @@ from workers.retry import Outage, backoff_policy
 log = logging.getLogger("tokengate.dispatch")
 
 CANCEL_TTL_S = 600
-TICK_S = 0.002  # how often the scheduler is asked while requests wait
 WATCH_S = 0.5  # how often workers and peers are re-read (and slot leases checked)
 BACKOFF = backoff_policy(base_s=0.05, cap_s=2.0)  # after the n-th Redis failure in a row of one loop
 
@@ -47,7 +47,7 @@ BACKOFF = backoff_policy(base_s=0.05, cap_s=2.0)  # after the n-th Redis failure
 class Pending:
     seq: p.SeqJob
     created: float
-    contract: Contract
+    contract: Contract | None  # None under a baseline policy (fcfs, fixed), which promises nothing
     events: asyncio.Queue[p.Event] = field(default_factory=asyncio.Queue)
 
 
@@ -65,7 +65,7 @@ class Dispatcher:
         self.replies = wire.replies_stream(settings.gateway_id)
         self.shell = SchedulerShell(
             settings.gateway_id, self.replies, config, settings.handoff_min_prompt,
-            lease_s=settings.request_timeout_s + 30.0,
+            lease_s=settings.request_timeout_s + 30.0, policy=settings.policy,
         )
         self.liveness = Liveness(client, settings)
         self.pending: dict[str, Pending] = {}
@@ -141,10 +141,10 @@ class Dispatcher:
         return pending
 
     def explain(self, rid: str) -> dict[str, object] | None:
-        return self.shell.core.explain(rid)
+        return self.shell.explain(rid)
 
     def snapshot(self) -> dict[str, object]:
-        snap = self.shell.core.snapshot()
+        snap = self.shell.snapshot()
         snap["gateway"] = self.settings.gateway_id
         snap["gateways_sharing_capacity"] = self.gateways
         snap["batches_in_flight"] = self.shell.leases
@@ -185,10 +185,13 @@ class Dispatcher:
     # -- jobs out ---------------------------------------------------------------------------
 
     async def _send_loop(self) -> None:
+        """Tick on every wake (an arrival, a slot back, capacity) and whenever the driver
+        asks for one (``Driver.next_tick``: while requests wait and a slot is free)."""
         while not self._closing:
-            if len(self.shell):
+            due = self.shell.next_tick(time.monotonic())
+            if due < math.inf:
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(TICK_S):
+                    async with asyncio.timeout(max(0.0, due - time.monotonic())):
                         await self._wake.wait()
             else:
                 await self._wake.wait()
@@ -233,14 +236,15 @@ class Dispatcher:
     # -- replies --------------------------------------------------------------------------
 
     async def _reply_loop(self) -> None:
-        last = b"0-0"
+        """This gateway's replies and every worker's step telemetry, in one blocking read."""
+        last = {self.replies: b"0-0", wire.TELEMETRY_STREAM: b"$"}
         failures = 0
         trimmed = time.monotonic()
         while not self._closing:
             started = time.monotonic()
             try:
                 reply: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self.client.xread(
-                    {self.replies: last}, count=1000, block=1000
+                    last, count=1000, block=1000  # type: ignore[arg-type]
                 )  # type: ignore[assignment]
             except RedisError as exc:
                 failures += 1
@@ -249,14 +253,25 @@ class Dispatcher:
                 continue
             failures = 0
             self._outage.recovered(started)
-            for _stream, entries in reply or []:
+            for stream, entries in reply or []:
+                telemetry = wire.text(stream) == wire.TELEMETRY_STREAM
                 for entry_id, fields in entries:
-                    last = entry_id
-                    self._route(fields)
+                    if telemetry:
+                        last[wire.TELEMETRY_STREAM] = entry_id
+                        self._observe(fields)
+                    else:
+                        last[self.replies] = entry_id
+                        self._route(fields)
             if time.monotonic() - trimmed > 1.0:  # entries already routed; drop them once a second
                 trimmed = time.monotonic()
                 with contextlib.suppress(RedisError):
-                    await self.client.xtrim(self.replies, minid=last, approximate=True)
+                    await self.client.xtrim(self.replies, minid=last[self.replies], approximate=True)
+
+    def _observe(self, fields: dict[bytes, bytes]) -> None:
+        try:
+            self.shell.telemetry(p.decode_telemetry(fields), time.monotonic())
+        except p.ProtocolError as exc:
+            log.warning("dropping unreadable worker telemetry: %s", exc)
 
     def _route(self, fields: dict[bytes, bytes]) -> None:
         try:
@@ -269,8 +284,12 @@ class Dispatcher:
                 if isinstance(ev, p.BatchReport):
                     self.shell.completed(ev, time.monotonic())
                     self._wake.set()  # slots came back
-                else:
-                    self._route_event(ev)
+                    continue
+                if isinstance(ev, p.Finished | p.Failed):
+                    tokens = ev.completion_tokens if isinstance(ev, p.Finished) else -1
+                    if self.shell.finished(ev.rid, tokens, time.monotonic()):
+                        self._wake.set()  # its slot came back
+                self._route_event(ev)
             except Exception:  # noqa: BLE001 - one bad event must not stop the loop
                 log.exception("dropping a reply event that could not be handled: %r", ev)
 

@@ -12,7 +12,9 @@ from dataclasses import dataclass, replace
 
 import orjson
 
-from sched_core import BatchTimings, Contract, Dispatch, PathConfig, Reject, Request, Scheduler, SchedulerConfig
+from sched_core import BatchTimings, Contract, Dispatch, PathConfig, Reject, Request, SchedulerConfig
+from sched_core.driver import Driver
+from sched_core.policies import make_policy
 from workers import protocol as p
 
 
@@ -76,17 +78,20 @@ def scheduler_config(priors_path: str | None) -> SchedulerConfig:
     return replace(config, **paths)
 
 
-def capacity_share(workers: dict[str, p.Heartbeat], gateways: int) -> dict[str, int]:
-    """Slots per pool this gateway may fill: the pool's live slots split over live gateways.
+def capacity_share(workers: dict[str, p.Heartbeat], gateways: int) -> dict[str, tuple[int, int]]:
+    """Slots and workers per pool this gateway may fill: the pool's live slots split over
+    live gateways, and as many workers as carry that share (at least one).
 
     Every gateway runs its own scheduler; each gets an equal share (rounded up, so a small
     pool is never shared down to nothing). Workers queue any excess internally.
     """
-    total: dict[str, int] = {pool: 0 for pool in p.POOLS}
+    slots: dict[str, int] = {pool: 0 for pool in p.POOLS}
+    count: dict[str, int] = {pool: 0 for pool in p.POOLS}
     for hb in workers.values():
-        total[hb.pool] = total.get(hb.pool, 0) + hb.slots
+        slots[hb.pool] = slots.get(hb.pool, 0) + hb.slots
+        count[hb.pool] = count.get(hb.pool, 0) + 1
     n = max(1, gateways)
-    return {pool: math.ceil(slots / n) for pool, slots in total.items()}
+    return {pool: (math.ceil(slots[pool] / n), max(1, round(count[pool] / n))) for pool in slots}
 
 
 class SchedulerShell:
@@ -97,8 +102,9 @@ class SchedulerShell:
     ``lease_s`` after dispatch at the latest."""
 
     def __init__(self, gateway_id: str, reply_to: str, config: SchedulerConfig | None = None,
-                 handoff_min_prompt: int = 0, lease_s: float = 150.0) -> None:
-        self.core = Scheduler(config or SchedulerConfig())
+                 handoff_min_prompt: int = 0, lease_s: float = 150.0, policy: str = "tokengate") -> None:
+        self.policy = policy
+        self.driver = Driver(make_policy(policy, config or SchedulerConfig()))
         self.gateway_id = gateway_id
         self.reply_to = reply_to
         self.handoff_min_prompt = handoff_min_prompt
@@ -107,11 +113,25 @@ class SchedulerShell:
         self._leases: dict[int, _Lease] = {}
         self._lease_of: dict[str, int] = {}  # request id -> batch id, while its lease lasts
         self._gpu_alive = False
+        self._step_tokens: dict[str, int] = {}  # per pool, from the workers' telemetry
 
     def __len__(self) -> int:
-        return self.core.queued
+        return self.driver.queued
 
-    def arrive(self, seq: p.SeqJob, who: Origin, now: float) -> Contract | Reject:
+    def explain(self, rid: str) -> dict[str, object] | None:
+        explain = getattr(self.driver.policy, "explain", None)
+        return explain(rid) if explain is not None else None
+
+    def snapshot(self) -> dict[str, object]:
+        snapshot = getattr(self.driver.policy, "snapshot", None)
+        snap: dict[str, object] = snapshot() if snapshot is not None else {"queued": self.driver.queued}
+        snap["policy"] = self.policy
+        return snap
+
+    def next_tick(self, now: float) -> float:
+        return self.driver.next_tick(now)
+
+    def arrive(self, seq: p.SeqJob, who: Origin, now: float) -> Contract | Reject | None:
         req = Request(
             id=seq.rid,
             tenant=who.tenant,
@@ -124,15 +144,15 @@ class SchedulerShell:
             budget_wait=who.budget_wait_s,
             expected_output_tokens=_known_output(seq.params),
         )
-        decision = self.core.arrive(req, now)
-        if isinstance(decision, Contract):
+        decision = self.driver.arrive(req, now)
+        if not isinstance(decision, Reject):
             self._seqs[seq.rid] = seq
         return decision
 
     def tick(self, now: float) -> tuple[list[Send], list[Reject]]:
         sends: list[Send] = []
         rejects: list[Reject] = []
-        for d in self.core.tick(now):
+        for d in self.driver.tick(now):
             if isinstance(d, Dispatch):
                 sends.append(self._job(d))
                 self._leases[d.batch_id] = _Lease(d.path, set(d.request_ids), now + self.lease_s)
@@ -166,7 +186,7 @@ class SchedulerShell:
         prefix, _, local = report.batch_id.rpartition(":")
         if prefix != self.gateway_id or not local.isdigit() or self._end_lease(int(local)) is None:
             return
-        self.core.completed(
+        self.driver.completed(
             BatchTimings(
                 batch_id=int(local),
                 path=report.pool,
@@ -187,12 +207,25 @@ class SchedulerShell:
         lease = self._end_lease(batch)
         if lease is None:
             return []
-        self.core.completed(BatchTimings(batch, lease.pool, 0, 0, 0.0, 0, 0.0, ()), now)
+        self.driver.completed(BatchTimings(batch, lease.pool, 0, 0, 0.0, 0, 0.0, ()), now)
         return sorted(lease.open)
 
     def abort_all(self, now: float) -> list[str]:
         """Every dispatched batch is lost (Redis lost its data): abort them all."""
         return [rid for batch in list(self._leases) for rid in self.abort(batch, now)]
+
+    def finished(self, rid: str, output_tokens: int, now: float) -> bool:
+        """A worker finished (or failed, ``output_tokens`` < 0) one request: its slot comes
+        back now. True if that freed a slot."""
+        return self.driver.finished(rid, output_tokens, now)
+
+    def telemetry(self, t: p.Telemetry, now: float) -> None:
+        """A worker's step records refit its pool's step-time model; its step budget is
+        passed on with the pool's capacity."""
+        if t.pool not in p.POOLS:
+            return
+        self._step_tokens[t.pool] = t.step_tokens
+        self.driver.steps(t.pool, [(s.prefill_tokens, s.decode_seqs, s.kv_tokens, s.ms / 1000.0) for s in t.steps], now)
 
     def request_ended(self, rid: str, now: float) -> None:
         """The request is over here (answered, failed, timed out, cancelled): once a batch
@@ -215,13 +248,15 @@ class SchedulerShell:
 
     def capacity(self, workers: dict[str, p.Heartbeat], gateways: int, now: float) -> None:
         share = capacity_share(workers, gateways)
-        self._gpu_alive = share.get("gpu", 0) > 0
+        self._gpu_alive = share["gpu"][0] > 0
         for pool in p.POOLS:
-            self.core.worker_capacity(pool, share.get(pool, 0), now)
+            slots, count = share[pool]
+            self.driver.capacity(pool, slots, now, count, self._step_tokens.get(pool, 0))
 
     def cancel(self, rid: str, now: float) -> bool:
         """True if the request was still queued here: it will never be dispatched."""
-        if self.core.cancel(rid, now):
+        cancel = getattr(self.driver.policy, "cancel", None)
+        if cancel is not None and cancel(rid, now):
             self._seqs.pop(rid, None)
             return True
         return False

@@ -8,6 +8,7 @@ import socket
 from dataclasses import dataclass, field
 
 from sched_core import SchedulerConfig
+from sched_core.policies import make_policy
 
 
 def _gateway_id() -> str:
@@ -31,6 +32,7 @@ class GatewaySettings:
     auth_cache_s: float = 1.0  # verified keys are reused this long (revocation is immediate)
     handoff_min_prompt: int = 0  # >0: prompts this long prefill on cpu and decode on gpu
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # cost priors from --cost-priors
+    policy: str = "tokengate"  # tokengate | fcfs | fixed:batch=B,window_ms=W (sched_core.policies.make_policy)
     shutdown_grace_s: int = 10  # after Ctrl-C/SIGTERM, in-flight requests get this long
     max_in_flight: int = 4096  # requests admitted here and not yet answered; beyond: 503 at once
     redis_max_connections: int = 256  # the gateway's Redis pool; a request waits for a free one
@@ -43,6 +45,7 @@ class GatewaySettings:
     keep_alive_timeout_s: int = 75  # an idle keep-alive connection is closed after this
 
     def __post_init__(self) -> None:
+        make_policy(self.policy, self.scheduler)  # an unknown policy stops start-up, naming the forms
         if not self.redis_url:
             raise ValueError("a Redis URL is required")
         if not 0 < self.port < 65536:

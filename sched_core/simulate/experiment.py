@@ -12,7 +12,7 @@ from typing import Any
 import sched_core
 from sched_core.simulate.engine import Policy, Pool, SimConfig, simulate
 from sched_core.simulate.metrics import Slo, summarize
-from sched_core.simulate.policies import BOTH, FifoPolicy, FixedBatch, ThreeRegime, TimeWindow
+from sched_core.policies import BOTH, FifoPolicy, FixedBatch, ThreeRegime, TimeWindow
 from sched_core.simulate.workload import Workload
 from sched_core.types import SchedulerConfig
 

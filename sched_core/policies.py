@@ -1,10 +1,10 @@
-"""Baseline policies with the scheduler's driving interface (arrive, tick, completed,
-worker_capacity), so the simulator runs them exactly as it runs ``sched_core.Scheduler``.
+"""Baseline policies with the scheduler's driving interface (arrive, tick, finished,
+completed, worker_capacity, observe_steps), so the one driver (``sched_core.driver``) runs them
+live in the gateway and in the simulator exactly as it runs ``sched_core.Scheduler``; and
+``make_policy``, which builds any of them from a ``--policy`` spec.
 
-All keep one FIFO queue. Unlike the scheduler, which gets its slots back when a whole batch
-reports (as the gateway tells it), a baseline is told of every request that finishes
-(``finished``) and frees its slot at once: it is idealized as an in-process engine scheduler,
-like vLLM's, that sees each sequence end. ``paths`` is the order in which paths are tried: the
+All keep one FIFO queue and free a slot as each request finishes. They give no latency
+contract (``arrive`` answers None). ``paths`` is the order in which paths are tried: the
 default ``("gpu", "cpu")`` fills the GPU first and overflows to the CPU, as a load balancer that
 knows no costs would.
 """
@@ -14,10 +14,15 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
+from sched_core._core import Scheduler
+from sched_core.driver import Policy
 from sched_core.reference import RateMeter
-from sched_core.simulate.profile import CostProfile
-from sched_core.types import PATHS, BatchTimings, Dispatch, Reject, Request
+from sched_core.types import PATHS, BatchTimings, Dispatch, Reject, Request, SchedulerConfig
+
+if TYPE_CHECKING:  # the simulator's package imports this module
+    from sched_core.simulate.profile import CostProfile
 
 BOTH = ("gpu", "cpu")
 
@@ -32,6 +37,7 @@ class FifoPolicy:
         self._cap = dict.fromkeys(PATHS, 0)
         self._used = dict.fromkeys(PATHS, 0)
         self._path_of: dict[str, str] = {}
+        self._batches: dict[int, tuple[str, ...]] = {}
         self._next_batch = 1
 
     @property
@@ -41,14 +47,33 @@ class FifoPolicy:
     def arrive(self, req: Request, now: float) -> None:
         self._queue.append(req)
 
+    def cancel(self, request_id: str, now: float) -> bool:
+        """Remove a queued request; False if it is not queued."""
+        for r in self._queue:
+            if r.id == request_id:
+                self._queue.remove(r)
+                return True
+        return False
+
     def completed(self, timings: BatchTimings, now: float) -> None:
-        pass  # slots came back request by request, in finished()
+        """A batch ended: its requests not yet ``finished`` free their slots."""
+        for rid in self._batches.pop(timings.batch_id, ()):
+            self.finished(rid, 0, now)
 
-    def finished(self, request_id: str, now: float) -> None:
-        self._used[self._path_of.pop(request_id)] -= 1
+    def finished(self, request_id: str, output_tokens: int, now: float) -> bool:
+        path = self._path_of.pop(request_id, None)
+        if path is None:
+            return False
+        self._used[path] -= 1
+        return True
 
-    def worker_capacity(self, path: str, slots: int, now: float) -> None:
+    def worker_capacity(self, path: str, slots: int, now: float, workers: int = 1,
+                        step_tokens: int = 0) -> None:
         self._cap[path] = slots
+
+    def observe_steps(self, path: str, records: list[tuple[int, int, int, float]],
+                      now: float) -> None:
+        pass  # baselines use no cost model
 
     def next_wake(self, now: float) -> float:
         return math.inf  # only arrivals and completions change what it does
@@ -60,10 +85,12 @@ class FifoPolicy:
         batch = tuple(self._queue.popleft() for _ in range(size))
         bid = self._next_batch
         self._next_batch += 1
-        for r in batch:
-            self._path_of[r.id] = path
+        ids = tuple(r.id for r in batch)
+        for rid in ids:
+            self._path_of[rid] = path
+        self._batches[bid] = ids
         self._used[path] += size
-        out.append(Dispatch(bid, path, 0, tuple(r.id for r in batch), 0.0))
+        out.append(Dispatch(bid, path, 0, ids, 0.0))
 
     def tick(self, now: float) -> list[Dispatch | Reject]:
         out: list[Dispatch | Reject] = []
@@ -145,10 +172,11 @@ class ThreeRegime(FifoPolicy):
         super().arrive(req, now)
         self._rate.add(now, 1.0)
 
-    def completed(self, timings: BatchTimings, now: float) -> None:
-        super().completed(timings, now)
-        for n in timings.output_tokens:
-            self._out += 0.1 * (n - self._out)
+    def finished(self, request_id: str, output_tokens: int, now: float) -> bool:
+        if not super().finished(request_id, output_tokens, now):
+            return False
+        self._out += 0.1 * (output_tokens - self._out)
+        return True
 
     def next_wake(self, now: float) -> float:
         """Polled like the scheduler while a path has a free slot."""
@@ -194,3 +222,26 @@ class ThreeRegime(FifoPolicy):
         if gain <= 0.0:
             return False
         return n + 1 < self._rate.rate(now) * gain and (n + 1) * (now - self._rate.last) < gain
+
+
+def make_policy(spec: str, config: SchedulerConfig) -> Policy:
+    """The policy a ``--policy`` spec names: ``tokengate`` (the scheduler), ``fcfs``, or
+    ``fixed:batch=B,window_ms=W`` (a dynamic batcher, Triton's: a batch of B leaves when B
+    requests wait or when the oldest waited W ms). Raises ValueError with the accepted forms."""
+    name, _, args = spec.partition(":")
+    max_batch = {p: config.path(i).max_batch for i, p in enumerate(PATHS)}
+    if name == "tokengate" and not args:
+        return Scheduler(config)
+    if name == "fcfs" and not args:
+        return FifoPolicy(max_batch)
+    if name == "fixed":
+        try:
+            knobs = {k.strip(): float(v) for k, v in (kv.split("=") for kv in args.split(","))}
+            batch, window_ms = int(knobs.pop("batch")), knobs.pop("window_ms")
+        except (KeyError, ValueError):
+            knobs = {"": 0.0}
+            batch = window_ms = 0
+        if not knobs and batch >= 1 and window_ms >= 0.0:
+            return TimeWindow(window_ms / 1000.0, {p: min(batch, b) for p, b in max_batch.items()})
+    raise ValueError(f"unknown policy {spec!r}: expected tokengate, fcfs or "
+                     f"fixed:batch=B,window_ms=W (B >= 1, W >= 0)")

@@ -1,0 +1,133 @@
+"""The one driver of a scheduling policy: the gateway's dispatcher and the simulator feed it the
+same events and ask it when to tick next. No I/O and no clock: time is an argument.
+
+The rules, in one place:
+
+* every arrival is followed by a tick, and so is every event that frees a slot (a request
+  finished, a batch reported, capacity changed): the caller ticks after calling these;
+* while requests wait and some path has a free slot, the policy is ticked every ``tick_s``
+  (a policy that knows when it next wants a tick, ``next_wake``, is asked instead); with no
+  free slot there is no tick: nothing can leave before a slot comes back;
+* a request's slot comes back when the request finishes (``finished``), not when its whole
+  batch ends; a batch report (``completed``) gives back the rest and ends the batch;
+* worker step telemetry refits the policy's step-time model (``steps``); the workers' slots,
+  their number and their per-step token budget are its capacity (``capacity``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from sched_core.types import PATHS, BatchTimings, Contract, Dispatch, Reject, Request
+
+TICK_S = 0.002  # how often a policy is asked while requests wait and a slot is free
+
+StepRecord = tuple[int, int, int, float]  # prefill tokens, decode sequences, KV tokens, seconds
+
+
+class Policy(Protocol):
+    """What the driver drives: the scheduler's API (``sched_core.Scheduler`` and the baselines
+    of ``sched_core.policies`` fit)."""
+
+    @property
+    def queued(self) -> int: ...
+
+    def arrive(self, req: Request, now: float) -> Contract | Reject | None: ...
+
+    def tick(self, now: float) -> list[Dispatch | Reject]: ...
+
+    def finished(self, request_id: str, output_tokens: int, now: float) -> bool: ...
+
+    def completed(self, timings: BatchTimings, now: float) -> None: ...
+
+    def worker_capacity(self, path: str, slots: int, now: float, workers: int = 1,
+                        step_tokens: int = 0) -> None: ...
+
+    def observe_steps(self, path: str, records: list[StepRecord], now: float) -> None: ...
+
+
+@runtime_checkable
+class Wakes(Protocol):
+    """A policy that knows when it next wants a tick (a time window closing)."""
+
+    def next_wake(self, now: float) -> float: ...
+
+
+class Driver:
+    """A policy plus the slot bookkeeping that decides when it must be asked again."""
+
+    def __init__(self, policy: Policy, tick_s: float = TICK_S) -> None:
+        self.policy = policy
+        self.tick_s = tick_s
+        self._cap = dict.fromkeys(PATHS, 0)
+        self._used = dict.fromkeys(PATHS, 0)
+        self._open: dict[int, tuple[str, set[str]]] = {}  # batch -> (path, unfinished requests)
+        self._batch_of: dict[str, int] = {}
+
+    @property
+    def queued(self) -> int:
+        return self.policy.queued
+
+    def arrive(self, req: Request, now: float) -> Contract | Reject | None:
+        return self.policy.arrive(req, now)
+
+    def tick(self, now: float) -> list[Dispatch | Reject]:
+        decisions = self.policy.tick(now)
+        for d in decisions:
+            if isinstance(d, Dispatch):
+                self._open[d.batch_id] = (d.path, set(d.request_ids))
+                self._batch_of.update(dict.fromkeys(d.request_ids, d.batch_id))
+                self._used[d.path] += len(d.request_ids)
+        return decisions
+
+    def finished(self, request_id: str, output_tokens: int, now: float) -> bool:
+        """A dispatched request ended (``output_tokens`` < 0: unknown, e.g. it failed): its
+        slot comes back now. False if it was not running (its batch already reported)."""
+        batch = self._batch_of.pop(request_id, None)
+        if batch is None:
+            return False
+        path, left = self._open[batch]
+        left.discard(request_id)
+        self._used[path] -= 1
+        if not left:
+            del self._open[batch]
+        self.policy.finished(request_id, output_tokens, now)
+        return True
+
+    def completed(self, timings: BatchTimings, now: float) -> None:
+        """A batch ended (a failed one reports zero sizes): the rest of its slots come back."""
+        entry = self._open.pop(timings.batch_id, None)
+        if entry is not None:
+            path, left = entry
+            for rid in left:
+                del self._batch_of[rid]
+            self._used[path] -= len(left)
+        self.policy.completed(timings, now)
+
+    def steps(self, path: str, records: Sequence[StepRecord], now: float) -> None:
+        if records:
+            self.policy.observe_steps(path, list(records), now)
+
+    def capacity(self, path: str, slots: int, now: float, workers: int = 1,
+                 step_tokens: int = 0) -> None:
+        self._cap[path] = slots
+        self.policy.worker_capacity(path, slots, now, workers, step_tokens)
+
+    def free(self, path: str) -> int:
+        return self._cap[path] - self._used[path]
+
+    def running(self, path: str) -> int:
+        return self._used[path]
+
+    def next_tick(self, now: float) -> float:
+        """When the policy must be ticked next if nothing else happens (inf: only an event
+        can change what it does)."""
+        if not self.policy.queued:
+            return math.inf
+        if isinstance(self.policy, Wakes):
+            return self.policy.next_wake(now)
+        if any(self._cap[p] > self._used[p] for p in PATHS):
+            return now + self.tick_s
+        return math.inf
