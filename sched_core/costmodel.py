@@ -63,7 +63,10 @@ _N = len(COEFFICIENTS)
 _PAIRS = tuple((i, j) for i in range(_N) for j in range(i, _N))
 
 
-def step_features(prefill_tokens: float, decode_seqs: float, kv_tokens: float) -> tuple[float, float, float, float, float]:
+Features = tuple[float, float, float, float, float]
+
+
+def step_features(prefill_tokens: float, decode_seqs: float, kv_tokens: float) -> Features:
     """The feature vector of one step, in ``COEFFICIENTS`` order."""
     return (
         1.0 if decode_seqs > 0 else 0.0,
@@ -99,7 +102,7 @@ class StepModel:
         self._theta = self._prior
         self.observations = 0
 
-    def coefficients(self) -> tuple[float, float, float, float, float]:
+    def coefficients(self) -> Features:
         """The current coefficients, in ``COEFFICIENTS`` order (seconds per unit)."""
         return self._theta
 
@@ -157,7 +160,7 @@ class StepModel:
         self.observations += len(rows)
         self._theta = self._solve()
 
-    def _solve(self) -> tuple[float, float, float, float, float]:
+    def _solve(self) -> Features:
         """Minimize Σ w(y − x·θ)² + Σ λ_j(θ_j − prior_j)² over θ ≥ 0.
 
         ``λ_j = prior_weight·Σ_typical (x_j/ŷ)²``, ŷ the reference time of each typical step
