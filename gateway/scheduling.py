@@ -64,12 +64,11 @@ def scheduler_config(priors_path: str | None) -> SchedulerConfig:
             doc = orjson.loads(f.read())
     except (OSError, orjson.JSONDecodeError) as exc:
         raise ValueError(f"cost priors {priors_path}: {exc}") from None
+    priors: object = doc.get("priors", doc) if isinstance(doc, dict) else None
     if isinstance(doc, dict) and "step_model" in doc:
         if doc.get("pool") not in p.POOLS:
             raise ValueError(f"cost priors {priors_path}: a profile needs a pool among {', '.join(p.POOLS)}")
         priors = {doc["pool"]: doc["step_model"]}
-    else:
-        priors = doc.get("priors", doc) if isinstance(doc, dict) else None
     if not isinstance(priors, dict) or not set(priors) <= set(p.POOLS):
         raise ValueError(f"cost priors {priors_path}: expected an object with keys among {', '.join(p.POOLS)}")
     paths = {}

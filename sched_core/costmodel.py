@@ -77,7 +77,7 @@ def step_features(prefill_tokens: float, decode_seqs: float, kv_tokens: float) -
     )
 
 
-def typical_steps(prior: PathConfig) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def typical_steps(prior: PathConfig) -> tuple[Features, Features]:
     """Features of the typical step of each forward on a full worker: ``max_batch`` sequences
     decoding with ``step_tokens`` of KV cache each, and a prefill chunk of ``step_tokens``."""
     seqs = prior.max_batch
@@ -110,7 +110,7 @@ class StepModel:
         """Predicted seconds of one step."""
         return _dot(self._theta, step_features(prefill_tokens, decode_seqs, kv_tokens))
 
-    def _reference(self, x: tuple[float, ...]) -> float:
+    def _reference(self, x: Features) -> float:
         """The step time that relative errors at ``x`` are measured against: the current
         prediction, but never below 1e-3 of the prior's (a coefficient clamped at zero must
         not give a record infinite weight). Zero only for an empty step."""
@@ -126,7 +126,7 @@ class StepModel:
         no information and is skipped; negative counts or times, and KV tokens without a
         decoding sequence, raise ValueError."""
         lam = self._forgetting
-        rows: list[tuple[tuple[float, ...], float, float]] = []
+        rows: list[tuple[Features, float, float]] = []
         for prefill_tokens, decode_seqs, kv_tokens, seconds in records:
             if (min(prefill_tokens, decode_seqs, kv_tokens) < 0 or (kv_tokens and not decode_seqs)
                     or not 0.0 <= seconds < math.inf):
@@ -208,7 +208,7 @@ class StepModel:
         return t[0], t[1], t[2], t[3], t[4]
 
 
-def _dot(theta: tuple[float, ...], x: tuple[float, ...]) -> float:
+def _dot(theta: Features, x: Features) -> float:
     return theta[0] * x[0] + theta[1] * x[1] + theta[2] * x[2] + theta[3] * x[3] + theta[4] * x[4]
 
 
