@@ -32,7 +32,7 @@ The fit (see docs/step-model.md for the derivation):
 * **Non-negative.** The penalized quadratic is minimized over θ ≥ 0 by a warm-started
   primal active-set method (exact in at most a few 5×5 solves).
 
-Cost: ``observe_many`` of 64 records with its refit takes about 0.25 ms in CPython 3.11 on a
+Cost: ``observe_many`` of 64 records with its refit takes about 0.2 ms in CPython 3.11 on a
 shared 2-core VM (``test_costmodel.py::test_a_refit_of_64_records_is_cheap`` bounds it).
 """
 

@@ -183,7 +183,7 @@ def test_the_fit_is_deterministic() -> None:
 
 
 def test_a_refit_of_64_records_is_cheap() -> None:
-    # Measured ≈ 0.25 ms per call on a shared 2-core VM (CPython 3.11); the bound leaves room.
+    # Measured ≈ 0.2 ms per call on a shared 2-core VM (CPython 3.11); the bound leaves room.
     records = mixed_steps(random.Random(2), (0.02, 6e-5, 5e-8, 0.015, 2e-6), 64, noise=0.1)
     model = StepModel(PRIOR, CONFIG)
     best = float("inf")
