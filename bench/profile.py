@@ -4,6 +4,7 @@
     python -m bench.profile --pool gpu           # the same on a CUDA GPU, where there is one
     python -m bench.profile --derive h100-sxm    # no GPU: derive one from published figures
     python -m bench.profile --refit bench/out/profile-raw-cpu.json   # refit saved points
+    python -m bench.profile --refit sched_core/profiles/cpu-smollm2-135m.json  # step model only
 
 Measuring drives ``workers.hf_engine.HFEngine`` exactly as a worker does and times whole
 ``step()`` calls (model forward, sampling, detokenization, KV-cache merge):
@@ -16,8 +17,16 @@ It fits, by least squares on relative error with non-negative coefficients,
 
     prefill(B, L) = a + b·B·L + b2·B·L²        decode(n, K) = c + d·n + e·n·K
 
-and writes the raw points, the fit and the spread of the points around it (``noise_cv``) to
-``sched_core/profiles/<pool>-smollm2-135m.json``. The raw points are saved first to
+and the scheduler's step-time model (``sched_core/costmodel.py``; a prefill point is a step of
+B·L prompt tokens, a decode point one of n sequences holding n·K KV tokens)
+
+    step = dl·[n > 0] + ds·n + kv·n·K + pl·[B·L > 0] + pt·B·L
+
+by the same method, and writes the raw points, both fits and the spread of the points around
+the first (``noise_cv``) to ``sched_core/profiles/<pool>-smollm2-135m.json``; the step model
+goes under ``step_model`` with the PathConfig field names, and seeds the scheduler.
+``--refit`` on a profile recomputes only its ``step_model`` (from its points, or for a derived
+profile from its formula) and leaves every other field as it is. The raw points are saved first to
 ``bench/out/profile-raw-<pool>.json``, so a failed fit never costs a second measurement.
 """
 
@@ -42,6 +51,10 @@ PREFILL_GRID = [(1, 32), (1, 128), (1, 512), (1, 1024), (1, 2048), (4, 32), (4, 
                 (4, 1024), (16, 32), (16, 128), (16, 512)]
 DECODE_GRID = [(n, k) for k in (64, 512) for n in (1, 2, 4, 8, 16, 32)]
 DECODE_STEPS = 5
+#: What the step model stores beside the coefficients: the scheduler's batch limit per pool
+#: (a policy, not a measurement) and the workers' per-step token budget.
+MAX_BATCH = {"cpu": 8, "gpu": 64}
+STEP_TOKENS = 256
 
 
 # -- measuring ---------------------------------------------------------------------------
@@ -164,6 +177,32 @@ def fit(points: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
             "noise_cv": max(cv_pre, cv_dec), "noise_cv_prefill": cv_pre, "noise_cv_decode": cv_dec}
 
 
+def fit_step_model(points: dict[str, list[dict[str, float]]], pool: str) -> dict[str, Any]:
+    """The five step-model coefficients (PathConfig field names) fitted to the raw points.
+
+    Prefill and decode points have disjoint features, so this is two fits of relative error;
+    a slope that comes out 0 is raised to a tiny positive value (PathConfig wants slopes > 0)."""
+    pre, dec = points["prefill"], points["decode"]
+    xp = np.array([[1.0, p["batch"] * p["tokens"]] for p in pre])
+    (pl, pt), _ = nn_relative_fit(xp, np.array([p["seconds"] for p in pre]))
+    xd = np.array([[1.0, d["running"], d["running"] * d["kv_tokens"]] for d in dec])
+    (dl, ds, kv), _ = nn_relative_fit(xd, np.array([d["seconds"] for d in dec]))
+    tiny = 1e-12
+    return {"decode_launch": float(dl), "decode_seq": max(tiny, float(ds)), "kv_token": max(tiny, float(kv)),
+            "prefill_launch": float(pl), "prefill_token": max(tiny, float(pt)),
+            "max_batch": MAX_BATCH[pool], "step_tokens": STEP_TOKENS}
+
+
+def formula_points(fit_: dict[str, Any]) -> dict[str, list[dict[str, float]]]:
+    """Noiseless points of a profile's formula on the measuring grids, for a derived profile."""
+    p, d = fit_["prefill"], fit_["decode"]
+    prefill = [{"batch": b, "tokens": n, "seconds": p["a"] + p["b"] * b * n + p["b2"] * b * n * n}
+               for b, n in PREFILL_GRID]
+    decode = [{"running": n, "kv_tokens": k, "seconds": d["c"] + d["d"] * n + d["e"] * n * k}
+              for n, k in DECODE_GRID]
+    return {"prefill": prefill, "decode": decode}
+
+
 # -- deriving a GPU profile from published figures ---------------------------------------
 
 #: Datasheet figures (NVIDIA H100 Tensor Core GPU datasheet, SXM5 80 GB): HBM3 bandwidth and
@@ -217,6 +256,7 @@ def derive(gpu: str, model_dir: Path) -> dict[str, Any]:
         "model": model_store.DEFAULT_MODEL_NAME,
         "dtype": "bfloat16",
         "derived": True,
+        "pool": "gpu",
         "source": (f"derived, not measured: {g['name']} datasheet "
                    f"({g['bandwidth'] / 1e12:.2f} TB/s HBM3, "
                    f"{g['bf16_flops'] / 1e12:.0f} TFLOPS dense BF16) applied to the "
@@ -224,6 +264,7 @@ def derive(gpu: str, model_dir: Path) -> dict[str, Any]:
                    "eager-mode launch costs are the stated assumptions"),
         "assumptions": ASSUME,
         "fit": fit_,
+        "step_model": fit_step_model(formula_points(fit_), "gpu"),
         "points": None,
     }
 
@@ -234,7 +275,7 @@ def derive(gpu: str, model_dir: Path) -> dict[str, Any]:
 def write(profile: dict[str, Any], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile, indent=1) + "\n")
-    f = profile["fit"]
+    f, m = profile["fit"], profile["step_model"]
     table(f"{profile['name']}{' (DERIVED)' if profile['derived'] else ''} -> {out}",
           ["term", "value"],
           [["prefill a (s)", f["prefill"]["a"]],
@@ -242,7 +283,8 @@ def write(profile: dict[str, Any], out: Path) -> None:
            ["prefill b2 (s/token^2)", f"{f['prefill']['b2']:.3e}"],
            ["decode c (s)", f["decode"]["c"]], ["decode d (s/seq)", f"{f['decode']['d']:.3e}"],
            ["decode e (s/seq/kv token)", f"{f['decode']['e']:.3e}"],
-           ["noise cv", f["noise_cv"]]])
+           ["noise cv", f["noise_cv"]]]
+          + [[f"step model {k}", f"{v:.3e}" if isinstance(v, float) else v] for k, v in m.items()])
 
 
 def main() -> None:
@@ -262,6 +304,11 @@ def main() -> None:
         return
     if args.refit:
         raw = json.loads(args.refit.read_text())
+        if "fit" in raw:  # a profile: refresh its step model, keep everything else
+            pool = raw.get("pool") or raw["name"].split("-", 1)[0]
+            points = raw["points"] or formula_points(raw["fit"])
+            write(raw | {"pool": pool, "step_model": fit_step_model(points, pool)}, args.out or args.refit)
+            return
     else:
         t0 = time.perf_counter()
         raw = measure(args.pool, args.reps)
@@ -274,9 +321,11 @@ def main() -> None:
         "model": raw["model"],
         "dtype": raw["dtype"],
         "derived": False,
+        "pool": args.pool,
         "source": (f"measured by bench/profile.py ({time.strftime('%Y-%m-%d')}), "
                    "2-core VM shared with other work"),
         "fit": fit(raw["points"]),
+        "step_model": fit_step_model(raw["points"], args.pool),
         "points": raw["points"],
     }
     write(profile, args.out or PROFILES / f"{args.pool}-smollm2-135m.json")

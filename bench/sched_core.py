@@ -87,8 +87,8 @@ def _timings(d: Dispatch, rng: random.Random) -> BatchTimings:
     outputs = tuple(rng.randint(1, 256) for _ in range(size))
     return BatchTimings(
         batch_id=d.batch_id, path=d.path, batch_size=size, prompt_tokens=length,
-        prefill_s=cost.prefill_a + cost.prefill_b * size * length, decode_steps=max(outputs),
-        decode_s=cost.decode_c * max(outputs) + cost.decode_d * sum(outputs),
+        prefill_s=cost.prefill_launch + cost.prefill_token * size * length, decode_steps=max(outputs),
+        decode_s=cost.decode_launch * max(outputs) + cost.decode_seq * sum(outputs),
         output_tokens=outputs)
 
 

@@ -50,10 +50,14 @@ class _Lease:
 
 
 def scheduler_config(priors_path: str | None) -> SchedulerConfig:
-    """The scheduler's config, with per-path cost priors from a JSON file if one is given:
-    ``{"cpu": {"prefill_a": s, "prefill_b": s/token, "decode_c": s, "decode_d": s/seq,
-    "max_batch": n}, "gpu": {...}}`` (any subset; a measured profile may carry the same
-    object under ``"priors"``). Raises ValueError naming the file and the field."""
+    """The scheduler's config, with per-path step-time priors from a JSON file if one is given.
+
+    The file is either a profile written by ``bench/profile.py`` (its ``step_model`` object
+    seeds the path named by its ``pool``), or ``{"cpu": {...}, "gpu": {...}}`` with any subset
+    of the PathConfig fields (``decode_launch`` s, ``decode_seq`` s/sequence, ``kv_token``
+    s/KV token, ``prefill_launch`` s, ``prefill_token`` s/prompt token, ``max_batch``,
+    ``step_tokens``), at top level or under ``"priors"``; fields left out keep the packaged
+    defaults. Raises ValueError naming the file and the field."""
     config = SchedulerConfig()
     if priors_path is None:
         return config
@@ -62,7 +66,11 @@ def scheduler_config(priors_path: str | None) -> SchedulerConfig:
             doc = orjson.loads(f.read())
     except (OSError, orjson.JSONDecodeError) as exc:
         raise ValueError(f"cost priors {priors_path}: {exc}") from None
-    priors = doc.get("priors", doc) if isinstance(doc, dict) else None
+    priors: object = doc.get("priors", doc) if isinstance(doc, dict) else None
+    if isinstance(doc, dict) and "step_model" in doc:
+        if doc.get("pool") not in p.POOLS:
+            raise ValueError(f"cost priors {priors_path}: a profile needs a pool among {', '.join(p.POOLS)}")
+        priors = {doc["pool"]: doc["step_model"]}
     if not isinstance(priors, dict) or not set(priors) <= set(p.POOLS):
         raise ValueError(f"cost priors {priors_path}: expected an object with keys among {', '.join(p.POOLS)}")
     paths = {}

@@ -6,8 +6,13 @@ time in the simulator); the scheduler never reads a clock itself. Token counts a
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
 
 #: The two execution paths, in the index order both implementations use internally.
 PATHS: tuple[str, str] = ("cpu", "gpu")
@@ -124,7 +129,14 @@ class BatchTimings:
 
 @dataclass(frozen=True, slots=True)
 class PathConfig:
-    """Prior step-time model of one path (seconds) and its limits (interface stub)."""
+    """Prior step-time model and batch limit of one path (see ``sched_core.costmodel``).
+
+    One worker step takes ``decode_launch·[decoding] + decode_seq·decode_seqs +
+    kv_token·kv_tokens + prefill_launch·[prefilling] + prefill_token·prefill_tokens`` seconds,
+    ``kv_tokens`` being the KV-cache tokens held by the decoding sequences. The scheduler refits
+    all five online; these values seed the fit and hold its shape. ``step_tokens`` is the
+    workers' per-step token budget (decode tokens plus the prefill chunk).
+    """
 
     decode_launch: float
     decode_seq: float
@@ -134,13 +146,45 @@ class PathConfig:
     max_batch: int
     step_tokens: int = 256
 
+    def __post_init__(self) -> None:
+        coefficients = (self.decode_launch, self.decode_seq, self.kv_token, self.prefill_launch,
+                        self.prefill_token)
+        if not all(math.isfinite(c) for c in coefficients):
+            raise ValueError("cost priors must be finite")
+        if min(self.decode_launch, self.prefill_launch) < 0.0:
+            raise ValueError("cost priors: launch costs must be >= 0")
+        if min(self.decode_seq, self.kv_token, self.prefill_token) <= 0.0:
+            raise ValueError("cost priors: per-sequence and per-token slopes must be > 0")
+        if self.max_batch < 1 or self.step_tokens < 1:
+            raise ValueError("max_batch and step_tokens must be at least 1")
+
+    @classmethod
+    def from_profile(cls, profile: Mapping[str, Any]) -> PathConfig:
+        """The ``step_model`` object of a profile written by ``bench/profile.py``."""
+        fields = profile.get("step_model")
+        if not isinstance(fields, dict):
+            raise ValueError(f"profile {profile.get('name', '?')!r} has no step_model object")
+        return cls(**fields)
+
+
+#: The packaged measured profiles (``sched_core/profiles``) that seed each path by default.
+DEFAULT_PROFILES: dict[str, str] = {"cpu": "cpu-smollm2-135m.json", "gpu": "gpu-h100-sxm-smollm2-135m.json"}
+
+
+@functools.cache
+def packaged_profile(filename: str) -> dict[str, Any]:
+    """A profile shipped as package data, parsed (cached: the files never change)."""
+    text = resources.files("sched_core").joinpath("profiles", filename).read_text(encoding="utf-8")
+    profile: dict[str, Any] = json.loads(text)
+    return profile
+
 
 def _default_cpu() -> PathConfig:
-    return PathConfig(0.079, 0.0043, 1.25e-5, 0.063, 0.00218, 32, 128)
+    return PathConfig.from_profile(packaged_profile(DEFAULT_PROFILES["cpu"]))
 
 
 def _default_gpu() -> PathConfig:
-    return PathConfig(0.0096, 3.5e-5, 3.4e-8, 0.0096, 8.6e-7, 64, 512)
+    return PathConfig.from_profile(packaged_profile(DEFAULT_PROFILES["gpu"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,8 +203,11 @@ class SchedulerConfig:
     rate_window_s: time constant of the arrival-rate estimates.
     ewma_alpha: smoothing of observed output lengths and of the request mix.
     default_output_tokens: output estimate before anything was observed.
-    fit_forgetting: per-observation decay of old timings in the cost fits;
-        prior_weight: how many observations the config priors count as.
+    cpu, gpu: the paths' prior step-time models; by default the ``step_model`` of the packaged
+        measured profiles (``DEFAULT_PROFILES``).
+    fit_forgetting: per-step decay of old step records in the step-time fits (0.999: a memory
+        of about 1000 steps, 10-100 s of one worker); prior_weight: how many typical steps of a
+        full worker the priors count as, in each coefficient's direction.
     """
 
     bucket_bounds: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -177,8 +224,8 @@ class SchedulerConfig:
     rate_window_s: float = 10.0
     ewma_alpha: float = 0.1
     default_output_tokens: int = 64
-    fit_forgetting: float = 0.98
-    prior_weight: float = 4.0
+    fit_forgetting: float = 0.999
+    prior_weight: float = 10.0
 
     def __post_init__(self) -> None:
         bounds = self.bucket_bounds

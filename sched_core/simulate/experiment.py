@@ -48,10 +48,9 @@ def scheduler_config(setup: Setup, workload: Workload) -> SchedulerConfig:
     scheduler refits them online), max batch = a worker's slots, the SLO's TTFT."""
     arrivals = workload.arrivals
     prompt = sum(a.prompt_tokens for a in arrivals) / len(arrivals)
-    kv = prompt + sum(a.output_tokens for a in arrivals) / len(arrivals) / 2.0
     fields: dict[str, Any] = {"ttft_p99_slo_s": setup.slo.ttft_s}
     for pool in setup.pools:
-        fields[pool.path] = pool.profile.path_config(pool.slots, prompt, kv)
+        fields[pool.path] = pool.profile.path_config(pool.slots, prompt)
     return SchedulerConfig(**fields)
 
 

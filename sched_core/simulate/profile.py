@@ -6,9 +6,9 @@ measures it and writes the JSON; this module only reads the parsed data):
     prefill of B sequences padded to L tokens:       P(B, L) = a + b·B·L + b2·B·L²
     one decode step, n running, KV padded to K:       D(n, K) = c + d·n + e·n·K
 
-``b2`` is attention's quadratic term and ``e`` the per-step read of the KV cache, which the
-scheduler's own linear model (``a + b·B·L``, ``c + d·n``) leaves out: the simulator's
-workers are richer than the scheduler's beliefs, as real workers are.
+``b2`` is attention's quadratic term, which the scheduler's own step-time model
+(``sched_core.costmodel``, linear in prompt tokens) leaves out: the simulator's workers are
+richer than the scheduler's beliefs, as real workers are.
 
 ``noise_cv`` is the relative spread of measured times around the fit; the simulator draws
 each step's time from a lognormal with that spread. A ``derived`` profile was not measured:
@@ -60,15 +60,17 @@ class CostProfile:
     def decode_step_s(self, running: int, kv_tokens: int) -> float:
         return self.decode_c + self.decode_d * running + self.decode_e * running * kv_tokens
 
-    def path_config(self, max_batch: int, prompt_tokens: float, kv_tokens: float) -> PathConfig:
-        """The scheduler's linear prior for this worker, linearized at a typical prompt
-        length and KV length (the scheduler refits it online from the timings)."""
+    def path_config(self, max_batch: int, prompt_tokens: float) -> PathConfig:
+        """The scheduler's step-time prior for this worker: the decode step maps term for term
+        (``kv_tokens = n·K``); the prefill's quadratic term is linearized at a typical prompt
+        length (the scheduler refits all five online)."""
         tiny = 1e-12  # the scheduler wants positive slopes
         return PathConfig(
-            prefill_a=self.prefill_a,
-            prefill_b=max(tiny, self.prefill_b + self.prefill_b2 * prompt_tokens),
-            decode_c=self.decode_c,
-            decode_d=max(tiny, self.decode_d + self.decode_e * kv_tokens),
+            decode_launch=self.decode_c,
+            decode_seq=max(tiny, self.decode_d),
+            kv_token=max(tiny, self.decode_e),
+            prefill_launch=self.prefill_a,
+            prefill_token=max(tiny, self.prefill_b + self.prefill_b2 * prompt_tokens),
             max_batch=max_batch,
         )
 

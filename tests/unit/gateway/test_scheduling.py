@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from importlib import resources
 from pathlib import Path
 
 import pytest
 
 from gateway.scheduling import Origin, SchedulerShell, capacity_share, scheduler_config
 from sched_core import Contract, Reject, SchedulerConfig
+from sched_core.types import DEFAULT_PROFILES
 from workers import protocol as p
 
 WHO = Origin(tenant="t1", weight=1000.0)
@@ -120,15 +123,25 @@ def test_ignore_eos_makes_the_output_length_known_to_the_contract() -> None:
 
 def test_cost_priors_from_a_file_seed_the_paths_and_bad_files_name_the_problem(tmp_path: Path) -> None:
     good = tmp_path / "priors.json"
-    good.write_text('{"priors": {"cpu": {"decode_c": 0.05, "decode_d": 0.006, "max_batch": 16}}}')
+    good.write_text('{"priors": {"cpu": {"decode_launch": 0.05, "decode_seq": 0.006, "max_batch": 16}}}')
     config = scheduler_config(str(good))
-    assert (config.cpu.decode_c, config.cpu.decode_d, config.cpu.max_batch) == (0.05, 0.006, 16)
-    assert config.cpu.prefill_a == SchedulerConfig().cpu.prefill_a and config.gpu == SchedulerConfig().gpu
+    assert (config.cpu.decode_launch, config.cpu.decode_seq, config.cpu.max_batch) == (0.05, 0.006, 16)
+    assert config.cpu.kv_token == SchedulerConfig().cpu.kv_token and config.gpu == SchedulerConfig().gpu
     assert scheduler_config(None) == SchedulerConfig()
+    # A profile written by bench/profile.py seeds the path its pool names with its step model;
+    # the packaged ones are the defaults.
+    for pool in ("cpu", "gpu"):
+        profile = json.loads(resources.files("sched_core").joinpath("profiles", DEFAULT_PROFILES[pool]).read_text())
+        good.write_text(json.dumps(profile))
+        assert scheduler_config(str(good)) == SchedulerConfig()
+        good.write_text(json.dumps(profile | {"step_model": profile["step_model"] | {"max_batch": 3}}))
+        assert getattr(scheduler_config(str(good)), pool).max_batch == 3
     cases = {
         '{"tpu": {}}': "keys among",
         '{"cpu": {"decode_x": 1}}': "unknown decode_x",
-        '{"cpu": {"decode_d": -1}}': "slopes > 0",
+        '{"cpu": {"decode_seq": -1}}': "slopes must be > 0",
+        '{"name": "x", "step_model": {}}': "needs a pool",
+        '{"pool": "gpu", "step_model": {"prefill_a": 1}}': "gpu: unknown prefill_a",
         "not json": "priors.json",
     }
     for text, message in cases.items():
