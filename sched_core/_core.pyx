@@ -1025,7 +1025,9 @@ cdef class Scheduler:
         """B2: the most sequences of bucket k one worker of p decodes within the TPOT SLO."""
         cdef double per = self.coef[p][1] + self.coef[p][2] * (self.bounds[k] + 0.5 * nbar)
         cdef double room = self.tpot - self.coef[p][0]
-        return room / per if room > 0.0 else 0.0
+        if room <= 0.0:
+            return 0.0
+        return room / per if per > 0.0 else INF
 
     cdef int _target(self, int k, long long n, double nbar) noexcept:
         """The path that finishes n requests of bucket k sooner (n < B1 ⟺ cpu)."""
@@ -1177,7 +1179,7 @@ cdef class Scheduler:
         cdef double lp = self.mix_prompt, lo = self.mix_out
         cdef double s = (self._prefill_s(CPU, <double>b * lp, 0.0, 0.0)
                          + lo * self._step_s(CPU, 0.0, <double>b, <double>b * (lp + 0.5 * lo)))
-        return <double>(w * b) / s
+        return <double>(w * b) / s if s > 0.0 else INF
 
     cdef int _tail_cut(self, double now, double t_cut, list out) except -1:
         """Requests that waited T_cut go to the cpu path in admission order, bucket by

@@ -622,7 +622,9 @@ class Scheduler:
         dl, ds, kc, _, _ = self._coef[p]
         per = ds + kc * (self._bounds[k] + 0.5 * nbar)
         room = self.config.tpot_slo_s - dl
-        return room / per if room > 0.0 else 0.0
+        if room <= 0.0:
+            return 0.0
+        return room / per if per > 0.0 else INF
 
     def _target(self, k: int, n: int, nbar: float) -> int:
         """The path that finishes n requests of bucket k sooner, running sequences counted
@@ -754,7 +756,7 @@ class Scheduler:
         lp, lo = self._mix_prompt, self._mix_out
         s = (self._prefill_s(CPU, b * lp, 0.0, 0.0)
              + lo * self._step_s(CPU, 0.0, float(b), b * (lp + 0.5 * lo)))
-        return (w * b) / s
+        return (w * b) / s if s > 0.0 else INF
 
     def _tail_cut(self, now: float, t_cut: float, out: list[Dispatch | Reject]) -> None:
         """Requests that waited T_cut go to the cpu path in admission order, bucket by

@@ -106,9 +106,11 @@ class Lockstep:
 
     def steps(self, path: str, rng: random.Random) -> None:
         """Worker step telemetry: (prefill tokens, decode sequences, KV tokens, seconds)."""
-        records = [(rng.choice([0, 0, rng.randint(1, 512)]), rng.randint(0, 32),
-                    rng.randint(0, 20000), rng.uniform(0.001, 0.5))
-                   for _ in range(rng.randint(1, 8))]
+        records = []
+        for _ in range(rng.randint(1, 8)):
+            seqs = rng.randint(0, 32)
+            records.append((rng.choice([0, 0, rng.randint(1, 512)]), seqs,
+                            rng.randint(seqs, 600 * seqs), rng.uniform(0.001, 0.5)))
         self.call("observe_steps", path, records, self.now)
 
     def set_capacity(self, path: str, slots: int, workers: int = 1, step_tokens: int = 0) -> None:
