@@ -66,8 +66,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--known-output", action="store_true",
                    help="tell the scheduler each request's exact output length")
     p.add_argument("--jobs-per-read", type=int, default=0,
-                   help="jobs a worker reads per loop (0: all that fit; 1: what "
-                        "workers/worker.py does today)")
+                   help="jobs a worker reads per loop (0: all that fit its free slots, as "
+                        "workers/worker.py does; 1: the one-job reads of earlier workers)")
     p.add_argument("--fixed-sizes", default="4,8,16,32")
     p.add_argument("--windows-ms", default="2,10,50")
     p.add_argument("--fair-windows", type=int, default=10,
@@ -100,7 +100,7 @@ def estimate_capacity(pools: tuple[Pool, ...], prompt: float, output: float) -> 
     total = 0.0
     for pool in pools:
         prof = pool.profile
-        admitted = max(1.0, pool.max_prefill_tokens // max(prompt, 1.0))
+        admitted = max(1.0, pool.step_tokens // max(prompt, 1.0))
         step = (prof.decode_step_s(pool.slots, int(prompt + output / 2))
                 + prof.prefill_s(int(admitted), int(prompt)))
         total += pool.workers * min(admitted, pool.slots / max(output, 1.0)) / step
@@ -172,8 +172,6 @@ def _run(args: argparse.Namespace) -> int:
     for r in rows:
         r["time_scale"] = (args.time_scale or native / r["rate_rps"]) if kind == "trace" else None
     summary = ex.targets(rows)
-    if "tokengate-seq" in policies:
-        summary["tokengate-seq"] = ex.targets(rows, "tokengate-seq")
     # target 1 at the exact load of the best setting, not the nearest sweep point; and again
     # against the best setting that keeps to the GPU (no slow CPU overflow in its tail)
     for key, paths in (("p99_at_baseline_load", None), ("p99_at_gpu_baseline_load", ("gpu",))):
@@ -181,9 +179,8 @@ def _run(args: argparse.Namespace) -> int:
         if best is None:
             continue
         name, knob, load = best
-        for tg, block in (("tokengate", summary), ("tokengate-seq", summary.get("tokengate-seq"))):
-            if tg in policies and block is not None:
-                block[key] = ex.compare_at_load(make, setup, name, knob, load, tg)
+        if "tokengate" in policies:
+            summary[key] = ex.compare_at_load(make, setup, name, knob, load)
     info = _context(args, kind, lengths_kind, pools, slo, native, time.perf_counter() - started)
     summary["context"] = info
     args.out.mkdir(parents=True, exist_ok=True)
@@ -196,15 +193,11 @@ def _run(args: argparse.Namespace) -> int:
     else:
         _print_table(rows, info)
         _print_targets(summary)
-        if "tokengate-seq" in summary:
-            print("-- the same targets for tokengate-seq (slots credited per finished sequence):")
-            _print_targets(summary["tokengate-seq"])
     if not args.no_plots:
         top = max(rates)
         heavy = make(top)
-        service = {p: simulate(ex.make_policy(p, None, setup, heavy), heavy,
-                               ex.sim_config(p, setup))
-                   for p in ("fcfs", "tokengate", "tokengate-seq") if p in policies}
+        service = {p: simulate(ex.make_policy(p, None, setup, heavy), heavy, setup.sim_config())
+                   for p in ("fcfs", "tokengate") if p in policies}
         from gateway import simulate_plots
 
         for path in simulate_plots.write_all(args.out, rows, service, info, top):

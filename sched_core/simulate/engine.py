@@ -1,17 +1,19 @@
 """The discrete-event simulator: a policy (the real scheduler or a baseline) and simulated workers.
 
-The gateway side is driven exactly as ``gateway/dispatch.py`` drives the scheduler: ``arrive``
-then ``tick`` on every request, ``completed`` then ``tick`` on every batch report, and a
-``tick`` every ``tick_s`` while requests are queued and a path has free slots (with no free
-slot a tick cannot dispatch anything, so skipping it changes no decision). Dispatched
-batches reach a pool's stream after ``hop_s``; replies reach the client after another.
+The gateway side is ``sched_core.driver.Driver``, the very driver ``gateway/dispatch.py`` uses:
+``arrive`` then a tick on every request, ``finished`` then a tick on every finished request,
+``completed`` then a tick on every batch report, worker telemetry into ``steps``, and a tick
+whenever the driver asks for one (``next_tick``). Dispatched batches reach a pool's stream
+after ``hop_s``; replies, finishes and telemetry reach the gateway after another.
 
-Workers copy ``workers/worker.py`` with the HF engine: a worker takes jobs from its pool's
-stream while it has a free slot (``jobs_per_read`` per loop, an idle one at once); each step decodes
-the running sequences (one token each), then prefills newly admitted ones (first token),
-with at most ``slots`` running and ``max_prefill_tokens`` padded tokens per prefill. Step
-times come from the pool's ``CostProfile`` with lognormal noise. Batch reports carry the
-timings the real worker reports (its share of prefills, decode steps, mean running).
+Workers copy ``workers/worker.py`` with the HF engine: a worker takes as many jobs from its
+pool's stream as it has free slots; each step decodes the running sequences (one token each)
+and prefills at most the step budget's rest (``step_tokens`` less the decode tokens, at least a
+quarter of it) of waiting prompts, whole prompts batched and a long one in chunks over several
+steps; a sequence whose prefill completes gets its first token in that step. Step times come
+from the pool's ``CostProfile`` with lognormal noise. Each finished sequence is reported at
+once; a batch's report follows its last sequence; step records (prefill tokens, decode
+sequences, KV tokens, seconds) are flushed to the gateway every ``telemetry_s`` while busy.
 """
 
 from __future__ import annotations
@@ -24,38 +26,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast, runtime_checkable
 
+from sched_core.driver import Driver, Policy
 from sched_core.simulate.profile import CostProfile
 from sched_core.simulate.workload import Arrival, Workload
 from sched_core.types import PATHS, BatchTimings, Contract, Dispatch, Reject, Request
 
-
-class Policy(Protocol):
-    """What the simulator drives: the scheduler's API (``sched_core.Scheduler`` fits)."""
-
-    @property
-    def queued(self) -> int: ...
-
-    def arrive(self, req: Request, now: float) -> Contract | Reject | None: ...
-
-    def tick(self, now: float) -> list[Dispatch | Reject]: ...
-
-    def completed(self, timings: BatchTimings, now: float) -> None: ...
-
-    def worker_capacity(self, path: str, slots: int, now: float) -> None: ...
-
-
-@runtime_checkable
-class Wakes(Protocol):
-    """A baseline that knows when it next wants a tick, so the simulator need not poll."""
-
-    def next_wake(self, now: float) -> float: ...
-
-
-@runtime_checkable
-class Finishes(Protocol):
-    """A baseline that frees a slot as each request finishes (the scheduler is told per batch)."""
-
-    def finished(self, request_id: str, now: float) -> None: ...
+__all__ = ["Outcome", "Policy", "Pool", "Result", "SimConfig", "Simulation", "simulate"]
 
 
 @runtime_checkable
@@ -71,7 +47,7 @@ class Pool:
     workers: int
     slots: int  # sequences per worker
     profile: CostProfile
-    max_prefill_tokens: int = 8192
+    step_tokens: int = 256  # tokens per step: decode tokens plus the prefill chunk
 
     def __post_init__(self) -> None:
         if self.path not in PATHS or self.workers < 0 or self.slots < 1:
@@ -86,11 +62,9 @@ class SimConfig:
     seed: int = 0
     known_output: bool = False  # tell the scheduler each request's exact output length
     # jobs a worker takes from its stream per loop while it has a free slot; 0: as many as
-    # fit its free slots. workers/worker.py reads one (XREADGROUP count=1) per decode step.
+    # fit its free slots (workers/worker.py reads count = free slots)
     jobs_per_read: int = 0
-    # credit each finished sequence's slot back through worker_capacity before its batch
-    # reports (a gateway-side variant; the gateway today returns slots per batch)
-    credit_finished: bool = False
+    telemetry_s: float = 0.25  # a busy worker flushes its step records this often
 
     def pool(self, path: str) -> Pool | None:
         return next((p for p in self.pools if p.path == path), None)
@@ -133,7 +107,7 @@ class Result:
 
 # -- workers -------------------------------------------------------------------------------
 
-ARRIVE, JOB, STEP, REPORT, TICK, FINISH = range(6)
+ARRIVE, JOB, STEP, REPORT, TICK, FINISH, STEPS = range(7)
 
 
 @dataclass(slots=True)
@@ -142,6 +116,7 @@ class _Seq:
     batch: int
     target: int  # tokens to generate
     generated: int = 0
+    prefilled: int = 0  # prompt tokens prefilled so far (chunked prefill)
 
 
 @dataclass(slots=True)
@@ -166,6 +141,8 @@ class _Worker:
     running: list[_Seq] = field(default_factory=list)
     stepping: bool = False
     idle_since: float = 0.0
+    records: list[tuple[int, int, int, float]] = field(default_factory=list)
+    flushed: float = 0.0
 
     @property
     def free_slots(self) -> int:
@@ -179,10 +156,12 @@ class _Worker:
 @dataclass(slots=True)
 class _Step:
     decoded: list[_Seq]
-    admitted: list[_Seq]
+    admitted: list[_Seq]  # prefill completed in this step: first token
     decode_s: float
     prefill_s: float
     padded: int
+    prefill_tokens: int
+    kv_tokens: int
 
 
 class Simulation:
@@ -190,6 +169,7 @@ class Simulation:
 
     def __init__(self, policy: Policy, workload: Workload, config: SimConfig) -> None:
         self.policy = policy
+        self.driver = Driver(policy, config.tick_s)
         self.workload = workload
         self.config = config
         self._rng = random.Random(config.seed ^ 0x5EED)
@@ -202,16 +182,11 @@ class Simulation:
         self._seqs: dict[int, list[_Seq]] = {}
         self._streams: dict[str, deque[int]] = {p: deque() for p in PATHS}
         self._workers: dict[str, list[_Worker]] = {p: [] for p in PATHS}
-        self._cap = dict.fromkeys(PATHS, 0)
-        self._used = dict.fromkeys(PATHS, 0)
-        self._credit = dict.fromkeys(PATHS, 0)  # finished sequences of unreported batches
         for pool in config.pools:
             self._workers[pool.path] = [_Worker(pool, i) for i in range(pool.workers)]
-            self._cap[pool.path] = pool.workers * pool.slots
         self._backlog: dict[str, list[tuple[float, int]]] = {t: [] for t in self._budget}
         self._service: dict[str, list[tuple[float, int, int]]] = {t: [] for t in self._budget}
         self._steps = 0
-        self._finishes = isinstance(policy, Finishes)
 
     # -- the event loop ------------------------------------------------------------------
 
@@ -220,8 +195,9 @@ class Simulation:
         self._seq += 1
 
     def run(self) -> Result:
-        for path in PATHS:
-            self._offer(path, 0.0)
+        for pool in self.config.pools:
+            self.driver.capacity(pool.path, pool.workers * pool.slots, 0.0, pool.workers,
+                                 pool.step_tokens)
         arrivals = self.workload.arrivals
         if arrivals:
             self._push(arrivals[0].time, ARRIVE, 0)
@@ -241,22 +217,15 @@ class Simulation:
             elif kind == STEP:
                 self._step_end(payload, now)  # type: ignore[arg-type]
             elif kind == REPORT:
-                timings: BatchTimings = payload  # type: ignore[assignment]
-                size = self._batches[timings.batch_id].size
-                self._used[timings.path] -= size
-                self.policy.completed(timings, now)
-                if self.config.credit_finished:
-                    self._credit[timings.path] -= size
-                    self._offer(timings.path, now)
+                self.driver.completed(cast(BatchTimings, payload), now)
                 self._tick(now)
             elif kind == FINISH:
-                rid, path = cast(tuple[str, str], payload)
-                if isinstance(self.policy, Finishes):
-                    self.policy.finished(rid, now)
-                if self.config.credit_finished:
-                    self._credit[path] += 1
-                    self._offer(path, now)
-                self._tick(now)
+                rid, tokens = cast(tuple[str, int], payload)
+                if self.driver.finished(rid, tokens, now):
+                    self._tick(now)
+            elif kind == STEPS:
+                path, records = cast(tuple[str, list[tuple[int, int, int, float]]], payload)
+                self.driver.steps(path, records, now)
             elif kind == TICK and now == self._tick_at:
                 self._tick_at = math.inf
                 self._tick(now)
@@ -264,16 +233,13 @@ class Simulation:
         return Result(outcomes, self._backlog, self._service, self._budget,
                       batches=len(self._batches), steps=self._steps, end=now)
 
-    def _offer(self, path: str, now: float) -> None:
-        self.policy.worker_capacity(path, self._cap[path] + self._credit[path], now)
-
     def _arrive(self, a: Arrival, now: float) -> None:
         req = Request(
             id=a.id, tenant=a.tenant, weight=self._budget[a.tenant],
             prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens, arrival=now,
             expected_output_tokens=a.output_tokens if self.config.known_output else 0,
         )
-        decision = self.policy.arrive(req, now)
+        decision = self.driver.arrive(req, now)
         out = self._outcomes[a.id]
         if isinstance(decision, Reject):
             out.rejected = decision.reason
@@ -282,24 +248,17 @@ class Simulation:
         self._backlog[a.tenant].append((now, 1))
 
     def _tick(self, now: float) -> None:
-        for d in self.policy.tick(now):
+        for d in self.driver.tick(now):
             if isinstance(d, Reject):
                 out = self._outcomes[d.request_id]
                 out.rejected = d.reason
                 self._backlog[out.arrival.tenant].append((now, -1))
                 continue
             self._dispatch(d, now)
-        if not self.policy.queued:
-            return
-        if isinstance(self.policy, Wakes):
-            wake = self.policy.next_wake(now)
-        elif any(self._cap[p] + self._credit[p] > self._used[p] for p in PATHS):
-            wake = now + self.config.tick_s
-        else:
-            return  # no free slot: nothing can leave before a report comes back
+        wake = self.driver.next_tick(now)
         if now < wake < self._tick_at:
-                self._tick_at = wake
-                self._push(wake, TICK, None)
+            self._tick_at = wake
+            self._push(wake, TICK, None)
 
     def _dispatch(self, d: Dispatch, now: float) -> None:
         seqs = []
@@ -309,7 +268,6 @@ class Simulation:
             seqs.append(_Seq(out, d.batch_id, out.arrival.output_tokens))
         self._batches[d.batch_id] = _Batch(d.path, len(seqs), len(seqs), order=d.request_ids)
         self._seqs[d.batch_id] = seqs
-        self._used[d.path] += len(seqs)
         self._push(now + self.config.hop_s, JOB, (d.path, d.batch_id))
 
     # -- workers -------------------------------------------------------------------------
@@ -337,27 +295,48 @@ class Simulation:
         if not w.busy:
             w.stepping = False
             w.idle_since = now
+            self._flush(w, now)
             return
         w.stepping = True
         self._steps += 1
         profile = w.pool.profile
         decoded = list(w.running)
         decode_s = 0.0
+        kv = 0
         if decoded:
             width = max(s.outcome.arrival.prompt_tokens + s.generated for s in decoded)
+            kv = sum(s.outcome.arrival.prompt_tokens + s.generated for s in decoded)
             decode_s = self._noisy(profile.decode_step_s(len(decoded), width), profile)
-        admitted: list[_Seq] = []
+        budget = w.pool.step_tokens
+        room = max(budget - len(decoded), budget // 4)
+        parts = 0
         longest = 0
-        while w.waiting and len(decoded) + len(admitted) < w.pool.slots:
-            n = w.waiting[0].outcome.arrival.prompt_tokens
-            if admitted and max(longest, n) * (len(admitted) + 1) > w.pool.max_prefill_tokens:
+        tokens = 0
+        admitted: list[_Seq] = []
+        for s in w.waiting:
+            if room <= 0 or len(decoded) + len(admitted) >= w.pool.slots:
                 break
-            longest = max(longest, n)
-            admitted.append(w.waiting.popleft())
-        prefill_s = (self._noisy(profile.prefill_s(len(admitted), longest), profile)
-                     if admitted else 0.0)
-        step = _Step(decoded, admitted, decode_s, prefill_s, longest)
+            take = min(s.outcome.arrival.prompt_tokens - s.prefilled, room)
+            s.prefilled += take
+            room -= take
+            tokens += take
+            parts += 1
+            longest = max(longest, take)
+            if s.prefilled < s.outcome.arrival.prompt_tokens:
+                break  # a chunk: the rest of this prompt comes in the next steps
+            admitted.append(s)
+        for _ in admitted:
+            w.waiting.popleft()
+        prefill_s = self._noisy(profile.prefill_s(parts, longest), profile) if parts else 0.0
+        step = _Step(decoded, admitted, decode_s, prefill_s, longest, tokens, kv)
         self._push(now + decode_s + prefill_s, STEP, (w, step))
+
+    def _flush(self, w: _Worker, now: float) -> None:
+        """Send the worker's step records to the gateway (every telemetry_s, and when idle)."""
+        if w.records:
+            self._push(now + self.config.hop_s, STEPS, (w.pool.path, w.records))
+            w.records = []
+        w.flushed = now
 
     def _noisy(self, seconds: float, profile: CostProfile) -> float:
         cv = profile.noise_cv
@@ -369,6 +348,10 @@ class Simulation:
     def _step_end(self, item: tuple[_Worker, _Step], now: float) -> None:
         w, step = item
         seen = now + self.config.hop_s  # when the client sees this step's tokens
+        w.records.append((step.prefill_tokens, len(step.decoded), step.kv_tokens,
+                          step.decode_s + step.prefill_s))
+        if now - w.flushed >= self.config.telemetry_s:
+            self._flush(w, now)
         served: dict[str, list[int]] = {}
         touched: dict[int, _Batch] = {}
         for s in step.decoded:
@@ -399,8 +382,7 @@ class Simulation:
                 continue
             s.outcome.finished = seen
             s.outcome.tokens = s.generated
-            if self._finishes or self.config.credit_finished:
-                self._push(seen, FINISH, (s.outcome.arrival.id, s.outcome.path))
+            self._push(seen, FINISH, (s.outcome.arrival.id, s.generated))
             b = self._batches[s.batch]
             b.outputs[s.outcome.arrival.id] = s.generated
             b.pending -= 1

@@ -16,7 +16,7 @@ from sched_core.policies import BOTH, FifoPolicy, FixedBatch, ThreeRegime, TimeW
 from sched_core.simulate.workload import Workload
 from sched_core.types import SchedulerConfig
 
-POLICIES = ("fcfs", "fixed", "window", "gpu-only", "three-regime", "tokengate", "tokengate-seq")
+POLICIES = ("fcfs", "fixed", "window", "gpu-only", "three-regime", "tokengate")
 LEVEL = 0.9  # SLO attainment at which a load counts as sustained
 
 
@@ -80,16 +80,10 @@ def make_policy(name: str, knob: Knob | None, setup: Setup, workload: Workload) 
         return TimeWindow(knob.value, mb, knob.paths)
     if name == "three-regime":
         return ThreeRegime({p.path: p.profile for p in setup.pools}, mb, tick_s=setup.tick_s)
-    if name in ("tokengate", "tokengate-seq"):
+    if name == "tokengate":
         cls = sched_core.IMPLEMENTATIONS[setup.implementation]
         return cls(scheduler_config(setup, workload))
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
-
-
-def sim_config(name: str, setup: Setup) -> SimConfig:
-    """``tokengate-seq`` is the scheduler with each finished sequence's slot credited back
-    through ``worker_capacity`` before its batch reports (a gateway-side change)."""
-    return replace(setup.sim_config(), credit_finished=name == "tokengate-seq")
 
 
 def knobs(name: str, setup: Setup) -> tuple[Knob | None, ...]:
@@ -111,7 +105,7 @@ def run_policy(name: str, workload: Workload, setup: Setup) -> dict[str, Any]:
     """One policy on one workload; a knob is swept and its best setting reported (highest
     SLO attainment, then lowest p99, then highest throughput)."""
     rows = []
-    config = sim_config(name, setup)
+    config = setup.sim_config()
     for knob in knobs(name, setup):
         policy = make_policy(name, knob, setup, workload)
         row = summarize(simulate(policy, workload, config), setup.slo, setup.fair_windows)
@@ -206,8 +200,7 @@ def compare_at_load(make_workload: Callable[[float], Workload], setup: Setup, na
     workload = make_workload(rate)
 
     def run(policy: str, k: Knob | None) -> dict[str, Any]:
-        result = simulate(make_policy(policy, k, setup, workload), workload,
-                          sim_config(policy, setup))
+        result = simulate(make_policy(policy, k, setup, workload), workload, setup.sim_config())
         return summarize(result, setup.slo, setup.fair_windows)
 
     base, mine = run(name, knob), run(tg, None)

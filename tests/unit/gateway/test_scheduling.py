@@ -32,9 +32,9 @@ def _shell(**kw: object) -> SchedulerShell:
 
 def test_capacity_is_split_over_live_gateways_rounding_up() -> None:
     workers = {"a": _hb("a", "cpu", 32), "b": _hb("b", "cpu", 32), "g": _hb("g", "gpu", 5)}
-    assert capacity_share(workers, 1) == {"cpu": 64, "gpu": 5}
-    assert capacity_share(workers, 3) == {"cpu": 22, "gpu": 2}
-    assert capacity_share({}, 0) == {"cpu": 0, "gpu": 0}
+    assert capacity_share(workers, 1) == {"cpu": (64, 2), "gpu": (5, 1)}
+    assert capacity_share(workers, 3) == {"cpu": (22, 1), "gpu": (2, 1)}
+    assert capacity_share({}, 0) == {"cpu": (0, 1), "gpu": (0, 1)}
 
 
 def test_admitted_requests_leave_as_stream_jobs_in_dispatch_order() -> None:
@@ -64,14 +64,14 @@ def test_completed_feeds_own_batches_and_ignores_foreign_ones() -> None:
         t += 0.05
         sends, _ = shell.tick(t)
     job = sends[0].job
-    before = shell.core.snapshot()["paths"]["cpu"]["in_flight"]
+    before = shell.driver.policy.snapshot()["paths"]["cpu"]["in_flight"]
     foreign = p.BatchReport("other:1", "cpu", "w", 1, 20, 0.01, 8, 0.1, (8,))
     shell.completed(foreign, t + 1)
     handoff = p.BatchReport(job.batch_id + "/r", "gpu", "w", 1, 20, 0.0, 8, 0.1, (8,))
     shell.completed(handoff, t + 1)
-    assert shell.core.snapshot()["paths"]["cpu"]["in_flight"] == before == 1
+    assert shell.driver.policy.snapshot()["paths"]["cpu"]["in_flight"] == before == 1
     shell.completed(p.BatchReport(job.batch_id, "cpu", "w", 1, 20, 0.01, 8, 0.1, (8,)), t + 1)
-    assert shell.core.snapshot()["paths"]["cpu"]["in_flight"] == 0
+    assert shell.driver.policy.snapshot()["paths"]["cpu"]["in_flight"] == 0
 
 
 def test_cancel_while_queued_means_never_dispatched() -> None:
@@ -95,7 +95,7 @@ def test_a_deadline_the_contract_cannot_meet_is_rejected_at_once() -> None:
 def test_long_prompts_are_handed_to_the_gpu_pool_when_asked() -> None:
     shell = SchedulerShell("gw1", "tg:replies:gw1", handoff_min_prompt=10)
     shell.capacity({"c": _hb("c", "cpu", 8), "g": _hb("g", "gpu", 1)}, 1, 0.0)
-    shell.core.worker_capacity("gpu", 0, 0.0)  # keep the batch on the cpu path
+    shell.driver.policy.worker_capacity("gpu", 0, 0.0)  # keep the batch on the cpu path
     shell.arrive(_seq("long", n=40), WHO, 0.0)
     shell.arrive(_seq("short", n=5), WHO, 0.0)
     t, sends = 0.0, []
@@ -163,7 +163,7 @@ def _dispatched(shell: SchedulerShell, rids: list[str], start: float = 0.0) -> t
 
 
 def _used(shell: SchedulerShell) -> int:
-    return sum(int(path["in_flight"]) for path in shell.core.snapshot()["paths"].values())
+    return sum(int(path["in_flight"]) for path in shell.driver.policy.snapshot()["paths"].values())
 
 
 def _report(send, shell: SchedulerShell) -> p.BatchReport:  # type: ignore[no-untyped-def]

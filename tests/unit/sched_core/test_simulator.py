@@ -11,7 +11,7 @@ import sched_core
 from sched_core import SchedulerConfig
 from sched_core.simulate import CostProfile, Pool, SimConfig, Slo, simulate, summarize
 from sched_core.simulate.engine import Simulation
-from sched_core.simulate.experiment import POLICIES, Knob, Setup, make_policy, sim_config
+from sched_core.simulate.experiment import POLICIES, Knob, Setup, make_policy
 from sched_core.policies import FifoPolicy, FixedBatch
 from sched_core.simulate.workload import DEFAULT_TENANTS, Arrival, Tenant, Workload, poisson
 from sched_core.types import BatchTimings, Dispatch
@@ -86,7 +86,7 @@ class Recorder(FixedBatch):
 def test_a_fixed_batch_runs_as_computed_by_hand() -> None:
     # four requests, prompt 100, three tokens each; the batch leaves with the fourth at 0.3
     arrivals = [(0.1 * i, 100, 3) for i in range(4)]
-    cfg = SimConfig((Pool("gpu", 1, 4, profile()),), hop_s=0.0)
+    cfg = SimConfig((Pool("gpu", 1, 4, profile(), step_tokens=512),), hop_s=0.0)
     policy = Recorder(4)
     result = simulate(policy, workload(arrivals), cfg)
     prefill = 0.1 + 0.001 * 4 * 100  # 0.5 s, first tokens at 0.8
@@ -150,7 +150,7 @@ def test_every_policy_completes_every_request_exactly_once(name: str) -> None:
             sent.extend(d.request_ids)
             super()._dispatch(d, now)
 
-    result = Counting(policy, wl, sim_config(name, s)).run()
+    result = Counting(policy, wl, s.sim_config()).run()
     assert sorted(sent) == sorted(a.id for a in wl.arrivals)  # each dispatched once
     for o in result.outcomes:
         assert o.rejected is None
@@ -166,7 +166,7 @@ def test_runs_are_deterministic_for_a_seed(name: str) -> None:
         s = setup(seed=seed)
         wl = small_workload(seed)
         policy = make_policy(name, Knob(4.0) if name == "fixed" else None, s, wl)
-        return summarize(simulate(policy, wl, sim_config(name, s)), s.slo)
+        return summarize(simulate(policy, wl, s.sim_config()), s.slo)
 
     first, again, other = run(1), run(1), run(2)
     assert first == again
