@@ -65,6 +65,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                      "beta:2000:0.15,gamma:4000:0.2,noisy:2000:0.5)")
     p.add_argument("--known-output", action="store_true",
                    help="tell the scheduler each request's exact output length")
+    p.add_argument("--cpu-step-tokens", type=int, default=None,
+                   help="tokens per cpu worker step, decode plus prefill chunk (default: the "
+                        "cpu profile's step_model, else 256)")
+    p.add_argument("--gpu-step-tokens", type=int, default=None,
+                   help="tokens per gpu worker step (default: the gpu profile's step_model, else 8192)")
     p.add_argument("--jobs-per-read", type=int, default=0,
                    help="jobs a worker reads per loop (0: all that fit its free slots, as "
                         "workers/worker.py does; 1: the one-job reads of earlier workers)")
@@ -121,8 +126,10 @@ def _run(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {', '.join(ex.POLICIES)}")
     cpu, gpu = _profile(args.profile_cpu, DEFAULT_CPU), _profile(args.profile_gpu, DEFAULT_GPU)
-    pools = tuple(p for p in (Pool("cpu", args.cpu_workers, args.cpu_slots, cpu),
-                              Pool("gpu", args.gpu_workers, args.gpu_slots, gpu)) if p.workers)
+    pools = tuple(p for p in (
+        Pool("cpu", args.cpu_workers, args.cpu_slots, cpu, args.cpu_step_tokens or cpu.step_tokens or 256),
+        Pool("gpu", args.gpu_workers, args.gpu_slots, gpu, args.gpu_step_tokens or gpu.step_tokens or 8192),
+    ) if p.workers)
     if not pools:
         raise ValueError("no workers in any pool")
     slo = Slo(args.slo_ms / 1000.0, args.slo_tpot_ms / 1000.0)

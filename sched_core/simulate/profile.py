@@ -39,6 +39,7 @@ class CostProfile:
     decode_d: float
     decode_e: float
     noise_cv: float = 0.0
+    step_tokens: int = 0  # the step budget its step_model names (0: none)
 
     def __post_init__(self) -> None:
         coefficients = (self.prefill_a, self.prefill_b, self.prefill_b2, self.decode_c,
@@ -93,6 +94,7 @@ class CostProfile:
                 decode_d=float(decode["d"]),
                 decode_e=float(decode.get("e", 0.0)),
                 noise_cv=float(fit.get("noise_cv", 0.0)),
+                step_tokens=int(data.get("step_model", {}).get("step_tokens", 0)),
             )
         except KeyError as exc:
             raise ValueError(f"cost profile: missing field {exc.args[0]!r}") from None
