@@ -57,7 +57,7 @@ def test_heartbeat_announces_and_stop_deregisters(redis_client: redis.Redis, red
 
 def test_unreadable_job_is_dropped_not_fatal(redis_client: redis.Redis, redis_url: str) -> None:
     with running_worker(redis_url, EchoEngine(tokens=1)):
-        redis_client.xadd(wire.jobs_stream("cpu"), {"v": "1", "m": b"{broken"})
+        redis_client.xadd(wire.jobs_stream("cpu"), {"v": str(p.VERSION), "m": b"{broken"})
         send(redis_client, _job("b-ok", ["ok"]))
         events = collect(redis_client, REPLIES, until_batches=1)
     assert [e.rid for e in events if isinstance(e, p.Finished)] == ["ok"]
