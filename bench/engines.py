@@ -1,6 +1,7 @@
 """Continuous batching inside one CPU worker: tokengate's engine vs what `transformers` offers.
 
-    python -m bench.engines [--sizes 1,8,32] [--new-tokens 32] [--json]
+    python -m bench.engines [--sizes 1,8,32] [--new-tokens 32] [--step-tokens N] [--json]
+    python -m bench.engines --join [--running 16] [--long-prompt 1024] [--budgets 64,128,256,512,0]
 
 For each concurrency B, B chat prompts are decoded greedily for exactly --new-tokens
 tokens (end-of-sequence ignored by taking the token budget as given) by:
@@ -8,6 +9,13 @@ tokens (end-of-sequence ignored by taking the token budget as given) by:
   generate      a plain batched `model.generate` (left padding), the issue's baseline;
   cb-manager    `model.generate_batch`, transformers' continuous-batching manager.
 Reported: generated tokens/s and the ratio to the same engine at B=1.
+
+--join: a long prompt arrives while --running sequences decode, once per per-step token
+budget (0: no budget, the prompt is prefilled whole). Reported: the idle step (the running
+sequences alone, median of a few steps), the running sequences' worst inter-token gap
+while the long prompt is prefilled (each running sequence gets one token per step, so a
+gap is a step's wall time) and its ratio to the idle step, and the long prompt's time to
+its first token.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import torch
 from bench.common import table
 from bench.model import PROMPTS
 from workers import model_store
+from workers.cli import setting_default
 from workers.devices import probe
 from workers.hf_engine import HFEngine
 from workers.protocol import Finished, SamplingParams, SeqJob
@@ -81,16 +90,73 @@ def run_cb_manager(engine: HFEngine, prompts: list[list[int]], new_tokens: int) 
 RUNNERS = {"tokengate": run_tokengate, "generate": run_generate, "cb-manager": run_cb_manager}
 
 
+def _timed_step(engine: HFEngine) -> float:
+    t0 = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - t0
+
+
+def run_join(engine: HFEngine, running: int, long_prompt: int, step_tokens: int) -> dict[str, float]:
+    """The running sequences' worst gap while a ``long_prompt``-token prompt joins them."""
+    engine.reset()
+    engine.step_tokens = step_tokens
+    forever = SamplingParams(100_000, temperature=0.0, ignore_eos=True)
+    for i, x in enumerate(_prompts(engine, running)):
+        engine.add(SeqJob(f"r{i}", tuple(x), forever))
+    while engine.running < running or engine.queued_prefill:
+        engine.step()
+    idle = sorted(_timed_step(engine) for _ in range(5))[2]
+    text = " ".join(PROMPTS) * (1 + long_prompt // 64)
+    ids = tuple(engine.tokenizer.encode(text)[:long_prompt])
+    assert len(ids) == long_prompt, "the repeated prompts are too short for --long-prompt"
+    engine.add(SeqJob("long", ids, SamplingParams(1, temperature=0.0)))
+    t0 = time.perf_counter()
+    gaps: list[float] = []
+    while engine.queued_prefill:  # the long prompt's first token comes with its last chunk
+        gaps.append(_timed_step(engine))
+    ttft = time.perf_counter() - t0
+    engine.reset()
+    return {"idle_ms": idle * 1000, "worst_gap_ms": max(gaps) * 1000, "ratio": max(gaps) / idle,
+            "steps": len(gaps), "ttft_s": ttft}
+
+
+def main_join(args: argparse.Namespace, engine: HFEngine, model: str) -> None:
+    run_join(engine, 2, 64, 0)  # warm-up
+    rows = []
+    for budget in [int(x) for x in args.budgets.split(",")]:
+        r = run_join(engine, args.running, args.long_prompt, budget)
+        rows.append({"step_tokens": budget, **r})
+    if args.json:
+        for row in rows:
+            print(orjson.dumps(row).decode())
+        return
+    table(
+        f"a {args.long_prompt}-token prompt joining {args.running} running sequences ({model}, this CPU)",
+        ["step tokens", "idle step ms", "worst gap ms", "worst gap / idle", "steps to join", "long TTFT s"],
+        [[r["step_tokens"] or "unchunked", r["idle_ms"], r["worst_gap_ms"], r["ratio"], r["steps"], r["ttft_s"]]
+         for r in rows],
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1,8,32")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--engines", default=",".join(RUNNERS))
+    parser.add_argument("--step-tokens", type=int, default=setting_default("step_tokens"),
+                        help="the tokengate engine's per-step token budget (0: none)")
+    parser.add_argument("--join", action="store_true", help="measure a long prompt joining running sequences")
+    parser.add_argument("--running", type=int, default=16)
+    parser.add_argument("--long-prompt", type=int, default=1024)
+    parser.add_argument("--budgets", default="64,128,256,512,0")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     model_store.offline()
     spec = model_store.resolve(None, model_store.default_cache_dir())
-    engine = HFEngine(spec.path, probe("cpu"), slots=256)
+    engine = HFEngine(spec.path, probe("cpu"), slots=256, step_tokens=args.step_tokens)
+    if args.join:
+        main_join(args, engine, spec.name)
+        return
     sizes = [int(x) for x in args.sizes.split(",")]
     rows = []
     for name in args.engines.split(","):
@@ -115,7 +181,8 @@ def main() -> None:
             print(orjson.dumps(r).decode())
         return
     table(
-        f"continuous batching on this CPU ({spec.name}, greedy, {args.new_tokens} new tokens)",
+        f"continuous batching on this CPU ({spec.name}, greedy, {args.new_tokens} new tokens, "
+        f"step tokens {args.step_tokens or 'unbudgeted'})",
         ["engine", "concurrency", "tokens", "seconds", "tokens/s", "x its B=1", "error"],
         [[r["engine"], r["concurrency"], r.get("tokens", ""), r.get("seconds", ""), r.get("tokens_per_s", ""),
           r.get("vs_b1", ""), r.get("error", "")] for r in rows],

@@ -197,6 +197,7 @@ def _worker_argv(pool: str, redis_url: str, args: argparse.Namespace, model_dir:
         "--pool", pool,
         "--engine", args.engine,
         "--slots", str(args.slots),
+        "--step-tokens", str(args.step_tokens),
         "--echo-tokens", str(args.echo_tokens),
         "--echo-step-ms", str(args.echo_step_ms),
         "--claim-idle", str(args.claim_idle),

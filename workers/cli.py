@@ -55,6 +55,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
           help="hf: the transformers model; echo: a model-free engine for benchmarks")
     _flag(parser, "--slots", setting_default("slots"), type=int,
           help="sequences decoded together (continuous batching)")
+    _flag(parser, "--step-tokens", setting_default("step_tokens"), type=int,
+          help="tokens one engine step may run: the running sequences' decode tokens plus "
+               "prefill, a long prompt in chunks (0: prompts prefilled whole)")
     _flag(parser, "--echo-tokens", setting_default("echo_tokens"), type=int)
     _flag(parser, "--echo-step-ms", setting_default("echo_step_s") * 1000, type=float,
           help="echo engine: 0 answers at once; >0 emits one token per step of this length")
@@ -81,6 +84,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         model_name=args.model_name,
         cache_dir=args.cache_dir,
         slots=args.slots,
+        step_tokens=args.step_tokens,
         echo_tokens=args.echo_tokens,
         echo_step_s=args.echo_step_ms / 1000,
         claim_idle_s=args.claim_idle,
@@ -114,7 +118,7 @@ def run(settings: WorkerSettings) -> None:
         spec = model_store.resolve(settings.model, cache, settings.model_name)
         choice = probe(settings.pool)
         log.info("model %s from %s; %s", spec.name, spec.path, choice.reason)
-        engine = HFEngine(spec.path, choice, slots=settings.slots)
+        engine = HFEngine(spec.path, choice, slots=settings.slots, step_tokens=settings.step_tokens)
         model_name = spec.name
     client = connect(settings)
     worker = Worker(settings, engine, client, model_name)

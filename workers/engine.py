@@ -11,13 +11,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from workers.protocol import Delta, Finished, SeqJob
+from workers.protocol import Delta, Finished, SeqJob, StepRecord
 
 
 @dataclass(frozen=True, slots=True)
 class Prefill:
+    """One prefill pass: whole prompts padded to one length, or one chunk of one prompt."""
+
     rids: tuple[str, ...]
-    padded_tokens: int  # tokens per sequence after padding
+    padded_tokens: int  # tokens per sequence after padding (a chunk: its prompt's tokens so far)
     seconds: float
 
 
@@ -39,6 +41,14 @@ class StepResult:
     # recorded in Redis so a peer can resume them exactly if this worker dies
     progress: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)
     handoffs: list[Handoff] = field(default_factory=list)
+    # the step's totals (the scheduler's view: workers publish them as telemetry)
+    prefill_tokens: int = 0  # prompt tokens prefilled (chunks included), padding not counted
+    decode_seqs: int = 0  # sequences that decoded one token
+    kv_tokens: int = 0  # KV-cache tokens held by the running sequences when the step began
+    step_s: float = 0.0  # the step's wall time
+
+    def record(self) -> StepRecord:
+        return StepRecord(self.prefill_tokens, self.decode_seqs, self.kv_tokens, self.step_s * 1000)
 
 
 class Engine(Protocol):
@@ -47,6 +57,7 @@ class Engine(Protocol):
     device: str
     dtype: str
     choice: str  # why this device and dtype
+    step_tokens: int  # per-step token budget: decode tokens plus prefill (0: none, whole prompts)
 
     def add(self, seq: SeqJob, kv: dict[str, Any] | None = None) -> None:
         """Queue a sequence; with ``kv`` (a handed-over prefill) it skips prefill."""
@@ -66,6 +77,16 @@ class Engine(Protocol):
     @property
     def free_slots(self) -> int: ...
 
+    @property
+    def running(self) -> int:
+        """Sequences decoding now."""
+        ...
+
+    @property
+    def queued_prefill(self) -> int:
+        """Prompt tokens of admitted sequences not yet prefilled."""
+        ...
+
 
 class EchoEngine:
     """Answers without a model, ``tokens`` tokens of fixed text per sequence.
@@ -81,6 +102,7 @@ class EchoEngine:
     dtype = "none"
     choice = "echo engine: no model"
     piece = " echo"
+    step_tokens = 0
 
     def __init__(self, tokens: int = 16, slots: int = 256, step_s: float = 0.0) -> None:
         self.tokens = tokens
@@ -88,15 +110,19 @@ class EchoEngine:
         self.step_s = step_s
         self._running: dict[str, tuple[SeqJob, int]] = {}  # rid -> (job, tokens generated)
         self._cancelled: list[tuple[SeqJob, int]] = []
+        self._fresh: set[str] = set()  # added, not yet stepped ("prefilled" by the next step)
 
     def add(self, seq: SeqJob, kv: dict[str, Any] | None = None) -> None:
         self._running[seq.rid] = (seq, len(seq.resume_ids))
+        if kv is None:
+            self._fresh.add(seq.rid)
 
     def cancel(self, rid: str) -> bool:
         entry = self._running.pop(rid, None)
         if entry is None:
             return False
         self._cancelled.append(entry)
+        self._fresh.discard(rid)
         return True
 
     @property
@@ -107,12 +133,28 @@ class EchoEngine:
     def free_slots(self) -> int:
         return max(0, self.slots - len(self._running))
 
+    @property
+    def running(self) -> int:
+        return len(self._running) - len(self._fresh)
+
+    @property
+    def queued_prefill(self) -> int:
+        return sum(len(self._running[rid][0].prompt_ids) for rid in self._fresh)
+
     def reset(self) -> None:
         self._running.clear()
         self._cancelled.clear()
+        self._fresh.clear()
 
     def step(self) -> StepResult:
+        started = time.perf_counter()
         result = StepResult()
+        result.decode_seqs = self.running
+        result.kv_tokens = sum(
+            len(seq.prompt_ids) + done for rid, (seq, done) in self._running.items() if rid not in self._fresh
+        )
+        result.prefill_tokens = self.queued_prefill
+        self._fresh.clear()
         for seq, done in self._cancelled:
             result.events.append(Finished(seq.rid, "", "cancelled", len(seq.prompt_ids), done))
         self._cancelled.clear()
@@ -138,4 +180,5 @@ class EchoEngine:
         if self.step_s > 0 and self._running:
             result.decode_rids = tuple(self._running)
             result.decode_s = self.step_s
+        result.step_s = time.perf_counter() - started
         return result

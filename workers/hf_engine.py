@@ -1,10 +1,17 @@
 """A `transformers` causal LM behind iteration-level (continuous) batching.
 
 Running sequences share one left-padded KV cache (a ``DynamicCache``). Each ``step``:
-one decode forward for the running batch, then a prefill forward for newly admitted
-sequences, whose cache rows are padded on the left and concatenated to the running batch.
+one decode forward for the running batch, then at most one prefill forward, whose
+sequences' cache rows are padded on the left and concatenated to the running batch.
 Finished or cancelled rows are dropped with ``batch_select_indices``; all-padding columns
-on the left are trimmed. Every sequence gets exactly one token per step.
+on the left are trimmed. Every running sequence gets exactly one token per step.
+
+With a per-step token budget (``step_tokens``) a step prefills at most
+``prefill_budget(running)`` prompt tokens (padding counted): waiting prompts that fit
+together are prefilled whole in one padded forward; a prompt longer than the budget is
+prefilled in chunks, one per step, in its own cache, and joins the running batch when its
+last chunk is done. So one long prompt no longer stalls every running sequence for the
+whole of its prefill. Without a budget (``step_tokens=0``) prompts are prefilled whole.
 """
 
 from __future__ import annotations
@@ -39,6 +46,13 @@ class _Seq:
     finished: bool = False
     eos: bool = False  # ended by an end-of-sequence token (counted, not shown)
     kv: dict[str, torch.Tensor] | None = None  # a handed-over prefill: skip our own
+    cache: DynamicCache | None = None  # its own cache while its prompt is prefilled in chunks
+    prefilled: int = 0  # prompt tokens in that cache
+
+    @property
+    def inputs(self) -> tuple[int, ...]:
+        """What prefill runs on: the prompt and the tokens generated before a resume."""
+        return self.job.prompt_ids + self.job.resume_ids
 
 
 class HFEngine:
@@ -50,8 +64,10 @@ class HFEngine:
         choice: DeviceChoice,
         slots: int = 32,
         max_prefill_tokens: int = 8192,
+        step_tokens: int = 0,
     ) -> None:
         self.slots = slots
+        self.step_tokens = step_tokens  # 0: no per-step budget, prompts prefilled whole
         self.device = choice.device
         self.dtype = choice.dtype
         self.choice = choice.reason
@@ -73,6 +89,7 @@ class HFEngine:
         self.eos_ids = frozenset(eos_ids)
         self.pad_id = self.tokenizer.pad_token_id or 0
         self._waiting: deque[_Seq] = deque()
+        self._chunking: _Seq | None = None  # the prompt being prefilled in chunks (holds a slot)
         self._running: list[_Seq] = []
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # [B, T] 1 = real token
@@ -81,11 +98,29 @@ class HFEngine:
 
     @property
     def busy(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._chunking)
 
     @property
     def free_slots(self) -> int:
-        return max(0, self.slots - len(self._running) - len(self._waiting))
+        return max(0, self.slots - self._occupied() - len(self._waiting))
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def queued_prefill(self) -> int:
+        queued = sum(len(s.inputs) for s in self._waiting if s.kv is None and not s.cancelled)
+        if self._chunking is not None:
+            queued += len(self._chunking.inputs) - self._chunking.prefilled
+        return queued
+
+    def prefill_budget(self, decoding: int) -> int:
+        """Prompt tokens (padding counted) one step may prefill beside ``decoding`` decode
+        tokens: the budget's rest, but at least a quarter of it so prefill always moves."""
+        if not self.step_tokens:
+            return self.max_prefill_tokens
+        return min(self.max_prefill_tokens, max(self.step_tokens - decoding, self.step_tokens // 4, 1))
 
     def add(self, job: SeqJob, kv: dict[str, Any] | None = None) -> None:
         generator = None
@@ -104,7 +139,7 @@ class HFEngine:
             if seq.job.rid == rid and not seq.cancelled:
                 seq.cancelled = True
                 return True
-        for seq in self._running:
+        for seq in [*self._running, *([self._chunking] if self._chunking else [])]:
             if seq.job.rid == rid and not seq.cancelled:
                 seq.cancelled = True
                 return True
@@ -112,59 +147,115 @@ class HFEngine:
 
     def reset(self) -> None:
         self._waiting.clear()
+        self._chunking = None
         self._running = []
         self._cache, self._mask = None, None
 
     @torch.inference_mode()
     def step(self) -> StepResult:
+        started = time.perf_counter()
         result = StepResult()
         self._drop_cancelled(result)
         if self._running:
+            assert self._mask is not None
+            result.kv_tokens = int(self._mask.sum())
             t0 = time.perf_counter()
             logits = self._decode()
             result.decode_s = time.perf_counter() - t0
             result.decode_rids = tuple(s.job.rid for s in self._running)
+            result.decode_seqs = len(self._running)
             self._advance(self._running, logits, result)
-        admitted = self._admit()
-        carried = [s for s in admitted if s.kv is not None]
-        admitted = [s for s in admitted if s.kv is None]
-        for seq in carried:  # decoding continues here from a peer's prefill
-            cache, mask = self._from_kv(seq)
-            self._merge([seq], cache, mask)
-        if admitted:
-            t0 = time.perf_counter()
-            logits, cache, mask = self._prefill(admitted)
-            result.prefills.append(
-                Prefill(tuple(s.job.rid for s in admitted), mask.shape[1], time.perf_counter() - t0)
-            )
-            self._advance(admitted, logits, result)
-            self._hand_off(admitted, cache, mask, result)
-            self._merge(admitted, cache, mask)
+        self._prefill_step(self.prefill_budget(result.decode_seqs), result)
         self._drop_finished()
         for seq in self._running:
             if seq.job.stream:
                 result.progress[seq.job.rid] = (tuple(seq.out_ids), seq.text.sent)
+        result.step_s = time.perf_counter() - started
         return result
 
     # -- batching -----------------------------------------------------------------------
 
-    def _admit(self) -> list[_Seq]:
-        admitted: list[_Seq] = []
+    def _occupied(self) -> int:
+        return len(self._running) + (self._chunking is not None)
+
+    def _prefill_step(self, budget: int, result: StepResult) -> None:
+        """At most one prefill forward: the next chunk of the prompt in chunked prefill, or
+        the waiting prompts (first come, first served) that fit the budget together, or
+        else the first chunk of the next prompt."""
+        if self._chunking is not None:
+            self._chunk(self._chunking, budget, result)
+            return
+        carried, whole, chunked = self._admit(budget)
+        for seq in carried:  # decoding continues here from a peer's prefill
+            cache, mask = self._from_kv(seq)
+            self._merge([seq], cache, mask)
+        if whole:
+            t0 = time.perf_counter()
+            logits, cache, mask = self._prefill(whole)
+            result.prefills.append(Prefill(tuple(s.job.rid for s in whole), mask.shape[1], time.perf_counter() - t0))
+            result.prefill_tokens += sum(len(s.inputs) for s in whole)
+            self._advance(whole, logits, result)
+            self._hand_off(whole, cache, mask, result)
+            self._merge(whole, cache, mask)
+        elif chunked is not None:
+            self._chunking = chunked
+            self._chunk(chunked, budget, result)
+
+    def _admit(self, budget: int) -> tuple[list[_Seq], list[_Seq], _Seq | None]:
+        """Take waiting sequences in order while slots last: carried-KV ones (no prefill),
+        prompts that fit ``budget`` together once padded, and, with a step budget, a first
+        prompt that does not fit (to prefill in chunks). Without one, the first prompt is
+        taken whole whatever its length."""
+        carried: list[_Seq] = []
+        whole: list[_Seq] = []
         longest = 0
-        while self._waiting and len(self._running) + len(admitted) < self.slots:
+        while self._waiting and self._occupied() + len(carried) + len(whole) < self.slots:
             seq = self._waiting[0]
             if seq.cancelled:
                 self._waiting.popleft()
                 continue
-            n = len(seq.job.prompt_ids) + len(seq.job.resume_ids)
-            if admitted and max(longest, n) * (len(admitted) + 1) > self.max_prefill_tokens:
+            if seq.kv is not None:
+                carried.append(self._waiting.popleft())
+                continue
+            n = len(seq.inputs)
+            if max(longest, n) * (len(whole) + 1) > budget and (whole or self.step_tokens):
+                if not whole:
+                    return carried, whole, self._waiting.popleft()
                 break
             longest = max(longest, n)
-            admitted.append(self._waiting.popleft())
-        return admitted
+            whole.append(self._waiting.popleft())
+        return carried, whole, None
+
+    def _chunk(self, seq: _Seq, budget: int, result: StepResult) -> None:
+        """Prefill the next ``budget`` tokens of ``seq`` into its own cache; after the last
+        chunk, sample its first token and let it join the running batch."""
+        inputs = seq.inputs
+        start = seq.prefilled
+        end = min(len(inputs), start + budget)
+        last = end == len(inputs)
+        ids = torch.tensor([inputs[start:end]], dtype=torch.long, device=self.device)
+        mask = torch.ones((1, end), dtype=torch.long, device=self.device)
+        positions = torch.arange(start, end, dtype=torch.long, device=self.device).unsqueeze(0)
+        kwargs: dict[str, Any] = dict(
+            input_ids=ids, attention_mask=mask, position_ids=positions,
+            past_key_values=seq.cache if seq.cache is not None else DynamicCache(), use_cache=True,
+        )
+        t0 = time.perf_counter()
+        # an inner chunk needs no logits: the base model skips the LM head altogether
+        out = self.model(**kwargs, logits_to_keep=1) if last else self.model.base_model(**kwargs)
+        seq.cache, seq.prefilled = out.past_key_values, end
+        result.prefills.append(Prefill((seq.job.rid,), end, time.perf_counter() - t0))
+        result.prefill_tokens += end - start
+        if not last:
+            return
+        cache = seq.cache
+        self._chunking, seq.cache = None, None
+        self._advance([seq], out.logits[:, -1, :], result)
+        self._hand_off([seq], cache, mask, result)
+        self._merge([seq], cache, mask)
 
     def _prefill(self, seqs: list[_Seq]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
-        inputs = [s.job.prompt_ids + s.job.resume_ids for s in seqs]
+        inputs = [s.inputs for s in seqs]
         length = max(len(x) for x in inputs)
         ids = torch.full((len(seqs), length), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), length), dtype=torch.long)
@@ -247,6 +338,9 @@ class HFEngine:
             if seq.cancelled:
                 self._waiting.remove(seq)
                 result.events.append(self._finish(seq, "cancelled"))
+        if self._chunking is not None and self._chunking.cancelled:
+            result.events.append(self._finish(self._chunking, "cancelled"))
+            self._chunking = None
         for seq in self._running:
             if seq.cancelled and not seq.finished:
                 result.events.append(self._finish(seq, "cancelled"))

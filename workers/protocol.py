@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import orjson
 
-VERSION = 1
+VERSION = 2  # 2: the step telemetry stream (docs/protocol.md)
 
 POOLS = ("cpu", "gpu")
 
@@ -133,6 +133,34 @@ class Heartbeat:
     # in-flight work, so gateways can reconcile their slot bookkeeping
     running: int = 0  # sequences in the engine (waiting or decoding)
     batches: tuple[str, ...] = ()  # ids of the batches this worker holds, at most HEARTBEAT_MAX_BATCHES
+
+
+TELEMETRY_MAX_STEPS = 64  # a telemetry entry carries at most this many step records
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step, as the scheduler's cost model sees it."""
+
+    prefill_tokens: int  # prompt tokens prefilled in the step (chunks included)
+    decode_seqs: int  # sequences that decoded one token in the step
+    kv_tokens: int  # KV-cache tokens held by the running sequences when the step began
+    ms: float  # the step's wall time, milliseconds
+
+
+@dataclass(frozen=True, slots=True)
+class Telemetry:
+    """A worker's recent steps and its state now: one entry of ``wire.TELEMETRY_STREAM``."""
+
+    worker: str
+    pool: str
+    slots: int
+    free: int  # free slots now
+    running: int  # sequences decoding now
+    queued_prefill: int  # prompt tokens admitted but not yet prefilled
+    step_tokens: int  # the worker's per-step token budget (0: none, whole prompts)
+    steps: tuple[StepRecord, ...]  # the latest, at most TELEMETRY_MAX_STEPS, oldest first
+    dropped: int = 0  # step records left out since the last entry (cap reached)
 
 
 # -- encoding ---------------------------------------------------------------------------
@@ -278,3 +306,44 @@ def decode_heartbeat(raw: bytes) -> Heartbeat:
         return Heartbeat(**known)
     except TypeError as exc:
         raise ProtocolError(f"malformed heartbeat: {exc!r}") from exc
+
+
+_TELEMETRY_INTS = ("slots", "free", "running", "queued_prefill", "step_tokens", "dropped")
+
+
+def encode_telemetry(t: Telemetry) -> dict[str, bytes]:
+    """Steps travel as ``[prefill_tokens, decode_seqs, kv_tokens, ms]`` arrays, oldest first."""
+    doc: dict[str, Any] = {"worker": t.worker, "pool": t.pool}
+    doc.update({f: getattr(t, f) for f in _TELEMETRY_INTS})
+    doc["steps"] = [[s.prefill_tokens, s.decode_seqs, s.kv_tokens, round(s.ms, 3)] for s in t.steps]
+    return _entry(doc)
+
+
+def decode_telemetry(fields: dict[bytes, bytes]) -> Telemetry:
+    doc = _doc(fields)
+    try:
+        steps = tuple(_step_record(s) for s in doc["steps"])
+        ints = {f: _int(doc[f]) for f in _TELEMETRY_INTS}
+        worker, pool = doc["worker"], doc["pool"]
+        if not isinstance(worker, str) or not isinstance(pool, str):
+            raise TypeError("worker and pool must be strings")
+        if len(steps) > TELEMETRY_MAX_STEPS:
+            raise ValueError(f"{len(steps)} step records, more than {TELEMETRY_MAX_STEPS}")
+        return Telemetry(worker=worker, pool=pool, steps=steps, **ints)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"malformed telemetry: {exc!r}") from exc
+
+
+def _int(x: object) -> int:
+    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+        raise ValueError(f"expected a count, got {x!r}")
+    return x
+
+
+def _step_record(s: object) -> StepRecord:
+    if not isinstance(s, list) or len(s) != 4:
+        raise ValueError(f"a step record is [prefill, decode, kv, ms], got {s!r}")
+    ms = s[3]
+    if not isinstance(ms, int | float) or isinstance(ms, bool) or ms < 0:
+        raise ValueError(f"step milliseconds must be a non-negative number, got {ms!r}")
+    return StepRecord(_int(s[0]), _int(s[1]), _int(s[2]), float(ms))

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 GROUP = "workers"  # the consumer group every jobs stream carries
 DEAD_LETTER_STREAM = "tg:dead"  # poison jobs, capped (see workers.fencing)
+TELEMETRY_STREAM = "tg:steps"  # every worker's step records and live state; gateways XREAD it
+TELEMETRY_MAXLEN = 10_000  # approximate MAXLEN of every XADD to it
 
 
 def jobs_stream(pool: str) -> str:

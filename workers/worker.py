@@ -54,6 +54,7 @@ class WorkerSettings:
     model_name: str | None = None
     cache_dir: Path | None = None
     slots: int = 32
+    step_tokens: int = 256  # per-step token budget, decode plus prefill (0: prompts prefilled whole)
     echo_tokens: int = 16
     echo_step_s: float = 0.0
     threads: int | None = None
@@ -68,6 +69,7 @@ class WorkerSettings:
     retry_base_s: float = 0.05  # backoff after a failed Redis call: base·2^failures seconds,
     retry_cap_s: float = 2.0  # at most this
     trim_every_s: float = 5.0  # how often the heartbeat thread trims the jobs stream
+    telemetry_every_s: float = 0.25  # step records go out at least this often while busy
 
     def __post_init__(self) -> None:
         if self.pool not in p.POOLS:
@@ -76,6 +78,8 @@ class WorkerSettings:
             raise ValueError(f"engine must be 'hf' or 'echo', not {self.engine!r}")
         if self.slots < 1:
             raise ValueError("slots must be at least 1")
+        if self.step_tokens < 0:
+            raise ValueError("step tokens must be 0 (no budget) or more")
         if self.claim_idle_s <= 3 * self.heartbeat_s:
             raise ValueError("claim idle time must exceed three heartbeat intervals")
         if self.heartbeat_ttl_s <= self.heartbeat_s:
@@ -154,6 +158,9 @@ class Worker:
         self._backoff = backoff_policy(settings.retry_base_s, settings.retry_cap_s)
         self._outage = Outage(clock)
         self._retry = Retrier(self._backoff, self._outage, sleep)  # the main loop's
+        self._steps: deque[p.StepRecord] = deque()  # not yet in a telemetry entry
+        self._dropped = 0  # step records left out since the last entry
+        self._telemetry_at = float("-inf")  # when the last entry went out
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -206,6 +213,7 @@ class Worker:
             self._apply_cancels()
             if self.engine.busy:
                 self._step()
+            self._publish_telemetry()
         except redis.RedisError as exc:
             if is_nogroup(exc):
                 # Redis came back without its data: no group, no stream, no pending entries
@@ -230,10 +238,12 @@ class Worker:
     # -- jobs in ----------------------------------------------------------------------------
 
     def _read(self, block_ms: int) -> None:
-        if self.engine.free_slots <= 0:
+        """As many jobs as the engine has free slots, in one XREADGROUP."""
+        free = self.engine.free_slots
+        if free <= 0:
             return
         reply = self.client.xreadgroup(
-            wire.GROUP, self.settings.worker_id, {self.stream: ">"}, count=1, block=block_ms or None
+            wire.GROUP, self.settings.worker_id, {self.stream: ">"}, count=free, block=block_ms or None
         )
         # RESP2: [[stream, [(id, fields), ...]]], or None when the block timed out
         entries = [entry for _stream, got in reply for entry in got] if isinstance(reply, list) else []
@@ -391,6 +401,10 @@ class Worker:
             self.engine.reset()
             self._abandon(list(self._batch_of))
             return
+        self._steps.append(result.record())
+        if len(self._steps) > p.TELEMETRY_MAX_STEPS:
+            self._steps.popleft()
+            self._dropped += 1
         try:
             self._publish(result)
         except redis.RedisError as exc:
@@ -503,6 +517,41 @@ class Worker:
             output_tokens=tuple(b.output_tokens.get(s.rid, 0) for s in b.job.seqs),
             mean_running=b.running / b.decode_steps if b.decode_steps else 0.0,
         )
+
+    # -- telemetry ------------------------------------------------------------------------
+
+    def telemetry(self) -> p.Telemetry:
+        return p.Telemetry(
+            worker=self.settings.worker_id,
+            pool=self.settings.pool,
+            slots=self.engine.slots,
+            free=self.engine.free_slots,
+            running=self.engine.running,
+            queued_prefill=self.engine.queued_prefill,
+            step_tokens=self.engine.step_tokens,
+            steps=tuple(self._steps),
+            dropped=self._dropped,
+        )
+
+    def _publish_telemetry(self) -> None:
+        """XADD the buffered step records once ``telemetry_every_s`` passed since the last
+        entry, and at once when the engine falls idle. A failed XADD raises to the main
+        loop, which backs off like after any Redis error; the records wait, capped, for the
+        next entry (``dropped`` counts those the cap pushed out)."""
+        if not self._steps:
+            return
+        now = self._clock()
+        if self.engine.busy and now - self._telemetry_at < self.settings.telemetry_every_s:
+            return
+        self.client.xadd(
+            wire.TELEMETRY_STREAM,
+            p.encode_telemetry(self.telemetry()),  # type: ignore[arg-type]  # redis-py types the dict invariantly
+            maxlen=wire.TELEMETRY_MAXLEN,
+            approximate=True,
+        )
+        self._steps.clear()
+        self._dropped = 0
+        self._telemetry_at = now
 
     # -- heartbeat ------------------------------------------------------------------------
 

@@ -97,3 +97,60 @@ def test_ignore_eos_generates_exactly_max_tokens(engine: HFEngine) -> None:
     _, forced = _run(engine, {0: [SeqJob("f", ids, SamplingParams(24, 0.0, ignore_eos=True))]})
     assert natural["n"].finish_reason == "stop" and natural["n"].completion_tokens < 24
     assert forced["f"].finish_reason == "length" and forced["f"].completion_tokens == 24
+
+
+def _alone(engine: HFEngine, job: SeqJob, step_tokens: int) -> tuple[str, int]:
+    """The text of one sequence run alone with this budget, and its prefill passes."""
+    engine.step_tokens = step_tokens
+    try:
+        engine.add(job)
+        text, passes = "", 0
+        while engine.busy:
+            result = engine.step()
+            passes += len(result.prefills)
+            text += "".join(e.text for e in result.events if e.rid == job.rid)
+        return text, passes
+    finally:
+        engine.step_tokens = 0
+
+
+def test_chunked_prefill_gives_the_same_greedy_output(engine: HFEngine) -> None:
+    greedy = SamplingParams(16, temperature=0.0)
+    for i, prompt in enumerate(PROMPTS):
+        ids = _ids(engine, prompt)
+        for job in (SeqJob(f"p{i}", ids, greedy), SeqJob(f"s{i}", ids, greedy, stream=True, resume_ids=ids[-5:])):
+            whole, one = _alone(engine, job, 0)
+            chunked, passes = _alone(engine, job, 8)  # chunks of 8 tokens: several per prompt
+            assert one == 1 and passes == -(-len(job.prompt_ids + job.resume_ids) // 8)
+            assert chunked == whole, prompt
+
+
+def test_a_long_prompt_joining_running_sequences_keeps_each_step_within_budget(engine: HFEngine) -> None:
+    budget = 32
+    engine.step_tokens = budget
+    try:
+        forever = SamplingParams(400, temperature=0.0, ignore_eos=True)
+        for i in range(4):
+            engine.add(SeqJob(f"r{i}", _ids(engine, PROMPTS[i]), forever))
+        while engine.running < 4:  # these prompts, about as long as the budget, go one by one
+            assert engine.step().prefill_tokens <= budget
+        long_ids = _ids(engine, " ".join(PROMPTS * 4))
+        assert len(long_ids) > 4 * budget
+        engine.add(SeqJob("long", long_ids, SamplingParams(4, temperature=0.0)))
+        assert engine.queued_prefill == len(long_ids) and engine.free_slots == engine.slots - 5
+        steps = []
+        while engine.running < 5:
+            steps.append(engine.step())
+        prefilled = sum(s.prefill_tokens for s in steps)
+        assert prefilled == len(long_ids) and engine.queued_prefill == 0
+        assert engine.prefill_budget(4) == budget - 4
+        for s in steps:
+            assert s.decode_seqs == 4  # no running sequence waits for the long prompt
+            assert s.prefill_tokens == budget - 4 or (s is steps[-1] and s.prefill_tokens < budget - 4)
+        for before, after in zip(steps, steps[1:], strict=False):
+            assert after.kv_tokens == before.kv_tokens + 4  # each running row grew by one token
+        joined = engine.step()
+        assert joined.decode_seqs == 5 and joined.kv_tokens == steps[-1].kv_tokens + 4 + len(long_ids)
+    finally:
+        engine.reset()
+        engine.step_tokens = 0

@@ -58,7 +58,7 @@ def test_dead_letters_are_capped_and_tell_clients_on_an_expiring_stream(redis_cl
     redis_client.xgroup_create(STREAM, wire.GROUP, id="0", mkstream=True)
     for i in range(n):
         send(redis_client, _job(i))
-    redis_client.xadd(STREAM, {"v": "1", "m": b"{unreadable"})
+    redis_client.xadd(STREAM, {"v": str(p.VERSION), "m": b"{unreadable"})
     entries = redis_client.xreadgroup(wire.GROUP, "w", {STREAM: ">"}, count=n + 1)[0][1]
     fence = Fence(redis_client, STREAM, "w")
     for entry_id, fields in entries[:n]:

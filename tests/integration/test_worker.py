@@ -57,7 +57,7 @@ def test_heartbeat_announces_and_stop_deregisters(redis_client: redis.Redis, red
 
 def test_unreadable_job_is_dropped_not_fatal(redis_client: redis.Redis, redis_url: str) -> None:
     with running_worker(redis_url, EchoEngine(tokens=1)):
-        redis_client.xadd(wire.jobs_stream("cpu"), {"v": "1", "m": b"{broken"})
+        redis_client.xadd(wire.jobs_stream("cpu"), {"v": str(p.VERSION), "m": b"{broken"})
         send(redis_client, _job("b-ok", ["ok"]))
         events = collect(redis_client, REPLIES, until_batches=1)
     assert [e.rid for e in events if isinstance(e, p.Finished)] == ["ok"]
@@ -136,3 +136,57 @@ def test_heartbeat_names_running_sequences_and_held_batches(redis_client: redis.
         assert hb is not None
         assert len(hb.batches) == p.HEARTBEAT_MAX_BATCHES and set(hb.batches) < {f"b{i}" for i in range(n)}
         worker.request_stop()  # the second stop (on leaving) exits without draining
+
+
+def test_one_read_takes_as_many_jobs_as_free_slots(redis_client: redis.Redis, redis_url: str) -> None:
+    from workers.worker import Worker, WorkerSettings, connect
+
+    for i in range(5):
+        send(redis_client, _job(f"b{i}", [f"r{i}"], max_tokens=1000))
+    settings = WorkerSettings(redis_url=redis_url, worker_id="w-read", block_ms=50)
+    engine = EchoEngine(tokens=1000, slots=3, step_s=1e-4)
+    worker = Worker(settings, engine, connect(settings), model="test")
+    calls: list[int] = []
+    read = worker.client.xreadgroup
+
+    def counting(*args: object, **kw: object) -> object:
+        calls.append(int(kw["count"]))  # type: ignore[call-overload]
+        return read(*args, **kw)  # type: ignore[arg-type]
+
+    worker.client.xreadgroup = counting  # type: ignore[method-assign]
+    assert worker.tick()
+    assert calls == [3] and engine.running == 3 and engine.free_slots == 0
+    assert redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 3
+    assert worker.tick() and calls == [3]  # no free slot: no read at all
+    for rid in ("r0", "r1"):
+        engine.cancel(rid)
+    assert worker.tick() and calls == [3, 2]  # two slots freed: two jobs in one read
+    # the cancelled batches were answered and acked in the same turn
+    assert redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 3
+
+
+def test_a_busy_worker_publishes_step_telemetry_every_quarter_second(
+    redis_client: redis.Redis, redis_url: str
+) -> None:
+    tokens, n = 120, 6
+    with running_worker(redis_url, EchoEngine(tokens=tokens, slots=8, step_s=0.01), worker_id="w-tel"):
+        for i in range(n):
+            send(redis_client, _job(f"b{i}", [f"r{i}"], max_tokens=tokens))
+        collect(redis_client, REPLIES, until_batches=n)
+
+        def published() -> list[tuple[bytes, p.Telemetry]]:
+            return [(i, p.decode_telemetry(f)) for i, f in redis_client.xrange(wire.TELEMETRY_STREAM)]
+
+        _wait_for(lambda: (got := published()) and got[-1][1].running == 0, what="the entry of the idle worker")
+        entries = published()
+    stamps = [int(i.split(b"-")[0]) for i, _ in entries]  # Redis's clock, milliseconds
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    assert len(entries) >= 4 and max(gaps[:-1]) <= 250 + 100, gaps  # scheduling slack on a busy host
+    records = [s for _, t in entries for s in t.steps]
+    assert all(t.worker == "w-tel" and t.slots == 8 and t.step_tokens == 0 and t.dropped == 0 for _, t in entries)
+    assert sum(s.prefill_tokens for s in records) == 3 * n  # every prompt is 3 tokens
+    assert sum(s.decode_seqs for s in records) == n * (tokens - 1)  # the first token comes with prefill
+    assert all(s.ms >= 10 for s in records if s.decode_seqs)
+    assert max(s.kv_tokens for s in records) <= n * (3 + tokens)
+    last = entries[-1][1]
+    assert (last.free, last.running, last.queued_prefill) == (8, 0, 0)

@@ -46,6 +46,7 @@ def test_environment_variables_set_flags_with_their_types(monkeypatch: pytest.Mo
         "TOKENGATE_POOL": "gpu",
         "TOKENGATE_ENGINE": "echo",
         "TOKENGATE_SLOTS": "7",
+        "TOKENGATE_STEP_TOKENS": "128",
         "TOKENGATE_ECHO_TOKENS": "5",
         "TOKENGATE_ECHO_STEP_MS": "20",
         "TOKENGATE_CLAIM_IDLE": "30",
@@ -60,9 +61,10 @@ def test_environment_variables_set_flags_with_their_types(monkeypatch: pytest.Mo
     s = settings_from_args(_parse())
     assert (s.pool, s.engine, s.slots, s.echo_tokens, s.echo_step_s) == ("gpu", "echo", 7, 5, 0.02)
     assert (s.claim_idle_s, s.heartbeat_s, s.heartbeat_ttl_s, s.max_deliveries) == (30.0, 2.0, 9.0, 4)
-    assert (s.threads, s.worker_id) == (3, "w-env")
+    assert (s.threads, s.worker_id, s.step_tokens) == (3, "w-env", 128)
 
 
 def test_a_flag_beats_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENGATE_SLOTS", "7")
     assert _parse("--slots", "9").slots == 9
+    assert _parse("--step-tokens", "0").step_tokens == 0

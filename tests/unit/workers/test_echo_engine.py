@@ -35,3 +35,17 @@ def test_stepping_echo_emits_one_token_per_step_and_resumes() -> None:
     events = resumed.step().events + resumed.step().events
     assert [e.tokens for e in events if isinstance(e, Delta)] == [2, 3]
     assert [e.completion_tokens for e in events if isinstance(e, Finished)] == [3]
+
+
+def test_echo_step_totals() -> None:
+    engine = EchoEngine(tokens=3, step_s=1e-6)
+    engine.add(SeqJob("a", (1, 2, 3), SamplingParams(10)))
+    engine.add(SeqJob("b", (1, 2), SamplingParams(10)))
+    assert (engine.queued_prefill, engine.running) == (5, 0)
+    first = engine.step()
+    assert (first.prefill_tokens, first.decode_seqs, first.kv_tokens) == (5, 0, 0)
+    assert first.step_s > 0 and first.record().ms == first.step_s * 1000
+    assert (engine.queued_prefill, engine.running) == (0, 2)
+    engine.add(SeqJob("c", (1,), SamplingParams(10)))
+    second = engine.step()  # a and b held 3+1 and 2+1 tokens; c is prefilled
+    assert (second.prefill_tokens, second.decode_seqs, second.kv_tokens) == (1, 2, 7)

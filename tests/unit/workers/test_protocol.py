@@ -4,6 +4,8 @@ import pytest
 from workers import protocol as p
 from workers import wire
 
+VERSION = str(p.VERSION).encode()
+
 
 def _job() -> p.BatchJob:
     return p.BatchJob(
@@ -63,9 +65,9 @@ def test_wrong_version_is_refused() -> None:
 )
 def test_malformed_entries_raise_protocol_error(body: bytes) -> None:
     with pytest.raises(p.ProtocolError):
-        p.decode_job({b"v": b"1", b"m": body})
+        p.decode_job({b"v": VERSION, b"m": body})
     with pytest.raises(p.ProtocolError):
-        p.decode_events({b"v": b"1", b"m": body})
+        p.decode_events({b"v": VERSION, b"m": body})
 
 
 def test_stream_names() -> None:
@@ -80,7 +82,7 @@ def test_heartbeat_carries_in_flight_work() -> None:
 
 
 def test_heartbeat_without_the_later_fields_still_decodes() -> None:
-    old = {"v": 1, "worker": "w1", "pool": "cpu", "device": "cpu", "dtype": "float32", "engine": "echo",
+    old = {"v": p.VERSION, "worker": "w1", "pool": "cpu", "device": "cpu", "dtype": "float32", "engine": "echo",
            "model": "m", "slots": 32, "free": 32, "tokens_per_s": 0.0, "started": 1.0}
     hb = p.decode_heartbeat(orjson.dumps(old))
     assert (hb.choice, hb.running, hb.batches) == ("", 0, ())
@@ -94,3 +96,60 @@ def test_heartbeat_fields_a_newer_worker_adds_are_ignored() -> None:
     del doc["worker"]
     with pytest.raises(p.ProtocolError, match="malformed"):
         p.decode_heartbeat(orjson.dumps(doc))
+
+
+def _telemetry(**kw: object) -> p.Telemetry:
+    steps = (p.StepRecord(512, 16, 4096, 231.25), p.StepRecord(0, 17, 4625, 80.5))
+    fields: dict[str, object] = dict(
+        worker="w1", pool="cpu", slots=32, free=15, running=17, queued_prefill=700, step_tokens=256, steps=steps
+    )
+    fields.update(kw)
+    return p.Telemetry(**fields)  # type: ignore[arg-type]
+
+
+def test_telemetry_round_trip_with_compact_steps() -> None:
+    t = _telemetry(dropped=3)
+    fields = p.encode_telemetry(t)
+    assert p.decode_telemetry(_wire(fields)) == t
+    assert fields["v"] == VERSION
+    assert orjson.loads(fields["m"])["steps"] == [[512, 16, 4096, 231.25], [0, 17, 4625, 80.5]]
+
+
+def test_telemetry_versions_and_caps() -> None:
+    assert p.VERSION == 2
+    assert wire.TELEMETRY_STREAM == "tg:steps"
+    full = _telemetry(steps=(p.StepRecord(1, 1, 1, 1.0),) * p.TELEMETRY_MAX_STEPS)
+    assert p.decode_telemetry(_wire(p.encode_telemetry(full))) == full
+    fields = _wire(p.encode_telemetry(full))
+    fields[b"v"] = b"1"
+    with pytest.raises(p.ProtocolError, match="version"):
+        p.decode_telemetry(fields)
+
+
+def _body(**change: object) -> bytes:
+    doc = orjson.loads(p.encode_telemetry(_telemetry())["m"])
+    doc.update(change)
+    return orjson.dumps({k: v for k, v in doc.items() if v is not None})
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",
+        b"[1]",
+        _body(worker=None),
+        _body(steps=None),
+        _body(free="3"),
+        _body(free=-1),
+        _body(running=True),
+        _body(steps=[[1, 2, 3]]),
+        _body(steps=[[1, 2, 3, "4"]]),
+        _body(steps=[[1, 2, 3, -4.0]]),
+        _body(steps={"a": 1}),
+        _body(steps=[[1, 1, 1, 1.0]] * (p.TELEMETRY_MAX_STEPS + 1)),
+        _body(pool=7),
+    ],
+)
+def test_malformed_telemetry_raises_protocol_error(body: bytes) -> None:
+    with pytest.raises(p.ProtocolError):
+        p.decode_telemetry({b"v": VERSION, b"m": body})
