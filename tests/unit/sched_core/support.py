@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sched_core import BatchTimings, Dispatch, Request
+from sched_core import BatchTimings, Dispatch, PathConfig, Request
 
 
 def req(rid: str, *, tenant: str = "t", weight: float = 1000.0, prompt: int = 100,
@@ -20,3 +20,19 @@ def timings(d: Dispatch, outputs: tuple[int, ...] | None = None, prompt: int = 1
     return BatchTimings(batch_id=d.batch_id, path=d.path, batch_size=len(d.request_ids),
                         prompt_tokens=prompt, prefill_s=prefill_s,
                         decode_steps=max(outs, default=0), decode_s=decode_s, output_tokens=outs)
+
+
+def batch_line(c: PathConfig, bound: int, nbar: float, running: float = 0.0,
+               kv: float = 0.0) -> tuple[float, float]:
+    """The documented batch line ``S(B) = F + m·B`` of a path for a bucket of ``bound``
+    prompt tokens and ``nbar`` output tokens, next to ``running`` sequences holding ``kv``
+    KV tokens on one worker: the prompt prefills in chunks of the step budget less the
+    running sequences (at least a quarter of it), each chunk a step that also decodes them;
+    then ``nbar`` decode steps of everything."""
+    step = c.decode_launch + c.decode_seq * running + c.kv_token * kv
+    fixed = c.prefill_launch + (step if running > 0 else 0.0)
+    chunk = max(c.step_tokens - running, 0.25 * c.step_tokens)
+    f = fixed + nbar * step
+    m = bound * (fixed / chunk + c.prefill_token) + nbar * (
+        c.decode_seq + c.kv_token * (bound + 0.5 * nbar))
+    return f, m

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from sched_core import Contract, Reject, Request
+from sched_core import Contract, Reject, Request, SchedulerConfig
+from sched_core.types import LN100
 
 from .conftest import Factory
 from .support import req
@@ -21,6 +22,24 @@ def test_contract_fields_and_bucket(make: Factory) -> None:
         "a", 1, "cpu", 0, 0.25)
     assert 0.25 < c.ttft_s < c.total_s <= c.p99_s
     assert s.queued == len(s) == 1
+
+
+def test_contract_of_a_lone_request_follows_the_step_model(make: Factory) -> None:
+    s = make(tpot_slo_s=0.1)
+    s.worker_capacity("gpu", 64, 0.0)
+    c = s.arrive(req("a", prompt=100, out=32, budget_wait=0.25, arrival=1.0), 1.0)
+    assert isinstance(c, Contract) and c.path == "gpu"
+    g = SchedulerConfig().gpu
+    # Nothing ahead, nothing running: no wait; the 128-token bucket prefills in one chunk,
+    # then 32 decode steps of one sequence holding 128 KV tokens.
+    prefill = g.prefill_launch + g.prefill_token * 128
+    step = g.decode_launch + g.decode_seq * 1 + g.kv_token * 128
+    assert c.ttft_s == pytest.approx(0.25 + prefill)
+    assert c.total_s == pytest.approx(0.25 + prefill + 32 * step)
+    # p99 (no cpu, so no tail cut): the exponential tail ln(100)·(wait + prefill), and the
+    # decode bounded by a full worker, 64 sequences of 128 + 32 tokens.
+    full = g.decode_launch + g.decode_seq * 64 + g.kv_token * 64 * (128 + 32)
+    assert c.p99_s == pytest.approx(0.25 + LN100 * prefill + 32 * full)
 
 
 def test_bucket_bounds_are_inclusive_and_longer_prompts_rejected(make: Factory) -> None:
@@ -94,7 +113,7 @@ def test_expected_output_is_estimated_from_observations(make: Factory) -> None:
 
 
 def test_request_and_config_are_validated() -> None:
-    from sched_core import PathConfig, SchedulerConfig
+    from sched_core import PathConfig
 
     with pytest.raises(ValueError):
         Request("a", "t", 0.0, 10, 10, 0.0)
@@ -107,8 +126,12 @@ def test_request_and_config_are_validated() -> None:
     with pytest.raises(ValueError):
         SchedulerConfig(ttft_p99_slo_s=0.0)
     with pytest.raises(ValueError):
-        PathConfig(0.1, 0.0, 0.1, 0.1, 4)
-    assert math.isclose(SchedulerConfig().path(1).prefill_a, SchedulerConfig().gpu.prefill_a)
+        SchedulerConfig(tpot_slo_s=0.0)
+    with pytest.raises(ValueError):
+        SchedulerConfig(tpot_slo_s=math.inf)
+    gpu = PathConfig(0.01, 1e-4, 1e-8, 0.02, 1e-6, max_batch=8, step_tokens=64)
+    cfg = SchedulerConfig(gpu=gpu)
+    assert (cfg.path(0), cfg.path(1)) == (SchedulerConfig().cpu, gpu)
 
 
 def test_arrive_takes_requests_only(make: Factory) -> None:

@@ -1,13 +1,18 @@
-"""Order within a bucket (cost, aging, priority, ties) and fair share across tenants."""
+"""Order within a bucket (least slack, priority, ties) and fair share across tenants."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 
-from sched_core import Dispatch
+from sched_core import Dispatch, SchedulerConfig
 
 from .conftest import Factory
 from .support import req, timings
+
+GPU = SchedulerConfig().gpu
 
 
 def one_at_a_time(s: object, now: float) -> list[str]:
@@ -21,35 +26,68 @@ def one_at_a_time(s: object, now: float) -> list[str]:
     return order
 
 
-def test_cheaper_first_then_arrival_then_id(make: Factory) -> None:
-    s = make()
+def one_slot(make: Factory, **fields: object) -> object:
+    """A gpu-only scheduler of one slot whose batches hold one request: the prefill that
+    ranks a request is then that of its own bucket, however long the queue is."""
+    s = make(gpu=replace(GPU, max_batch=1), **fields)
     s.worker_capacity("gpu", 1, 0.0)
-    s.arrive(req("long", out=60), 0.0)
-    s.arrive(req("b-short", out=10), 0.0)
-    s.arrive(req("a-short", out=10), 0.0)  # same cost and arrival: id breaks the tie
-    s.arrive(req("later-short", out=10, arrival=0.001), 0.001)
-    assert one_at_a_time(s, 1.0) == ["a-short", "b-short", "later-short", "long"]
+    return s
 
 
-def test_aging_lets_an_old_costly_request_pass_new_cheap_ones(make: Factory) -> None:
-    s = make(aging_tokens_per_s=1000.0)
-    s.worker_capacity("gpu", 1, 0.0)
-    # Cost 180 at t=0 against cost 110 arriving at t: the old one wins once
-    # 110 + 1000·t > 180, i.e. for t > 0.07 s.
-    s.arrive(req("old", prompt=120, out=60), 0.0)
-    for i in range(1, 11):
-        t = i * 0.02
-        s.arrive(req(f"new{i}", prompt=100, out=10, arrival=t), t)
+def gpu_prefill_s(tokens: int) -> float:
+    """Chunked prefill on an idle gpu worker: ceil(tokens / step_tokens) launches plus the
+    per-token time."""
+    return (math.ceil(tokens / GPU.step_tokens) * GPU.prefill_launch
+            + GPU.prefill_token * tokens)
+
+
+def test_least_slack_first_a_longer_prompt_passes_earlier_short_ones(make: Factory) -> None:
+    s = one_slot(make)
+    arrivals = [0.0, 0.01, 0.02, 0.03, 0.04]
+    for i, t in enumerate(arrivals):
+        s.arrive(req(f"s{i}", prompt=100, arrival=t), t)  # type: ignore[attr-defined]
+    s.arrive(req("long", prompt=2000, arrival=0.045), 0.045)  # type: ignore[attr-defined]
+    # Slack ranks by arrival − predicted prefill (of the 128- and 2048-token buckets):
+    # the long prompt needs 30 ms more prefill, so it passes the shorts that arrived less
+    # than 30 ms before it: s2, s3, s4 (neither by cost, which would put it last, nor FIFO).
+    long_key = 0.045 - gpu_prefill_s(2048)
+    ahead = sum(1 for t in arrivals if t - gpu_prefill_s(128) < long_key)
+    assert ahead == 2
     order = one_at_a_time(s, 1.0)
-    assert order.index("old") == 3  # after new1..new3 (t <= 0.06), before new4 (t = 0.08)
+    assert order == ["s0", "s1", "long", "s2", "s3", "s4"]
 
 
-def test_priority_class_counts_as_extra_cost(make: Factory) -> None:
-    s = make(priority_tokens=4096.0)
-    s.worker_capacity("gpu", 1, 0.0)
-    s.arrive(req("batch-job", out=1, priority=1), 0.0)
-    s.arrive(req("interactive", out=60, arrival=1.0), 1.0)
-    assert one_at_a_time(s, 2.0) == ["interactive", "batch-job"]
+def test_ties_break_by_arrival_then_id(make: Factory) -> None:
+    s = one_slot(make)
+    # The scheduler's own wait starts after the budget wait: x (0.0 + 0.5) ties with a and b
+    # (0.5 + 0) and wins the tie by arrival; y began waiting at 0.2, before all of them.
+    for r in (req("b", arrival=0.5), req("x", arrival=0.0, budget_wait=0.5),
+              req("a", arrival=0.5), req("y", arrival=0.2)):
+        s.arrive(r, 0.5)  # type: ignore[attr-defined]
+    assert one_at_a_time(s, 1.0) == ["y", "x", "a", "b"]
+
+
+@pytest.mark.parametrize(("later", "first"), [(4.0, "interactive"), (4.2, "batch-job")])
+def test_priority_class_counts_as_less_slack(make: Factory, later: float, first: str) -> None:
+    # priority_tokens / aging_tokens_per_s: priority 1 waits as if it arrived 4.096 s later.
+    s = one_slot(make, priority_tokens=4096.0, aging_tokens_per_s=1000.0)
+    s.arrive(req("batch-job", priority=1), 0.0)  # type: ignore[attr-defined]
+    s.arrive(req("interactive", arrival=later), later)  # type: ignore[attr-defined]
+    assert one_at_a_time(s, 5.0)[0] == first
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the order key uses the contract's prefill, that of the batch the whole bucket queue "
+    "would leave in; a request arriving behind others is predicted a longer prefill, so "
+    "it looks to have less slack than an identical earlier one (0.34 s per queued request "
+    "on the default cpu prior)"))
+def test_identical_requests_of_one_bucket_leave_in_arrival_order(make: Factory) -> None:
+    s = make()
+    s.worker_capacity("cpu", 1, 0.0)
+    s.arrive(req("first", arrival=0.0), 0.0)
+    s.arrive(req("second", arrival=0.1), 0.1)
+    (d,) = s.tick(1.0)
+    assert isinstance(d, Dispatch) and d.request_ids == ("first",)
 
 
 def test_backlogged_tenants_share_by_budget(make: Factory) -> None:

@@ -1,14 +1,17 @@
-"""tick(): which path, when a batch leaves, work conservation, the tail cut, deadlines."""
+"""tick(): which path, release without holds for company, the TPOT hold, work conservation,
+the tail cut, deadlines."""
 
 from __future__ import annotations
 
 import math
 
-from sched_core import Dispatch, Reject
+import pytest
+
+from sched_core import Contract, Dispatch, PathConfig, Reject
 from sched_core.types import LN100
 
 from .conftest import Factory
-from .support import req, timings
+from .support import batch_line, req, timings
 
 
 def dispatches(decisions: list[Dispatch | Reject]) -> list[Dispatch]:
@@ -37,19 +40,28 @@ def test_single_path_deployment_takes_everything(make: Factory) -> None:
     assert len(dispatches(s.tick(1.0))[0].request_ids) == 2
 
 
-def test_small_batches_go_to_cpu_large_ones_to_gpu(make: Factory) -> None:
-    s = make()
-    s.worker_capacity("cpu", 8, 0.0)
+# A cpu that starts steps quickly but decodes each sequence slowly, beside a gpu with a
+# costly launch: their batch lines cross between two and three requests.
+QUICK_CPU = PathConfig(0.002, 0.004, 0.0, 0.002, 0.0, max_batch=32, step_tokens=128)
+LAUNCH_GPU = PathConfig(0.01, 0.0002, 0.0, 0.01, 0.0, max_batch=64, step_tokens=512)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 10])
+def test_small_batches_go_to_cpu_large_ones_to_gpu(make: Factory, n: int) -> None:
+    s = make(cpu=QUICK_CPU, gpu=LAUNCH_GPU)
+    s.worker_capacity("cpu", 32, 0.0)
     s.worker_capacity("gpu", 64, 0.0)
-    snap = s.snapshot()["buckets"][1]
-    assert 1 < snap["b1"] < 5  # the default priors put the crossover near two requests
-    s.arrive(req("alone"), 0.0)
+    for i in range(n):
+        s.arrive(req(f"r{i}", prompt=100, out=10), 0.0)
+    # Idle paths, bucket of 128 tokens, 10 output tokens:
+    # cpu F = 0.002 + 10·0.002 = 0.022, m = 128·0.002/128 + 10·0.004 = 0.042;
+    # gpu F = 0.01 + 10·0.01 = 0.11, m = 128·0.01/512 + 10·0.0002 = 0.0045.
+    (f_cpu, m_cpu), (f_gpu, m_gpu) = batch_line(QUICK_CPU, 128, 10), batch_line(LAUNCH_GPU, 128, 10)
+    b1 = (f_gpu - f_cpu) / (m_cpu - m_gpu)
+    assert b1 == pytest.approx(0.088 / 0.0375)
+    assert s.snapshot()["buckets"][1]["b1"] == pytest.approx(b1)
     (d,) = dispatches(s.tick(0.0))
-    assert d.path == "cpu"
-    for i in range(10):
-        s.arrive(req(f"r{i}"), 1.0)
-    (d,) = dispatches(s.tick(1.0))
-    assert (d.path, len(d.request_ids), d.bucket) == ("gpu", 10, 1)
+    assert (d.path, len(d.request_ids)) == ("cpu" if n < b1 else "gpu", n)
 
 
 def test_batches_hold_one_bucket_and_respect_limits(make: Factory) -> None:
@@ -66,33 +78,98 @@ def test_batches_hold_one_bucket_and_respect_limits(make: Factory) -> None:
     assert s.snapshot()["paths"]["gpu"]["in_flight"] == 100
 
 
-def test_gpu_waits_while_waiting_pays_then_releases_on_silence(make: Factory) -> None:
+def test_a_lone_request_on_an_idle_path_leaves_at_the_first_tick(make: Factory) -> None:
+    s = make()
+    s.worker_capacity("gpu", 64, 0.0)
+    s.arrive(req("alone"), 0.0)
+    (d,) = dispatches(s.tick(0.0))
+    assert (d.path, d.request_ids) == ("gpu", ("alone",))
+
+
+def test_requests_are_never_held_for_company(make: Factory) -> None:
     s = make(rate_window_s=0.1)
     s.worker_capacity("gpu", 64, 0.0)
     sizes = []
-    now = 0.0
     for i in range(60):
         now = i * 0.001
         s.arrive(req(f"r{i}", arrival=now), now)
         sizes += [len(d.request_ids) for d in dispatches(s.tick(now))]
-    # At this arrival rate the gpu holds requests back until a batch is worth its launch
-    # cost, although it has free slots all along.
-    assert sizes and max(sizes) > 8
-    held = s.queued
-    assert held > 0
-    assert s.explain(f"r{59}")["reason"].startswith("waiting for a larger gpu batch")  # type: ignore[index]
-    assert dispatches(s.tick(now + 0.0005)) == []
-    (d,) = dispatches(s.tick(now + 0.5))  # silence: the burst is over
-    assert len(d.request_ids) == held
+        assert s.queued == 0
+    # A burst at 1000 requests/s with free gpu slots: each request leaves on its own tick
+    # (the running sequences' 10 ms steps stay far inside the 100 ms per-token SLO).
+    assert sizes == [1] * 60
 
 
-def test_no_hold_when_the_batch_is_already_full(make: Factory) -> None:
-    s = make(rate_window_s=0.1)
-    s.worker_capacity("gpu", 3, 0.0)
-    for i in range(40):
-        s.arrive(req(f"r{i}", arrival=i * 0.001), i * 0.001)
-    (d,) = dispatches(s.tick(0.04))
-    assert len(d.request_ids) == 3
+# A gpu whose step costs 50 ms plus 10 ms per sequence: up to five sequences meet the
+# 100 ms per-token SLO; chunked prefill steps cost a further 50 ms.
+TPOT_GPU = PathConfig(0.05, 0.01, 0.0, 0.05, 0.0, max_batch=64, step_tokens=512)
+
+
+def four_running(make: Factory, **fields: object) -> object:
+    """A gpu-only scheduler with four sequences running and ``late`` queued at 0.1."""
+    s = make(gpu=TPOT_GPU, tpot_slo_s=0.1, ttft_p99_slo_s=2.0, **fields)
+    s.worker_capacity("gpu", 8, 0.0)
+    for i in range(4):
+        s.arrive(req(f"run{i}", prompt=100, out=32), 0.0)
+    (d,) = dispatches(s.tick(0.0))  # nothing ran yet: never held
+    assert len(d.request_ids) == 4
+    s.arrive(req("late", prompt=100, out=32, arrival=0.1), 0.1)
+    return s
+
+
+def test_batch_is_held_while_it_would_break_the_running_tpot_then_leaves(make: Factory) -> None:
+    s = four_running(make)
+    # Four running: steps of 0.05 + 4·0.01 = 0.09 s meet the SLO. With late: a prefill
+    # step of 0.05 + 0.09 = 0.14 s, then steps of 0.05 + 5·0.01 = 0.10 s; their mean over
+    # the next (≈ 50) output tokens exceeds 0.1 s: held, though three slots are free.
+    assert s.tick(0.1) == []  # type: ignore[attr-defined]
+    assert s.snapshot()["paths"]["gpu"]["step_s"] == pytest.approx(0.09)  # type: ignore[attr-defined]
+    reason = s.explain("late")["reason"]  # type: ignore[attr-defined]
+    assert reason.startswith("held") and "100 ms per-token SLO" in reason
+    # One finishes: three running, a 0.13 s prefill step then 0.09 s steps, a mean under
+    # 0.1 s over more than 4 tokens: late leaves now.
+    assert s.finished("run0", 32, 0.2) is True  # type: ignore[attr-defined]
+    (d,) = dispatches(s.tick(0.2))  # type: ignore[attr-defined]
+    assert (d.path, d.request_ids) == ("gpu", ("late",))
+
+
+def test_held_batch_leaves_once_its_ttft_slack_is_gone(make: Factory) -> None:
+    s = four_running(make)
+    # Held while its wait plus its 0.14 s prefill stays under the 2 s TTFT SLO: until
+    # 0.1 + 2.0 − 0.14 = 1.96.
+    assert s.tick(1.95) == []  # type: ignore[attr-defined]
+    (d,) = dispatches(s.tick(1.97))  # type: ignore[attr-defined]
+    assert (d.path, d.request_ids) == ("gpu", ("late",))
+
+
+def test_no_hold_when_the_running_sequences_already_miss_the_slo(make: Factory) -> None:
+    s = make(gpu=TPOT_GPU, tpot_slo_s=0.1)
+    s.worker_capacity("gpu", 8, 0.0)
+    for i in range(6):
+        s.arrive(req(f"run{i}", prompt=100, out=32), 0.0)
+    dispatches(s.tick(0.0))
+    # Six running: 0.05 + 6·0.01 = 0.11 s per token already; holding would not help them.
+    s.arrive(req("late", prompt=100, out=32, arrival=0.1), 0.1)
+    (d,) = dispatches(s.tick(0.1))
+    assert d.request_ids == ("late",)
+
+
+@pytest.mark.parametrize(("cpu_launch", "path"), [(0.11, "cpu"), (0.3, None)])
+def test_held_batch_goes_to_the_other_path_if_it_finishes_there_no_later(
+        make: Factory, cpu_launch: float, path: str | None) -> None:
+    cpu = PathConfig(cpu_launch, 0.0, 0.0, cpu_launch, 0.0, max_batch=32, step_tokens=128)
+    s = four_running(make, cpu=cpu)
+    s.worker_capacity("cpu", 8, 0.1)  # type: ignore[attr-defined]
+    # gpu beside its four (one 512-token budget chunk less 4): F = 0.14 + 32·0.09 = 3.02,
+    # m = 128·0.14/508 + 32·0.01, and its running batch ends 0.05 + 32·0.09 = 2.93 s after
+    # 0 (2.83 s from now); idle cpu: F = launch·33, m = launch.
+    (f_gpu, m_gpu), (f_cpu, m_cpu) = batch_line(TPOT_GPU, 128, 32, 4), batch_line(cpu, 128, 32)
+    assert f_gpu == pytest.approx(3.02) and f_cpu == pytest.approx(33 * cpu_launch)
+    assert f_cpu + m_cpu > f_gpu + m_gpu  # the gpu is the target, and it holds late
+    leaves_on_cpu = f_cpu + m_cpu <= 2.83 + f_gpu + m_gpu
+    assert leaves_on_cpu == (path == "cpu")
+    out = dispatches(s.tick(0.1))  # type: ignore[attr-defined]
+    assert [(d.path, d.request_ids) for d in out] == ([(path, ("late",))] if path else [])
 
 
 def test_work_conservation_uses_cpu_when_gpu_is_busy_for_long(make: Factory) -> None:
@@ -105,7 +182,8 @@ def test_work_conservation_uses_cpu_when_gpu_is_busy_for_long(make: Factory) -> 
     assert busy.path == "gpu" and busy.predicted_s > 1.0
     for rid in "abc":
         s.arrive(req(rid, prompt=100, out=8), 0.0)
-    assert s.explain("a")["path"] == "gpu"  # type: ignore[index]  # three are past B1
+    # With the default priors the gpu finishes a batch of any size sooner (B1 = 0) ...
+    assert s.explain("a")["path"] == "gpu"  # type: ignore[index]
     # ... but the gpu is busy for longer than the cpu needs for them.
     (d,) = dispatches(s.tick(0.01))
     assert d.path == "cpu" and set(d.request_ids) == {"a", "b", "c"}
@@ -128,21 +206,22 @@ def test_busy_gpu_is_awaited_when_it_frees_soon(make: Factory) -> None:
 
 def test_tail_cut_sends_overdue_requests_to_cpu(make: Factory) -> None:
     s = make()
-    s.worker_capacity("cpu", 8, 0.0)
+    s.worker_capacity("cpu", 64, 0.0, workers=4)  # fast enough in all to honour the SLO
     s.worker_capacity("gpu", 2, 0.0)
-    s.arrive(req("g1", prompt=8000, out=1), 0.0)
-    s.arrive(req("g2", prompt=8000, out=1), 0.0)
+    s.arrive(req("g1", prompt=1000, out=1), 0.0)
+    s.arrive(req("g2", prompt=1000, out=1), 0.0)
     dispatches(s.tick(0.0))
-    s.arrive(req("a", prompt=8000, out=1, arrival=0.5, budget_wait=0.25), 0.75)
-    s.arrive(req("b", prompt=8000, out=1, arrival=0.5, budget_wait=0.25), 0.75)
+    s.arrive(req("a", prompt=1000, out=1, arrival=0.5, budget_wait=0.25), 0.75)
+    s.arrive(req("b", prompt=1000, out=1, arrival=0.5, budget_wait=0.25), 0.75)
     snap = s.snapshot()["tail_cut"]
     t_cut = snap["t_cut_s"]
     assert t_cut is not None and 0.0 < t_cut < snap["ttft_p99_slo_s"]
     assert math.isclose(t_cut, 2.0 - LN100 / (snap["mu_cpu"] - snap["lambda_cpu"]))
-    # The scheduler's own wait starts after the budget wait: due at 0.75 + T_cut.
+    # The gpu is full, and the cpu would finish them later than the gpu once it frees up;
+    # the scheduler's own wait starts after the budget wait: due at 0.75 + T_cut.
     assert s.tick(0.75 + t_cut - 1e-3) == []
     (d,) = dispatches(s.tick(0.75 + t_cut + 1e-3))
-    assert d.path == "cpu" and d.request_ids == ("a", "b")
+    assert d.path == "cpu" and sorted(d.request_ids) == ["a", "b"]
 
 
 def test_tail_cut_is_off_when_the_cpu_cannot_honour_the_slo(make: Factory) -> None:
@@ -153,21 +232,27 @@ def test_tail_cut_is_off_when_the_cpu_cannot_honour_the_slo(make: Factory) -> No
     assert make().snapshot()["tail_cut"]["t_cut_s"] is None
 
 
-def test_queued_request_past_its_deadline_is_rejected(make: Factory) -> None:
+def test_queued_request_is_rejected_once_its_deadline_cannot_be_met(make: Factory) -> None:
     s = make()
-    c = s.arrive(req("a", deadline=3.0), 0.0)
-    assert not isinstance(c, Reject)
-    assert s.tick(1.0) == []
-    (r,) = s.tick(3.0)
-    assert isinstance(r, Reject) and r.reason == "deadline" and r.estimate_s > 3.0
-    assert s.queued == 0 and s.cancel("a", 3.0) is False
+    c = s.arrive(req("a", deadline=10.0), 0.0)
+    assert isinstance(c, Contract) and c.total_s < 10.0
+    # Nothing was ahead of it: the contract's total is its own prefill and decode, so it
+    # expires as soon as starting now would finish it after the deadline.
+    due = 10.0 - c.total_s
+    assert s.tick(due - 1e-3) == []
+    (r,) = s.tick(due + 1e-3)
+    assert isinstance(r, Reject) and r.reason == "deadline"
+    assert r.estimate_s == pytest.approx(due + 1e-3 + c.total_s) and r.estimate_s > 10.0
+    assert s.queued == 0 and s.cancel("a", due + 1e-3) is False
 
 
 def test_capacity_is_validated(make: Factory) -> None:
-    import pytest
-
     s = make()
     with pytest.raises(ValueError):
         s.worker_capacity("tpu", 1, 0.0)
     with pytest.raises(ValueError):
         s.worker_capacity("cpu", -1, 0.0)
+    with pytest.raises(ValueError):
+        s.worker_capacity("gpu", 4, 0.0, workers=-1)
+    with pytest.raises(ValueError):
+        s.worker_capacity("gpu", 4, 0.0, step_tokens=-1)
