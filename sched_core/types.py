@@ -151,10 +151,10 @@ class PathConfig:
                         self.prefill_token)
         if not all(math.isfinite(c) for c in coefficients):
             raise ValueError("cost priors must be finite")
-        if min(self.decode_launch, self.prefill_launch) < 0.0:
-            raise ValueError("cost priors: launch costs must be >= 0")
-        if min(self.decode_seq, self.kv_token, self.prefill_token) <= 0.0:
-            raise ValueError("cost priors: per-sequence and per-token slopes must be > 0")
+        if min(coefficients) < 0.0:
+            raise ValueError("cost priors must be >= 0")
+        if self.decode_launch + self.decode_seq <= 0.0 or self.prefill_launch + self.prefill_token <= 0.0:
+            raise ValueError("cost priors: a decode and a prefill step must take time")
         if self.max_batch < 1 or self.step_tokens < 1:
             raise ValueError("max_batch and step_tokens must be at least 1")
 

@@ -137,4 +137,4 @@ async def test_workers_and_scheduler(harness: Harness) -> None:
     assert snap["gateway"] and snap["gateways_sharing_capacity"] == 1
     assert len(snap["buckets"]) == 8 and {"b1", "b2", "queued"} <= set(snap["buckets"][0])
     assert snap["paths"]["cpu"]["capacity"] == workers[0]["slots"]  # fed from the heartbeat
-    assert {"prefill", "decode"} <= set(snap["paths"]["gpu"])
+    assert {"step_model", "step_s", "workers", "step_tokens"} <= set(snap["paths"]["gpu"])

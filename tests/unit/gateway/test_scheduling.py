@@ -139,7 +139,7 @@ def test_cost_priors_from_a_file_seed_the_paths_and_bad_files_name_the_problem(t
     cases = {
         '{"tpu": {}}': "keys among",
         '{"cpu": {"decode_x": 1}}': "unknown decode_x",
-        '{"cpu": {"decode_seq": -1}}': "slopes must be > 0",
+        '{"cpu": {"decode_seq": -1}}': "must be >= 0",
         '{"name": "x", "step_model": {}}': "needs a pool",
         '{"pool": "gpu", "step_model": {"prefill_a": 1}}': "gpu: unknown prefill_a",
         "not json": "priors.json",

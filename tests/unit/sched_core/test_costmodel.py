@@ -195,9 +195,11 @@ def test_a_refit_of_64_records_is_cheap() -> None:
 
 
 def test_path_config_validates_its_priors() -> None:
-    with pytest.raises(ValueError, match="slopes must be > 0"):
-        PathConfig(0.01, 0.0, 1e-8, 0.01, 1e-6, max_batch=4)
-    with pytest.raises(ValueError, match="launch costs must be >= 0"):
+    with pytest.raises(ValueError, match="must take time"):
+        PathConfig(0.0, 0.0, 1e-8, 0.01, 1e-6, max_batch=4)
+    with pytest.raises(ValueError, match="must take time"):
+        PathConfig(0.01, 1e-5, 1e-8, 0.0, 0.0, max_batch=4)
+    with pytest.raises(ValueError, match="must be >= 0"):
         PathConfig(-0.01, 1e-5, 1e-8, 0.01, 1e-6, max_batch=4)
     with pytest.raises(ValueError, match="at least 1"):
         PathConfig(0.01, 1e-5, 1e-8, 0.01, 1e-6, max_batch=4, step_tokens=0)

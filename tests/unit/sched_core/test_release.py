@@ -205,7 +205,8 @@ def test_busy_gpu_is_awaited_when_it_frees_soon(make: Factory) -> None:
 
 
 def test_tail_cut_sends_overdue_requests_to_cpu(make: Factory) -> None:
-    s = make()
+    # a cpu fast enough to honour the SLO (the measured one of this machine is not)
+    s = make(cpu=PathConfig(0.006, 0.0015, 0.0, 0.004, 4e-5, max_batch=8, step_tokens=1024))
     s.worker_capacity("cpu", 64, 0.0, workers=4)  # fast enough in all to honour the SLO
     s.worker_capacity("gpu", 2, 0.0)
     s.arrive(req("g1", prompt=1000, out=1), 0.0)
