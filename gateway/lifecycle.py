@@ -56,8 +56,11 @@ log = logging.getLogger("tokengate.requests")
 CANCEL_DRAIN_S = 5.0  # how long a cancelled request's final token count is awaited
 
 
-def contract_headers(c: Contract) -> dict[str, str]:
-    """The latency contract (milliseconds from when the gateway received the request)."""
+def contract_headers(c: Contract | None) -> dict[str, str]:
+    """The latency contract (milliseconds from when the gateway received the request); none
+    under a baseline policy (``--policy fcfs`` or ``fixed:…``), which promises nothing."""
+    if c is None:
+        return {}
     return {
         "x-tokengate-ttft-ms": f"{c.ttft_s * 1000:.1f}",
         "x-tokengate-latency-ms": f"{c.total_s * 1000:.1f}",

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import sched_core
+from sched_core.policies import BOTH, FifoPolicy, FixedBatch, ThreeRegime, TimeWindow
 from sched_core.simulate.engine import Policy, Pool, SimConfig, simulate
 from sched_core.simulate.metrics import Slo, summarize
-from sched_core.policies import BOTH, FifoPolicy, FixedBatch, ThreeRegime, TimeWindow
 from sched_core.simulate.workload import Workload
 from sched_core.types import SchedulerConfig
 

@@ -9,10 +9,10 @@ import pytest
 
 import sched_core
 from sched_core import SchedulerConfig
+from sched_core.policies import FifoPolicy, FixedBatch
 from sched_core.simulate import CostProfile, Pool, SimConfig, Slo, simulate, summarize
 from sched_core.simulate.engine import Simulation
 from sched_core.simulate.experiment import POLICIES, Knob, Setup, make_policy
-from sched_core.policies import FifoPolicy, FixedBatch
 from sched_core.simulate.workload import DEFAULT_TENANTS, Arrival, Tenant, Workload, poisson
 from sched_core.types import BatchTimings, Dispatch
 
