@@ -1,13 +1,16 @@
 """The gateway's Redis shell around the scheduling core: jobs out, replies in, workers watched.
 
-An admitted request goes to the scheduler (``gateway.scheduling``), which answers with a
-latency contract or a rejection. The send loop drives the scheduler with the wall clock:
-it wakes on every arrival, and every ``TICK_S`` while requests are queued, and sends the
-batches the scheduler releases to the pools' streams in one pipelined round trip. Replies
-arrive on this gateway's own stream and are routed to the waiting request by id (events
-for ids no longer waited on, late or duplicate deliveries, are dropped); batch timings go
-back to the scheduler. Worker heartbeats and the set of live gateways give each pool's
-capacity.
+An admitted request goes to the scheduling policy (``gateway.scheduling``, through the one
+driver ``sched_core.driver`` that the simulator uses too), which answers with a latency
+contract, a rejection, or (a baseline policy) nothing. The send loop ticks the driver with the
+wall clock: on every arrival, on every freed slot, and whenever the driver asks
+(``next_tick``: while requests wait and a slot is free); it sends the batches released to the
+pools' streams in one pipelined round trip. Replies arrive on this gateway's own stream and
+are routed to the waiting request by id (events for ids no longer waited on, late or
+duplicate deliveries, are dropped); each finished request gives its slot back at once, batch
+reports end their batch. Every worker's step telemetry (``tg:steps``) arrives in the same
+blocking read and refits the step-time model. Worker heartbeats and the set of live gateways
+give each pool's capacity.
 
 No loop dies of one bad item: a job that cannot be encoded or sent fails its own requests
 (and gives its slots back), an unreadable reply is dropped, a Redis error is retried. A
