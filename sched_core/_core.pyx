@@ -391,8 +391,7 @@ cdef class Scheduler:
                          f"after arrival misses the deadline by "
                          f"{arrival + total - <double>deadline:.3f}s", tm.wait, total)
         self._enqueue(rid, hv, t, k, prompt, out, slot(req, _REQUEST[R_WEIGHT]), arrival, bw,
-                      slot(req, _REQUEST[R_PRIORITY]), deadline,
-                      self._prefill_s(tm.path, <double>prompt, 0.0, 0.0), tm.prefill + tm.decode, now)
+                      slot(req, _REQUEST[R_PRIORITY]), deadline, tm.prefill + tm.decode, now)
         return _contract(rid, k, tm.path, ttft, total, bw + tm.tail + tm.decode_hi, ahead, bw)
 
     def tick(self, double now):
@@ -677,10 +676,10 @@ cdef class Scheduler:
 
     cdef int _enqueue(self, str rid, Py_hash_t hv, int t, int k, int prompt, int out,
                       double weight, double arrival, double bw, long long priority, deadline,
-                      double own, double service, double now) except -1:
+                      double service, double now) except -1:
         cdef long long cost = prompt + out
-        # least slack first: t_in + SLO − its own prefill (in tokens of aging)
-        cdef double key = self.aging * (arrival + bw - own) + self.prio_tokens * priority
+        # shortest prompt first, with aging (docs/scheduling.md §2)
+        cdef double key = prompt + self.aging * arrival + self.prio_tokens * priority
         cdef int h = self._new_handle(rid)
         idt_insert(&self.by_id, hv, h)
         cdef Req* r = &self.reqs[h]

@@ -189,8 +189,7 @@ class Scheduler:
             return Reject(rid, "deadline", f"estimated completion {total:.3f}s after arrival "
                           f"misses the deadline by {req.arrival + total - req.deadline:.3f}s",
                           wait, total)
-        self._enqueue(req, t, k, out, self._prefill_s(p, float(req.prompt_tokens), 0.0, 0.0),
-                      prefill + decode, now)
+        self._enqueue(req, t, k, out, prefill + decode, now)
         return Contract(rid, k, PATHS[p], ttft, total, bw + tail + decode_hi, ahead, bw)
 
     def tick(self, now: float) -> list[Dispatch | Reject]:
@@ -412,15 +411,13 @@ class Scheduler:
         tail = max(queue, t_cut + LN100 / gap) if t_cut < INF else LN100 * queue
         return p, wait, prefill, decode, decode_hi, tail
 
-    def _enqueue(self, req: Request, t: int, k: int, out: int, own: float, service: float,
+    def _enqueue(self, req: Request, t: int, k: int, out: int, service: float,
                  now: float) -> None:
         cfg = self.config
         prompt = req.prompt_tokens
         cost = prompt + out
-        # least slack first: t_in + SLO − its own prefill, the SLO common to all (in tokens
-        # of aging); its own prompt alone, so that a longer queue does not move the key
-        key = (cfg.aging_tokens_per_s * (req.arrival + req.budget_wait - own)
-               + cfg.priority_tokens * req.priority)
+        # shortest prompt first, with aging (docs/scheduling.md §2 says why not least slack)
+        key = prompt + cfg.aging_tokens_per_s * req.arrival + cfg.priority_tokens * req.priority
         r = _Req(req, k, t, out, key, service, self._seq)
         self._seq += 1
         self._by_id[req.id] = r
