@@ -6,8 +6,8 @@ the rules; the comments here say which rule a line implements.
 
 State, per bucket k and tenant t:
   * a heap of t's queued requests in k, keyed by the aging key
-    ``cost + aging·arrival + priority_tokens·priority`` (ties: arrival, then id), whose top is
-    always a queued request; ``cost`` is prompt plus expected output tokens;
+    ``prompt + aging·arrival + priority_tokens·priority`` (ties: arrival, then id), whose top
+    is always a queued request;
   * in ``_heads[k]`` one valid entry per non-empty (k, t): the key of that top; older
     entries are recognised by a version number and dropped when they surface;
   * ``_fifo[k]``: the requests of k in admission order, for the tail cut;

@@ -1,8 +1,7 @@
-"""Order within a bucket (least slack, priority, ties) and fair share across tenants."""
+"""Order within a bucket (shortest prompt with aging, priority, ties) and fair share across tenants."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import pytest
@@ -27,49 +26,36 @@ def one_at_a_time(s: object, now: float) -> list[str]:
 
 
 def one_slot(make: Factory, **fields: object) -> object:
-    """A gpu-only scheduler of one slot whose batches hold one request: the prefill that
-    ranks a request is then that of its own bucket, however long the queue is."""
+    """A gpu-only scheduler of one slot whose batches hold one request."""
     s = make(gpu=replace(GPU, max_batch=1), **fields)
     s.worker_capacity("gpu", 1, 0.0)
     return s
 
 
-def gpu_prefill_s(tokens: int) -> float:
-    """Chunked prefill on an idle gpu worker: ceil(tokens / step_tokens) launches plus the
-    per-token time."""
-    return (math.ceil(tokens / GPU.step_tokens) * GPU.prefill_launch
-            + GPU.prefill_token * tokens)
-
-
-def test_least_slack_first_a_longer_prompt_passes_earlier_short_ones(make: Factory) -> None:
-    s = one_slot(make)
-    arrivals = [0.0, 0.001, 0.002, 0.003, 0.004]
-    for i, t in enumerate(arrivals):
-        s.arrive(req(f"s{i}", prompt=100, arrival=t), t)  # type: ignore[attr-defined]
-    s.arrive(req("long", prompt=2000, arrival=0.0045), 0.0045)  # type: ignore[attr-defined]
-    # Slack ranks by arrival − the request's own predicted prefill (100 and 2000 tokens):
-    # the long prompt needs more prefill, so it passes the shorts that arrived less than
-    # that much before it (neither by cost, which would put it last, nor FIFO).
-    long_key = 0.0045 - gpu_prefill_s(2000)
-    ahead = sum(1 for t in arrivals if t - gpu_prefill_s(100) < long_key)
-    assert 0 < ahead < len(arrivals)
-    order = one_at_a_time(s, 1.0)
-    shorts = [f"s{i}" for i in range(len(arrivals))]
-    assert order == shorts[:ahead] + ["long"] + shorts[ahead:]
+@pytest.mark.parametrize(("short_at", "passes"), [(1.0, True), (1.89, True), (1.91, False)])
+def test_shorter_prompts_first_until_aging_lets_a_long_one_pass(make: Factory, short_at: float,
+                                                                 passes: bool) -> None:
+    # key = prompt + aging·arrival: a 100-token prompt arriving t s after a 2000-token one
+    # goes first while 100 + 1000·t < 2000, i.e. for t < 1.9 s; later ones wait their turn.
+    s = one_slot(make, aging_tokens_per_s=1000.0)
+    s.arrive(req("long", prompt=2000, arrival=0.0), 0.0)  # type: ignore[attr-defined]
+    s.arrive(req("short", prompt=100, arrival=short_at), short_at)  # type: ignore[attr-defined]
+    order = one_at_a_time(s, 5.0)
+    assert order == (["short", "long"] if passes else ["long", "short"])
 
 
 def test_ties_break_by_arrival_then_id(make: Factory) -> None:
     s = one_slot(make)
-    # The scheduler's own wait starts after the budget wait: x (0.0 + 0.5) ties with a and b
-    # (0.5 + 0) and wins the tie by arrival; y began waiting at 0.2, before all of them.
+    # equal prompts: the earlier arrival first (a budget wait does not move a request's
+    # place: x arrived first), equal arrivals by id
     for r in (req("b", arrival=0.5), req("x", arrival=0.0, budget_wait=0.5),
               req("a", arrival=0.5), req("y", arrival=0.2)):
         s.arrive(r, 0.5)  # type: ignore[attr-defined]
-    assert one_at_a_time(s, 1.0) == ["y", "x", "a", "b"]
+    assert one_at_a_time(s, 1.0) == ["x", "y", "a", "b"]
 
 
 @pytest.mark.parametrize(("later", "first"), [(4.0, "interactive"), (4.2, "batch-job")])
-def test_priority_class_counts_as_less_slack(make: Factory, later: float, first: str) -> None:
+def test_priority_class_counts_as_a_later_arrival(make: Factory, later: float, first: str) -> None:
     # priority_tokens / aging_tokens_per_s: priority 1 waits as if it arrived 4.096 s later.
     s = one_slot(make, priority_tokens=4096.0, aging_tokens_per_s=1000.0)
     s.arrive(req("batch-job", priority=1), 0.0)  # type: ignore[attr-defined]
