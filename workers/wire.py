@@ -60,6 +60,11 @@ def cancel_key(rid: str) -> str:
     return CANCEL_PREFIX + rid
 
 
+def suspect_key(entry_id: str) -> str:
+    """A job entry that was in an engine step that failed: whoever runs it next runs it alone."""
+    return f"tg:suspect:{entry_id}"
+
+
 def kv_key(rid: str) -> str:
     """A handed-over KV cache (safetensors bytes), with a TTL."""
     return f"tg:kv:{rid}"

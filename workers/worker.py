@@ -10,6 +10,9 @@ Delivery is at least once, effects exactly once (see ``workers/fencing.py``):
 - an entry delivered more than ``max_deliveries`` times goes to the dead-letter stream
   and its clients get an error naming their request id;
 - a job whose gateway is gone (``wire.gone_key``) is acked and dropped, not generated.
+- a job that was in an engine step that failed is marked a suspect (``wire.suspect_key``);
+  whoever reclaims it runs it alone on an idle engine, reading nothing new meanwhile, so a
+  poison job reaches dead letter without taking the jobs it was read with along.
 
 Redis faults never end a worker (``workers/retry.py``): every loop backs off and tries
 again; batches whose replies cannot be written are abandoned to redelivery; a consumer
@@ -43,6 +46,8 @@ from workers.retry import Outage, Retrier, backoff_policy, is_nogroup
 from workers.trim import trim_jobs_stream
 
 log = logging.getLogger("tokengate.worker")
+
+SUSPECT_TTL_S = 3600  # a suspect mark outlives any redelivery cycle of its entry
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
@@ -158,6 +163,8 @@ class Worker:
         self._backoff = backoff_policy(settings.retry_base_s, settings.retry_cap_s)
         self._outage = Outage(clock)
         self._retry = Retrier(self._backoff, self._outage, sleep)  # the main loop's
+        self._isolated: deque[_Admission] = deque()  # reclaimed suspects, to run one at a time
+        self._alone: str | None = None  # the batch id of the suspect running alone
         self._steps: deque[p.StepRecord] = deque()  # not yet in a telemetry entry
         self._dropped = 0  # step records left out since the last entry
         self._telemetry_at = float("-inf")  # when the last entry went out
@@ -207,7 +214,10 @@ class Worker:
                 self._ensure_group()
             if self._signals == 0:
                 self._reclaim()
-                self._read(0 if self.engine.busy else self.settings.block_ms)
+                if self._isolated or self._alone is not None:
+                    self._run_alone()
+                else:
+                    self._read(0 if self.engine.busy else self.settings.block_ms)
             elif not self.engine.busy:
                 return False
             self._apply_cancels()
@@ -264,6 +274,11 @@ class Worker:
             count=max(1, min(self.engine.free_slots, 16)),
         )
         admitted: list[_Admission] = []
+        if entries:
+            pipe = self.client.pipeline(transaction=False)
+            for entry_id, _fields in entries:
+                pipe.exists(wire.suspect_key(wire.text(entry_id)))
+            suspect = {entry_id for (entry_id, _), flag in zip(entries, pipe.execute(), strict=True) if flag}
         for entry_id, fields in entries:
             if not fields:  # trimmed away while pending
                 self.client.xack(self.stream, wire.GROUP, entry_id)
@@ -276,8 +291,22 @@ class Worker:
                 continue
             _, job = self._decode(entry_id, fields)
             if job is not None:
-                admitted.append(_Admission(entry_id, job, self.fence.progress([s.rid for s in job.seqs])))
+                a = _Admission(entry_id, job, self.fence.progress([s.rid for s in job.seqs]))
+                (self._isolated if entry_id in suspect else admitted).append(a)
         self._admit(admitted)
+
+    def _run_alone(self) -> None:
+        """Suspects (jobs that were in a step that failed) run one at a time on an idle
+        engine, and no new job is read meanwhile: a job that makes the model fail cannot take
+        healthy jobs down with it twice (they would share its fate and its way to dead
+        letter)."""
+        if self._alone is not None and self._alone not in self._batches:
+            self._alone = None  # it finished, or failed and was abandoned again
+        if self._alone is None and self._isolated and not self.engine.busy:
+            a = self._isolated.popleft()
+            log.warning("running suspect entry %s alone", a.entry_id.decode())
+            self._alone = a.job.batch_id
+            self._admit([a])
 
     def _dead_letter(self, entry_id: bytes, fields: dict[bytes, bytes], deliveries: int) -> None:
         try:
@@ -397,9 +426,14 @@ class Worker:
         try:
             result = self.engine.step()
         except Exception:
-            log.exception("engine step failed; abandoning its batches to redelivery")
+            log.exception("engine step failed; abandoning its batches to redelivery, each to run alone")
+            suspects = [b.entry_id for b in self._batches.values()]
             self.engine.reset()
             self._abandon(list(self._batch_of))
+            pipe = self.client.pipeline(transaction=False)
+            for entry_id in suspects:
+                pipe.set(wire.suspect_key(wire.text(entry_id)), 1, ex=SUSPECT_TTL_S)
+            pipe.execute()
             return
         self._steps.append(result.record())
         if len(self._steps) > p.TELEMETRY_MAX_STEPS:
