@@ -239,8 +239,11 @@ class Dispatcher:
     # -- replies --------------------------------------------------------------------------
 
     async def _reply_loop(self) -> None:
-        """This gateway's replies and every worker's step telemetry, in one blocking read."""
-        last = {self.replies: b"0-0", wire.TELEMETRY_STREAM: b"$"}
+        """This gateway's replies and every worker's step telemetry, in one blocking read.
+        Telemetry is read from the stream's last entry at start: a concrete id, since ``$``
+        re-read every turn would miss whatever arrived while the replies kept the read from
+        blocking."""
+        last = {self.replies: b"0-0", wire.TELEMETRY_STREAM: await self._telemetry_start()}
         failures = 0
         trimmed = time.monotonic()
         while not self._closing:
@@ -269,6 +272,13 @@ class Dispatcher:
                 trimmed = time.monotonic()
                 with contextlib.suppress(RedisError):
                     await self.client.xtrim(self.replies, minid=last[self.replies], approximate=True)
+
+    async def _telemetry_start(self) -> bytes:
+        try:
+            newest = await self.client.xrevrange(wire.TELEMETRY_STREAM, count=1)
+        except RedisError:
+            return b"0-0"  # Redis is not there yet: read what the stream holds (at most its cap)
+        return newest[0][0] if newest else b"0-0"
 
     def _observe(self, fields: dict[bytes, bytes]) -> None:
         try:

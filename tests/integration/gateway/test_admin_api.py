@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from tests.integration.gateway.conftest import ADMIN, Harness
@@ -138,3 +141,20 @@ async def test_workers_and_scheduler(harness: Harness) -> None:
     assert len(snap["buckets"]) == 8 and {"b1", "b2", "queued"} <= set(snap["buckets"][0])
     assert snap["paths"]["cpu"]["capacity"] == workers[0]["slots"]  # fed from the heartbeat
     assert {"step_model", "step_s", "workers", "step_tokens"} <= set(snap["paths"]["gpu"])
+
+
+async def test_worker_step_telemetry_refits_the_scheduler_and_slots_come_back(harness: Harness) -> None:
+    """The worker's step records reach the gateway's step-time model (tg:steps), and each
+    answered request's slot is back before the next one is sent."""
+    _, key = await harness.tenant("acme", rate=10**6, burst=10**7)
+    before = (await harness.admin("GET", "/scheduler")).json()["paths"]["cpu"]["fitted_steps"]
+    for _ in range(5):
+        assert (await harness.complete(key)).status_code == 200
+        assert (await harness.admin("GET", "/scheduler")).json()["paths"]["cpu"]["in_flight"] == 0
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        snap = (await harness.admin("GET", "/scheduler")).json()
+        if snap["paths"]["cpu"]["fitted_steps"] > before:
+            break
+        await asyncio.sleep(0.05)
+    assert snap["paths"]["cpu"]["fitted_steps"] > before and snap["policy"] == "tokengate"
