@@ -278,7 +278,8 @@ class Dispatcher:
             newest = await self.client.xrevrange(wire.TELEMETRY_STREAM, count=1)
         except RedisError:
             return b"0-0"  # Redis is not there yet: read what the stream holds (at most its cap)
-        return wire.text(newest[0][0]).encode() if newest else b"0-0"
+        entry_id = newest[0][0] if newest else None
+        return entry_id if isinstance(entry_id, bytes) else b"0-0"
 
     def _observe(self, fields: dict[bytes, bytes]) -> None:
         try:
