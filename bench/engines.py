@@ -12,10 +12,11 @@ Reported: generated tokens/s and the ratio to the same engine at B=1.
 
 --join: a long prompt arrives while --running sequences decode, once per per-step token
 budget (0: no budget, the prompt is prefilled whole). Reported: the idle step (the running
-sequences alone, median of a few steps), the running sequences' worst inter-token gap
-while the long prompt is prefilled (each running sequence gets one token per step, so a
-gap is a step's wall time) and its ratio to the idle step, and the long prompt's time to
-its first token.
+sequences alone, median of five steps); the running sequences' worst inter-token gap from
+the long prompt's arrival to its first token, the step it joins the batch included (each
+running sequence gets one token per step, so a gap is a step's wall time), and the worst
+step before that one (chunks only), each also over the idle step; the steps it took, the
+long prompt's time to its first token, and the median of the three steps after it joined.
 """
 
 from __future__ import annotations
@@ -109,15 +110,18 @@ def run_join(engine: HFEngine, running: int, long_prompt: int, step_tokens: int)
     text = " ".join(PROMPTS) * (1 + long_prompt // 64)
     ids = tuple(engine.tokenizer.encode(text)[:long_prompt])
     assert len(ids) == long_prompt, "the repeated prompts are too short for --long-prompt"
-    engine.add(SeqJob("long", ids, SamplingParams(1, temperature=0.0)))
+    engine.add(SeqJob("long", ids, SamplingParams(100_000, temperature=0.0, ignore_eos=True)))
     t0 = time.perf_counter()
     gaps: list[float] = []
     while engine.queued_prefill:  # the long prompt's first token comes with its last chunk
         gaps.append(_timed_step(engine))
     ttft = time.perf_counter() - t0
+    after = sorted(_timed_step(engine) for _ in range(3))[1]
     engine.reset()
+    before_join = max(gaps[:-1] or gaps)  # the steps that only prefill chunks
     return {"idle_ms": idle * 1000, "worst_gap_ms": max(gaps) * 1000, "ratio": max(gaps) / idle,
-            "steps": len(gaps), "ttft_s": ttft}
+            "chunk_ms": before_join * 1000, "chunk_ratio": before_join / idle, "steps": len(gaps),
+            "ttft_s": ttft, "after_ms": after * 1000}
 
 
 def main_join(args: argparse.Namespace, engine: HFEngine, model: str) -> None:
@@ -132,9 +136,10 @@ def main_join(args: argparse.Namespace, engine: HFEngine, model: str) -> None:
         return
     table(
         f"a {args.long_prompt}-token prompt joining {args.running} running sequences ({model}, this CPU)",
-        ["step tokens", "idle step ms", "worst gap ms", "worst gap / idle", "steps to join", "long TTFT s"],
-        [[r["step_tokens"] or "unchunked", r["idle_ms"], r["worst_gap_ms"], r["ratio"], r["steps"], r["ttft_s"]]
-         for r in rows],
+        ["step tokens", "idle step ms", "worst gap ms", "× idle", "worst chunk step ms", "× idle", "steps",
+         "long TTFT s", "step after ms"],
+        [[r["step_tokens"] or "unchunked", r["idle_ms"], r["worst_gap_ms"], r["ratio"], r["chunk_ms"],
+          r["chunk_ratio"], r["steps"], r["ttft_s"], r["after_ms"]] for r in rows],
     )
 
 

@@ -318,6 +318,17 @@ class HFEngine:
         return out.logits[:, -1, :]
 
     def _merge(self, seqs: list[_Seq], cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Add the rows of ``seqs`` to the running batch. A sequence that already finished
+        (at its first token, or handed off) is left out: it must not widen every running
+        row to its prompt's length for nothing."""
+        keep = [i for i, s in enumerate(seqs) if not s.finished]
+        if not keep:
+            return
+        if len(keep) < len(seqs):
+            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            cache.batch_select_indices(index)
+            mask = _trim_left(cache, mask[index])
+            seqs = [seqs[i] for i in keep]
         if self._cache is None or self._mask is None or not self._running:
             self._cache, self._mask, self._running = cache, mask, list(seqs)
             return
@@ -326,9 +337,7 @@ class HFEngine:
         layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         for old, new in zip(self._cache.layers, cache.layers, strict=True):
             (old_k, old_v), (new_k, new_v) = _kv(old), _kv(new)
-            keys = torch.cat([_left_pad(old_k, width), _left_pad(new_k, width)], dim=0)
-            values = torch.cat([_left_pad(old_v, width), _left_pad(new_v, width)], dim=0)
-            layers.append((keys, values))
+            layers.append((_stack_left_padded(old_k, new_k, width), _stack_left_padded(old_v, new_v, width)))
         self._cache = DynamicCache(ddp_cache_data=layers)
         self._mask = torch.cat([_left_pad_mask(self._mask, width), _left_pad_mask(mask, width)], dim=0)
         self._running.extend(seqs)
@@ -357,15 +366,7 @@ class HFEngine:
         assert self._cache is not None and self._mask is not None
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         self._cache.batch_select_indices(index)
-        self._mask = self._mask[index]
-        # trim columns that are padding in every remaining row
-        first = int(self._mask.any(dim=0).long().argmax())
-        if first > 0:
-            self._mask = self._mask[:, first:]
-            for layer in self._cache.layers:
-                keys, values = _kv(layer)
-                layer.keys = keys[..., first:, :]  # type: ignore[union-attr]
-                layer.values = values[..., first:, :]  # type: ignore[union-attr]
+        self._mask = _trim_left(self._cache, self._mask[index])
 
     # -- sampling and text --------------------------------------------------------------
 
@@ -428,12 +429,28 @@ def _kv(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return keys, values
 
 
-def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    pad = width - t.shape[-2]
-    if pad == 0:
-        return t
-    zeros = t.new_zeros((*t.shape[:-2], pad, t.shape[-1]))
-    return torch.cat([zeros, t], dim=-2)
+def _stack_left_padded(old: torch.Tensor, new: torch.Tensor, width: int) -> torch.Tensor:
+    """``old`` rows above ``new`` rows, each left-padded with zeros to ``width`` positions:
+    one allocation (a merge into a long cache copies every row once, not three times)."""
+    rows = old.shape[0]
+    out = old.new_empty((rows + new.shape[0], *old.shape[1:-2], width, old.shape[-1]))
+    for part, t in ((out[:rows], old), (out[rows:], new)):
+        pad = width - t.shape[-2]
+        part[..., :pad, :].zero_()
+        part[..., pad:, :].copy_(t)
+    return out
+
+
+def _trim_left(cache: DynamicCache, mask: torch.Tensor) -> torch.Tensor:
+    """Drop the columns on the left that are padding in every row; the trimmed mask."""
+    first = int(mask.any(dim=0).long().argmax())
+    if first == 0:
+        return mask
+    for layer in cache.layers:
+        keys, values = _kv(layer)
+        layer.keys = keys[..., first:, :]  # type: ignore[union-attr]
+        layer.values = values[..., first:, :]  # type: ignore[union-attr]
+    return mask[:, first:]
 
 
 def _left_pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
