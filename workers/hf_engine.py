@@ -332,13 +332,13 @@ class HFEngine:
         if self._cache is None or self._mask is None or not self._running:
             self._cache, self._mask, self._running = cache, mask, list(seqs)
             return
-        old_len, new_len = self._mask.shape[1], mask.shape[1]
-        width = max(old_len, new_len)
-        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        width = max(self._mask.shape[1], mask.shape[1])
+        # the layers take the new tensors as they are: DynamicCache(ddp_cache_data=...) would
+        # copy every one again (seconds, once a long prompt widens the batch)
         for old, new in zip(self._cache.layers, cache.layers, strict=True):
             (old_k, old_v), (new_k, new_v) = _kv(old), _kv(new)
-            layers.append((_stack_left_padded(old_k, new_k, width), _stack_left_padded(old_v, new_v, width)))
-        self._cache = DynamicCache(ddp_cache_data=layers)
+            old.keys = _stack_left_padded(old_k, new_k, width)  # type: ignore[union-attr]
+            old.values = _stack_left_padded(old_v, new_v, width)  # type: ignore[union-attr]
         self._mask = torch.cat([_left_pad_mask(self._mask, width), _left_pad_mask(mask, width)], dim=0)
         self._running.extend(seqs)
 
