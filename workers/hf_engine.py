@@ -11,7 +11,8 @@ With a per-step token budget (``step_tokens``) a step prefills at most
 together are prefilled whole in one padded forward; a prompt longer than the budget is
 prefilled in chunks, one per step, in its own cache, and joins the running batch when its
 last chunk is done. So one long prompt no longer stalls every running sequence for the
-whole of its prefill. Without a budget (``step_tokens=0``) prompts are prefilled whole.
+whole of its prefill. With no sequence decoding the budget is ``max_prefill_tokens``.
+Without a budget (``step_tokens=0``) prompts are prefilled whole.
 """
 
 from __future__ import annotations
@@ -117,8 +118,11 @@ class HFEngine:
 
     def prefill_budget(self, decoding: int) -> int:
         """Prompt tokens (padding counted) one step may prefill beside ``decoding`` decode
-        tokens: the budget's rest, but at least a quarter of it so prefill always moves."""
-        if not self.step_tokens:
+        tokens: the budget's rest, but at least a quarter of it so prefill always moves.
+        The budget protects decoding sequences: with none, nobody waits on the prefill and
+        a step takes up to ``max_prefill_tokens`` (a burst into an idle worker is
+        prefilled at once, as without a budget)."""
+        if not self.step_tokens or decoding == 0:
             return self.max_prefill_tokens
         return min(self.max_prefill_tokens, max(self.step_tokens - decoding, self.step_tokens // 4, 1))
 
