@@ -16,8 +16,11 @@ import logging
 
 log = logging.getLogger("tokengate.engine")
 
-_M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc's malloc.h
 _TRIM_THRESHOLD = 2**31 - 1  # bytes; mallopt takes an int
+# setting either one freezes glibc's adaptive mmap threshold: set it too, to its maximum
+# (32 MiB on 64-bit), or every tensor above 128 KiB would be mmapped, and faulted in, anew
+_MMAP_THRESHOLD = 32 * 2**20
 
 
 def retain_freed_memory() -> bool:
@@ -29,6 +32,6 @@ def retain_freed_memory() -> bool:
         mallopt = ctypes.CDLL(name).mallopt
     except (OSError, AttributeError):
         return False
-    ok = bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
     log.debug("glibc trim threshold %s", "raised" if ok else "unchanged")
     return ok
