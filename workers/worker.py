@@ -54,7 +54,7 @@ class WorkerSettings:
     model_name: str | None = None
     cache_dir: Path | None = None
     slots: int = 32
-    step_tokens: int = 256  # per-step token budget, decode plus prefill (0: prompts prefilled whole)
+    step_tokens: int = 64  # per-step token budget, decode plus prefill (0: none); see docs/benchmarks.md
     echo_tokens: int = 16
     echo_step_s: float = 0.0
     threads: int | None = None
