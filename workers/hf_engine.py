@@ -194,16 +194,34 @@ class HFEngine:
             cache, mask = self._from_kv(seq)
             self._merge([seq], cache, mask)
         if whole:
-            t0 = time.perf_counter()
-            logits, cache, mask = self._prefill(whole)
-            result.prefills.append(Prefill(tuple(s.job.rid for s in whole), mask.shape[1], time.perf_counter() - t0))
-            result.prefill_tokens += sum(len(s.inputs) for s in whole)
-            self._advance(whole, logits, result)
-            self._hand_off(whole, cache, mask, result)
-            self._merge(whole, cache, mask)
+            self._prefill_whole(whole, result)
         elif chunked is not None:
             self._chunking = chunked
             self._chunk(chunked, budget, result)
+
+    def _prefill_whole(self, seqs: list[_Seq], result: StepResult) -> None:
+        """Prefill whole prompts in one padded pass. If the pass raises (a prompt the model
+        cannot take: more reads at once put more prompts in one pass), each is prefilled
+        alone, and one that fails alone is dropped and named in ``result.failed``: the
+        others go on instead of falling with it."""
+        t0 = time.perf_counter()
+        try:
+            logits, cache, mask = self._prefill(seqs)
+        except Exception:
+            if len(seqs) == 1:
+                log.exception("prefill of %s failed: dropping it", seqs[0].job.rid)
+                seqs[0].finished = True
+                result.failed.append(seqs[0].job.rid)
+                return
+            log.warning("a prefill pass of %d sequences failed: prefilling each alone", len(seqs))
+            for seq in seqs:
+                self._prefill_whole([seq], result)
+            return
+        result.prefills.append(Prefill(tuple(s.job.rid for s in seqs), mask.shape[1], time.perf_counter() - t0))
+        result.prefill_tokens += sum(len(s.inputs) for s in seqs)
+        self._advance(seqs, logits, result)
+        self._hand_off(seqs, cache, mask, result)
+        self._merge(seqs, cache, mask)
 
     def _admit(self, budget: int) -> tuple[list[_Seq], list[_Seq], _Seq | None]:
         """Take waiting sequences in order while slots last: carried-KV ones (no prefill),
@@ -246,7 +264,13 @@ class HFEngine:
         )
         t0 = time.perf_counter()
         # an inner chunk needs no logits: the base model skips the LM head altogether
-        out = self.model(**kwargs, logits_to_keep=1) if last else self.model.base_model(**kwargs)
+        try:
+            out = self.model(**kwargs, logits_to_keep=1) if last else self.model.base_model(**kwargs)
+        except Exception:
+            log.exception("prefill of %s failed: dropping it", seq.job.rid)
+            self._chunking, seq.cache, seq.finished = None, None, True
+            result.failed.append(seq.job.rid)
+            return
         seq.cache, seq.prefilled = out.past_key_values, end
         result.prefills.append(Prefill((seq.job.rid,), end, time.perf_counter() - t0))
         result.prefill_tokens += end - start

@@ -401,6 +401,9 @@ class Worker:
             self.engine.reset()
             self._abandon(list(self._batch_of))
             return
+        if result.failed:
+            log.error("prefill of %s failed; abandoning their batches to redelivery", ", ".join(result.failed))
+            self._abandon(result.failed)
         self._steps.append(result.record())
         if len(self._steps) > p.TELEMETRY_MAX_STEPS:
             self._steps.popleft()
