@@ -111,7 +111,9 @@ def run(settings: WorkerSettings) -> None:
 
         from workers.devices import probe
         from workers.hf_engine import HFEngine
+        from workers.memory import retain_freed_memory
 
+        retain_freed_memory()
         if settings.threads:
             torch.set_num_threads(settings.threads)
         cache = settings.cache_dir or model_store.default_cache_dir()

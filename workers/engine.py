@@ -41,6 +41,9 @@ class StepResult:
     # recorded in Redis so a peer can resume them exactly if this worker dies
     progress: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)
     handoffs: list[Handoff] = field(default_factory=list)
+    # sequences whose prefill raised on its own: dropped by the engine, their batches go
+    # back to redelivery (and, failing again, to the dead-letter stream)
+    failed: list[str] = field(default_factory=list)
     # the step's totals (the scheduler's view: workers publish them as telemetry)
     prefill_tokens: int = 0  # prompt tokens prefilled (chunks included), padding not counted
     decode_seqs: int = 0  # sequences that decoded one token

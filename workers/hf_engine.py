@@ -11,7 +11,8 @@ With a per-step token budget (``step_tokens``) a step prefills at most
 together are prefilled whole in one padded forward; a prompt longer than the budget is
 prefilled in chunks, one per step, in its own cache, and joins the running batch when its
 last chunk is done. So one long prompt no longer stalls every running sequence for the
-whole of its prefill. Without a budget (``step_tokens=0``) prompts are prefilled whole.
+whole of its prefill. With no sequence decoding the budget is ``max_prefill_tokens``.
+Without a budget (``step_tokens=0``) prompts are prefilled whole.
 """
 
 from __future__ import annotations
@@ -117,8 +118,11 @@ class HFEngine:
 
     def prefill_budget(self, decoding: int) -> int:
         """Prompt tokens (padding counted) one step may prefill beside ``decoding`` decode
-        tokens: the budget's rest, but at least a quarter of it so prefill always moves."""
-        if not self.step_tokens:
+        tokens: the budget's rest, but at least a quarter of it so prefill always moves.
+        The budget protects decoding sequences: with none, nobody waits on the prefill and
+        a step takes up to ``max_prefill_tokens`` (a burst into an idle worker is
+        prefilled at once, as without a budget)."""
+        if not self.step_tokens or decoding == 0:
             return self.max_prefill_tokens
         return min(self.max_prefill_tokens, max(self.step_tokens - decoding, self.step_tokens // 4, 1))
 
@@ -190,16 +194,34 @@ class HFEngine:
             cache, mask = self._from_kv(seq)
             self._merge([seq], cache, mask)
         if whole:
-            t0 = time.perf_counter()
-            logits, cache, mask = self._prefill(whole)
-            result.prefills.append(Prefill(tuple(s.job.rid for s in whole), mask.shape[1], time.perf_counter() - t0))
-            result.prefill_tokens += sum(len(s.inputs) for s in whole)
-            self._advance(whole, logits, result)
-            self._hand_off(whole, cache, mask, result)
-            self._merge(whole, cache, mask)
+            self._prefill_whole(whole, result)
         elif chunked is not None:
             self._chunking = chunked
             self._chunk(chunked, budget, result)
+
+    def _prefill_whole(self, seqs: list[_Seq], result: StepResult) -> None:
+        """Prefill whole prompts in one padded pass. If the pass raises (a prompt the model
+        cannot take: more reads at once put more prompts in one pass), each is prefilled
+        alone, and one that fails alone is dropped and named in ``result.failed``: the
+        others go on instead of falling with it."""
+        t0 = time.perf_counter()
+        try:
+            logits, cache, mask = self._prefill(seqs)
+        except Exception:
+            if len(seqs) == 1:
+                log.exception("prefill of %s failed: dropping it", seqs[0].job.rid)
+                seqs[0].finished = True
+                result.failed.append(seqs[0].job.rid)
+                return
+            log.warning("a prefill pass of %d sequences failed: prefilling each alone", len(seqs))
+            for seq in seqs:
+                self._prefill_whole([seq], result)
+            return
+        result.prefills.append(Prefill(tuple(s.job.rid for s in seqs), mask.shape[1], time.perf_counter() - t0))
+        result.prefill_tokens += sum(len(s.inputs) for s in seqs)
+        self._advance(seqs, logits, result)
+        self._hand_off(seqs, cache, mask, result)
+        self._merge(seqs, cache, mask)
 
     def _admit(self, budget: int) -> tuple[list[_Seq], list[_Seq], _Seq | None]:
         """Take waiting sequences in order while slots last: carried-KV ones (no prefill),
@@ -242,7 +264,13 @@ class HFEngine:
         )
         t0 = time.perf_counter()
         # an inner chunk needs no logits: the base model skips the LM head altogether
-        out = self.model(**kwargs, logits_to_keep=1) if last else self.model.base_model(**kwargs)
+        try:
+            out = self.model(**kwargs, logits_to_keep=1) if last else self.model.base_model(**kwargs)
+        except Exception:
+            log.exception("prefill of %s failed: dropping it", seq.job.rid)
+            self._chunking, seq.cache, seq.finished = None, None, True
+            result.failed.append(seq.job.rid)
+            return
         seq.cache, seq.prefilled = out.past_key_values, end
         result.prefills.append(Prefill((seq.job.rid,), end, time.perf_counter() - t0))
         result.prefill_tokens += end - start
@@ -318,18 +346,27 @@ class HFEngine:
         return out.logits[:, -1, :]
 
     def _merge(self, seqs: list[_Seq], cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Add the rows of ``seqs`` to the running batch. A sequence that already finished
+        (at its first token, or handed off) is left out: it must not widen every running
+        row to its prompt's length for nothing."""
+        keep = [i for i, s in enumerate(seqs) if not s.finished]
+        if not keep:
+            return
+        if len(keep) < len(seqs):
+            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            cache.batch_select_indices(index)
+            mask = _trim_left(cache, mask[index])
+            seqs = [seqs[i] for i in keep]
         if self._cache is None or self._mask is None or not self._running:
             self._cache, self._mask, self._running = cache, mask, list(seqs)
             return
-        old_len, new_len = self._mask.shape[1], mask.shape[1]
-        width = max(old_len, new_len)
-        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        width = max(self._mask.shape[1], mask.shape[1])
+        # the layers take the new tensors as they are: DynamicCache(ddp_cache_data=...) would
+        # copy every one again (seconds, once a long prompt widens the batch)
         for old, new in zip(self._cache.layers, cache.layers, strict=True):
             (old_k, old_v), (new_k, new_v) = _kv(old), _kv(new)
-            keys = torch.cat([_left_pad(old_k, width), _left_pad(new_k, width)], dim=0)
-            values = torch.cat([_left_pad(old_v, width), _left_pad(new_v, width)], dim=0)
-            layers.append((keys, values))
-        self._cache = DynamicCache(ddp_cache_data=layers)
+            old.keys = _stack_left_padded(old_k, new_k, width)  # type: ignore[union-attr]
+            old.values = _stack_left_padded(old_v, new_v, width)  # type: ignore[union-attr]
         self._mask = torch.cat([_left_pad_mask(self._mask, width), _left_pad_mask(mask, width)], dim=0)
         self._running.extend(seqs)
 
@@ -357,15 +394,7 @@ class HFEngine:
         assert self._cache is not None and self._mask is not None
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         self._cache.batch_select_indices(index)
-        self._mask = self._mask[index]
-        # trim columns that are padding in every remaining row
-        first = int(self._mask.any(dim=0).long().argmax())
-        if first > 0:
-            self._mask = self._mask[:, first:]
-            for layer in self._cache.layers:
-                keys, values = _kv(layer)
-                layer.keys = keys[..., first:, :]  # type: ignore[union-attr]
-                layer.values = values[..., first:, :]  # type: ignore[union-attr]
+        self._mask = _trim_left(self._cache, self._mask[index])
 
     # -- sampling and text --------------------------------------------------------------
 
@@ -428,12 +457,28 @@ def _kv(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return keys, values
 
 
-def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    pad = width - t.shape[-2]
-    if pad == 0:
-        return t
-    zeros = t.new_zeros((*t.shape[:-2], pad, t.shape[-1]))
-    return torch.cat([zeros, t], dim=-2)
+def _stack_left_padded(old: torch.Tensor, new: torch.Tensor, width: int) -> torch.Tensor:
+    """``old`` rows above ``new`` rows, each left-padded with zeros to ``width`` positions:
+    one allocation (a merge into a long cache copies every row once, not three times)."""
+    rows = old.shape[0]
+    out = old.new_empty((rows + new.shape[0], *old.shape[1:-2], width, old.shape[-1]))
+    for part, t in ((out[:rows], old), (out[rows:], new)):
+        pad = width - t.shape[-2]
+        part[..., :pad, :].zero_()
+        part[..., pad:, :].copy_(t)
+    return out
+
+
+def _trim_left(cache: DynamicCache, mask: torch.Tensor) -> torch.Tensor:
+    """Drop the columns on the left that are padding in every row; the trimmed mask."""
+    first = int(mask.any(dim=0).long().argmax())
+    if first == 0:
+        return mask
+    for layer in cache.layers:
+        keys, values = _kv(layer)
+        layer.keys = keys[..., first:, :]  # type: ignore[union-attr]
+        layer.values = values[..., first:, :]  # type: ignore[union-attr]
+    return mask[:, first:]
 
 
 def _left_pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:

@@ -59,7 +59,7 @@ class WorkerSettings:
     model_name: str | None = None
     cache_dir: Path | None = None
     slots: int = 32
-    step_tokens: int = 256  # per-step token budget, decode plus prefill (0: prompts prefilled whole)
+    step_tokens: int = 64  # per-step token budget, decode plus prefill (0: none); see docs/benchmarks.md
     echo_tokens: int = 16
     echo_step_s: float = 0.0
     threads: int | None = None
@@ -435,6 +435,9 @@ class Worker:
                 pipe.set(wire.suspect_key(wire.text(entry_id)), 1, ex=SUSPECT_TTL_S)
             pipe.execute()
             return
+        if result.failed:
+            log.error("prefill of %s failed; abandoning their batches to redelivery", ", ".join(result.failed))
+            self._abandon(result.failed)
         self._steps.append(result.record())
         if len(self._steps) > p.TELEMETRY_MAX_STEPS:
             self._steps.popleft()

@@ -100,8 +100,10 @@ def test_ignore_eos_generates_exactly_max_tokens(engine: HFEngine) -> None:
 
 
 def _alone(engine: HFEngine, job: SeqJob, step_tokens: int) -> tuple[str, int]:
-    """The text of one sequence run alone with this budget, and its prefill passes."""
-    engine.step_tokens = step_tokens
+    """The text of one sequence run alone with this budget, and its prefill passes. Alone,
+    nothing decodes while it is prefilled: ``max_prefill_tokens`` is what chunks it."""
+    most = engine.max_prefill_tokens
+    engine.step_tokens, engine.max_prefill_tokens = step_tokens, step_tokens or most
     try:
         engine.add(job)
         text, passes = "", 0
@@ -111,7 +113,7 @@ def _alone(engine: HFEngine, job: SeqJob, step_tokens: int) -> tuple[str, int]:
             text += "".join(e.text for e in result.events if e.rid == job.rid)
         return text, passes
     finally:
-        engine.step_tokens = 0
+        engine.step_tokens, engine.max_prefill_tokens = 0, most
 
 
 def test_chunked_prefill_gives_the_same_greedy_output(engine: HFEngine) -> None:
@@ -132,8 +134,8 @@ def test_a_long_prompt_joining_running_sequences_keeps_each_step_within_budget(e
         forever = SamplingParams(400, temperature=0.0, ignore_eos=True)
         for i in range(4):
             engine.add(SeqJob(f"r{i}", _ids(engine, PROMPTS[i]), forever))
-        while engine.running < 4:  # these prompts, about as long as the budget, go one by one
-            assert engine.step().prefill_tokens <= budget
+        first = engine.step()  # nothing decodes yet: the budget does not apply
+        assert first.prefill_tokens == sum(len(_ids(engine, p)) for p in PROMPTS) and engine.running == 4
         long_ids = _ids(engine, " ".join(PROMPTS * 4))
         assert len(long_ids) > 4 * budget
         engine.add(SeqJob("long", long_ids, SamplingParams(4, temperature=0.0)))
@@ -143,7 +145,7 @@ def test_a_long_prompt_joining_running_sequences_keeps_each_step_within_budget(e
             steps.append(engine.step())
         prefilled = sum(s.prefill_tokens for s in steps)
         assert prefilled == len(long_ids) and engine.queued_prefill == 0
-        assert engine.prefill_budget(4) == budget - 4
+        assert engine.prefill_budget(4) == budget - 4 and engine.prefill_budget(0) == engine.max_prefill_tokens
         for s in steps:
             assert s.decode_seqs == 4  # no running sequence waits for the long prompt
             assert s.prefill_tokens == budget - 4 or (s is steps[-1] and s.prefill_tokens < budget - 4)
