@@ -1000,11 +1000,12 @@ cdef class Scheduler:
         """Chunked prefill of ``tokens`` prompt tokens next to u running sequences."""
         if tokens <= 0.0:
             return 0.0
+        if u <= 0.0:
+            return self.coef[p][3] + self.coef[p][4] * tokens
         cdef double steps = ceil(tokens / self._chunk(p, u))
-        cdef double run = 0.0
-        if u > 0.0:
-            run = self.coef[p][0] + self.coef[p][1] * u + self.coef[p][2] * kv
-        return steps * (self.coef[p][3] + run) + self.coef[p][4] * tokens
+        return (steps * (self.coef[p][3] + (self.coef[p][0] + self.coef[p][1] * u
+                                            + self.coef[p][2] * kv))
+                + self.coef[p][4] * tokens)
 
     cdef inline FM _fm(self, int p, int k, double nbar) noexcept:
         """The batch line ``S(B) = F + m·B`` of path p for bucket k."""
@@ -1017,7 +1018,8 @@ cdef class Scheduler:
         cdef double step = dl + ds * u + kc * kv
         cdef double fixed = pl + step if u > 0.0 else pl
         r.f = fixed + nbar * step
-        r.m = length * (fixed / self._chunk(p, u) + pt) + nbar * (ds + kc * (length + 0.5 * nbar))
+        cdef double share = fixed / self._chunk(p, u) if u > 0.0 else 0.0
+        r.m = length * (share + pt) + nbar * (ds + kc * (length + 0.5 * nbar))
         return r
 
     cdef double _b2(self, int p, int k, double nbar) noexcept:

@@ -164,7 +164,8 @@ class StepModel:
         """Minimize Σ w(y − x·θ)² + Σ λ_j(θ_j − prior_j)² over θ ≥ 0.
 
         ``λ_j = prior_weight·Σ_typical (x_j/ŷ)²``, ŷ the reference time of each typical step
-        at the current fit: the prior counts as ``prior_weight`` typical steps of each forward,
+        (the larger of the current fit's and the prior's prediction): the prior counts as
+        ``prior_weight`` typical steps of each forward,
         in the same relative-error units as the data (a fixed absolute penalty would count for
         more and more observations as the worker turned out slower than its prior).
         In scaled variables u_j = θ_j/s_j (s_j = 1/√λ_j) the problem is min ½uᵀQu − cᵀu with
@@ -173,7 +174,10 @@ class StepModel:
         active-set method started from the previous solution."""
         penalty = [0.0] * _N
         for x in self._typical:
-            ref = self._reference(x)
+            # against the current fit where it predicts more than the prior, else the prior's:
+            # a forward the fit drove to ~0 must not make the prior's pull (and the next
+            # solve) jump, or successive solves oscillate between two fits
+            ref = max(_dot(self._theta, x), _dot(self._prior, x))
             for j, v in enumerate(x):
                 penalty[j] += self._weight * (v / ref) ** 2
         s = [1.0 / math.sqrt(p) for p in penalty]

@@ -594,13 +594,15 @@ class Scheduler:
 
     def _prefill_s(self, p: int, tokens: float, u: float, kv: float) -> float:
         """Chunked prefill of ``tokens`` prompt tokens next to u running sequences:
-        ``ceil(tokens / chunk)`` steps, each also decoding the running ones."""
+        ``ceil(tokens / chunk)`` steps, each also decoding the running ones; one pass when
+        nothing decodes (the engine's budget binds only while sequences decode)."""
         if tokens <= 0.0:
             return 0.0
-        steps = math.ceil(tokens / self._chunk(p, u))
         dl, ds, kc, pl, pt = self._coef[p]
-        run = dl + ds * u + kc * kv if u > 0.0 else 0.0
-        return steps * (pl + run) + pt * tokens
+        if u <= 0.0:
+            return pl + pt * tokens  # nothing decodes: the worker prefills whole prompts at once
+        steps = math.ceil(tokens / self._chunk(p, u))
+        return steps * (pl + (dl + ds * u + kc * kv)) + pt * tokens
 
     def _fm(self, p: int, k: int, nbar: float) -> tuple[float, float]:
         """The batch line ``S(B) = F + m·B`` of path p for bucket k (prefill in chunks of the
@@ -612,7 +614,8 @@ class Scheduler:
         step = dl + ds * u + kc * kv
         fixed = pl + step if u > 0.0 else pl
         f = fixed + nbar * step
-        m = length * (fixed / self._chunk(p, u) + pt) + nbar * (ds + kc * (length + 0.5 * nbar))
+        share = fixed / self._chunk(p, u) if u > 0.0 else 0.0
+        m = length * (share + pt) + nbar * (ds + kc * (length + 0.5 * nbar))
         return f, m
 
     def _b2(self, p: int, k: int, nbar: float) -> float:

@@ -27,12 +27,13 @@ def batch_line(c: PathConfig, bound: int, nbar: float, running: float = 0.0,
     """The documented batch line ``S(B) = F + m·B`` of a path for a bucket of ``bound``
     prompt tokens and ``nbar`` output tokens, next to ``running`` sequences holding ``kv``
     KV tokens on one worker: the prompt prefills in chunks of the step budget less the
-    running sequences (at least a quarter of it), each chunk a step that also decodes them;
-    then ``nbar`` decode steps of everything."""
+    running sequences (at least a quarter of it), each chunk a step that also decodes them
+    (in one pass when nothing runs); then ``nbar`` decode steps of everything."""
     step = c.decode_launch + c.decode_seq * running + c.kv_token * kv
     fixed = c.prefill_launch + (step if running > 0 else 0.0)
     chunk = max(c.step_tokens - running, 0.25 * c.step_tokens)
+    share = fixed / chunk if running > 0 else 0.0
     f = fixed + nbar * step
-    m = bound * (fixed / chunk + c.prefill_token) + nbar * (
+    m = bound * (share + c.prefill_token) + nbar * (
         c.decode_seq + c.kv_token * (bound + 0.5 * nbar))
     return f, m

@@ -6,7 +6,7 @@ import random
 import time
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from sched_core.costmodel import COEFFICIENTS, StepModel, step_features
@@ -53,6 +53,7 @@ def test_step_features_follow_the_two_forwards() -> None:
 
 
 @given(theta=st.tuples(*[st.floats(0.0, 1.0) for _ in COEFFICIENTS]), seed=st.integers(0, 2**16))
+@example(theta=(1.0, 0.0, 0.0, 0.0, 0.0), seed=3)  # solves used to alternate between two fits here
 def test_noiseless_data_from_any_non_negative_coefficients_are_recovered(
         theta: tuple[float, ...], seed: int) -> None:
     # Scale to realistic magnitudes: launches up to 50 ms, per-seq 5 ms, per-token 10 µs.
@@ -64,7 +65,11 @@ def test_noiseless_data_from_any_non_negative_coefficients_are_recovered(
     records = [r for r in mixed_steps(rng, theta, 400) if r[3] > 0.0]
     for i in range(0, len(records), 50):
         model.observe_many(records[i:i + 50])
+    seen_prefill = any(r[0] and not r[1] for r in records)  # a forward seen on its own
+    seen_decode = any(r[1] and not r[0] for r in records)
     for prefill, seqs, kv in ((0, 1, 50), (256, 0, 0), (64, 32, 32 * 1000), (0, 64, 64 * 2000)):
+        if (prefill and not seen_prefill) or (seqs and not seen_decode):
+            continue  # a forward that alone takes no time left no record of itself
         expect = truth(theta, prefill, seqs, kv)
         assert model.predict(prefill, seqs, kv) == pytest.approx(expect, rel=1e-3, abs=1e-5)
     # (abs: a forward whose true time is exactly 0 is fitted to a few µs, because relative

@@ -53,12 +53,12 @@ def test_small_batches_go_to_cpu_large_ones_to_gpu(make: Factory, n: int) -> Non
     s.worker_capacity("gpu", 64, 0.0)
     for i in range(n):
         s.arrive(req(f"r{i}", prompt=100, out=10), 0.0)
-    # Idle paths, bucket of 128 tokens, 10 output tokens:
-    # cpu F = 0.002 + 10·0.002 = 0.022, m = 128·0.002/128 + 10·0.004 = 0.042;
-    # gpu F = 0.01 + 10·0.01 = 0.11, m = 128·0.01/512 + 10·0.0002 = 0.0045.
+    # Idle paths (prompts prefill in one pass), bucket of 128 tokens, 10 output tokens:
+    # cpu F = 0.002 + 10·0.002 = 0.022, m = 10·0.004 = 0.040;
+    # gpu F = 0.01 + 10·0.01 = 0.11, m = 10·0.0002 = 0.002.
     (f_cpu, m_cpu), (f_gpu, m_gpu) = batch_line(QUICK_CPU, 128, 10), batch_line(LAUNCH_GPU, 128, 10)
     b1 = (f_gpu - f_cpu) / (m_cpu - m_gpu)
-    assert b1 == pytest.approx(0.088 / 0.0375)
+    assert b1 == pytest.approx(0.088 / 0.038)
     assert s.snapshot()["buckets"][1]["b1"] == pytest.approx(b1)
     (d,) = dispatches(s.tick(0.0))
     assert (d.path, len(d.request_ids)) == ("cpu" if n < b1 else "gpu", n)
