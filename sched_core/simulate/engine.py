@@ -108,6 +108,7 @@ class Result:
 # -- workers -------------------------------------------------------------------------------
 
 ARRIVE, JOB, STEP, REPORT, TICK, FINISH, STEPS = range(7)
+IDLE_PREFILL_TOKENS = 8192  # HFEngine.max_prefill_tokens: with nothing decoding, the budget does not bind
 
 
 @dataclass(slots=True)
@@ -308,7 +309,7 @@ class Simulation:
             kv = sum(s.outcome.arrival.prompt_tokens + s.generated for s in decoded)
             decode_s = self._noisy(profile.decode_step_s(len(decoded), width), profile)
         budget = w.pool.step_tokens
-        room = max(budget - len(decoded), budget // 4)
+        room = max(budget - len(decoded), budget // 4) if decoded else IDLE_PREFILL_TOKENS
         parts = 0
         longest = 0
         tokens = 0
