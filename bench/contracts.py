@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import numpy as np
@@ -30,7 +32,8 @@ from sched_core.simulate.workload import parse_trace
 from workers import model_store
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_code_2023.csv"
-BUDGETS = (4000.0, 2000.0, 1000.0)  # tokens/s of the tenants, in turn
+BUDGETS = (4000.0, 2000.0, 1000.0)
+T = TypeVar("T")  # tokens/s of the tenants, in turn
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,14 +111,19 @@ async def replay(base: str, keys: list[str], rows: list[Row], warmup: list[Row],
 
         for i, row in enumerate(warmup):
             await one(i, row)
-        tasks = []
-        start = time.perf_counter()
-        for i, row in enumerate(rows):
-            delay = start + row.at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, row)))
-        return list(await asyncio.gather(*tasks))
+        return await at_arrivals(rows, one)
+
+
+async def at_arrivals(rows: list[Row], one: Callable[[int, Row], Awaitable[T]]) -> list[T]:
+    """Start ``one(i, row)`` for every row at its arrival time (seconds from now); their results."""
+    tasks = []
+    start = time.perf_counter()
+    for i, row in enumerate(rows):
+        delay = start + row.at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, row)))
+    return list(await asyncio.gather(*tasks))
 
 
 def main() -> None:

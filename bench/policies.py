@@ -39,7 +39,7 @@ import numpy as np
 import orjson
 
 from bench.common import OUT, pct, stack, table
-from bench.contracts import BUDGETS, DEFAULT_TRACE, Row, load_trace, make_tenants
+from bench.contracts import BUDGETS, DEFAULT_TRACE, Row, at_arrivals, load_trace, make_tenants
 from sched_core.simulate import experiment as ex
 from sched_core.simulate.engine import Pool, simulate
 from sched_core.simulate.metrics import Slo, summarize
@@ -103,14 +103,8 @@ async def replay(base: str, keys: list[str], rows: list[Row], seed: int) -> tupl
             sample.e2e_s = time.perf_counter() - t0
             return sample
 
-        tasks = []
         start = time.perf_counter()
-        for i, row in enumerate(rows):
-            delay = start + row.at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, row)))
-        samples = list(await asyncio.gather(*tasks))
+        samples = await at_arrivals(rows, one)
         return samples, time.perf_counter() - start
 
 
