@@ -13,6 +13,7 @@ from typing import Any
 from gateway import admin_cli, simulate_cli
 from gateway.embedded_redis import FSYNC_CHOICES, default_data_dir
 from gateway.settings import GatewaySettings
+from sched_core import SchedulerConfig
 from workers import cli as worker_cli
 from workers.cli import env_default
 
@@ -87,7 +88,22 @@ def _add_gateway_args(parser: argparse.ArgumentParser) -> None:
         _setting(parser, flag, name, help)
     parser.add_argument("--cost-priors", default=env_default("cost_priors"),
                         help="JSON file of measured per-path cost priors for the scheduler "
-                        "(docs/scheduling.md); default: built-in guesses, refitted online")
+                        "(docs/scheduling.md); default: the packaged measured profiles, refitted online")
+    # the SLO the scheduler plans for; the defaults are SchedulerConfig's (one source)
+    defaults = SchedulerConfig()
+    parser.add_argument("--slo-ttft-ms", type=float,
+                        default=env_default("slo_ttft_ms", defaults.ttft_p99_slo_s * 1000),
+                        help="time to first token the scheduler plans for (p99): a request that can no "
+                        "longer make it takes the faster path (docs/scheduling.md)")
+    parser.add_argument("--slo-tpot-ms", type=float,
+                        default=env_default("slo_tpot_ms", defaults.tpot_slo_s * 1000),
+                        help="time per output token the running sequences are kept within: the "
+                        "scheduler holds a new prompt that would push them past it (docs/scheduling.md §6)")
+    parser.add_argument("--aging-tokens", type=float,
+                        default=env_default("aging_tokens", defaults.aging_tokens_per_s),
+                        help="prompt tokens of cost one second of waiting forgives in the scheduler's "
+                        "shortest-prompt-first order (docs/scheduling.md §2): lower favours short prompts "
+                        "longer; scale it with your prompts' lengths")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -49,8 +49,9 @@ class _Lease:
     expires: float
 
 
-def scheduler_config(priors_path: str | None) -> SchedulerConfig:
-    """The scheduler's config, with per-path step-time priors from a JSON file if one is given.
+def scheduler_config(priors_path: str | None, **fields: float) -> SchedulerConfig:
+    """The scheduler's config: the given fields (the SLO it schedules for, its aging rate;
+    left out, the defaults), with per-path step-time priors from a JSON file if one is given.
 
     The file is either a profile written by ``bench/profile.py`` (its ``step_model`` object
     seeds the path named by its ``pool``), or ``{"cpu": {...}, "gpu": {...}}`` with any subset
@@ -58,7 +59,7 @@ def scheduler_config(priors_path: str | None) -> SchedulerConfig:
     s/KV token, ``prefill_launch`` s, ``prefill_token`` s/prompt token, ``max_batch``,
     ``step_tokens``), at top level or under ``"priors"``; fields left out keep the packaged
     defaults. Raises ValueError naming the file and the field."""
-    config = SchedulerConfig()
+    config = SchedulerConfig(**fields)
     if priors_path is None:
         return config
     try:

@@ -56,7 +56,10 @@ def settings_from_args(args: argparse.Namespace, redis_url: str, model_name: str
         "redis_url": redis_url,
         "model_name": model_name,
         "max_connections": max_connections,
-        "scheduler": scheduler_config(args.cost_priors),  # a bad file stops start-up, naming it
+        # a bad file or SLO stops start-up, naming it
+        "scheduler": scheduler_config(args.cost_priors, ttft_p99_slo_s=args.slo_ttft_ms / 1000,
+                                      tpot_slo_s=args.slo_tpot_ms / 1000,
+                                      aging_tokens_per_s=args.aging_tokens),
     }
     return GatewaySettings(**given)
 

@@ -45,10 +45,10 @@ class Setup:
 
 def scheduler_config(setup: Setup, workload: Workload) -> SchedulerConfig:
     """The scheduler as an operator would deploy it: cost priors from the profiles (the
-    scheduler refits them online), max batch = a worker's slots, the SLO's TTFT."""
+    scheduler refits them online), max batch = a worker's slots, the SLO (TTFT and TPOT)."""
     arrivals = workload.arrivals
     prompt = sum(a.prompt_tokens for a in arrivals) / len(arrivals)
-    fields: dict[str, Any] = {"ttft_p99_slo_s": setup.slo.ttft_s}
+    fields: dict[str, Any] = {"ttft_p99_slo_s": setup.slo.ttft_s, "tpot_slo_s": setup.slo.tpot_s}
     for pool in setup.pools:
         fields[pool.path] = pool.profile.path_config(pool.slots, prompt)
     return SchedulerConfig(**fields)

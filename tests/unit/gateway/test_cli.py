@@ -61,3 +61,22 @@ def test_data_dir_flag_and_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENGATE_DATA_DIR", "/srv/tg")
     assert build_parser().parse_args(["serve"]).data_dir == Path("/srv/tg")
     assert build_parser().parse_args(["serve", "--data-dir", "d"]).data_dir == Path("d")
+
+
+def test_the_slo_flags_reach_the_scheduler_and_default_to_its_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.server import settings_from_args
+    from sched_core import SchedulerConfig
+
+    for name in ("TOKENGATE_SLO_TTFT_MS", "TOKENGATE_SLO_TPOT_MS", "TOKENGATE_AGING_TOKENS"):
+        monkeypatch.delenv(name, raising=False)
+    args = build_parser().parse_args(["gateway", "--redis-url", "redis://x"])
+    plain = settings_from_args(args, "redis://x", "m", 4096)
+    assert plain.scheduler == SchedulerConfig()
+    monkeypatch.setenv("TOKENGATE_SLO_TPOT_MS", "400")
+    args = build_parser().parse_args(["gateway", "--redis-url", "redis://x", "--slo-ttft-ms", "3000",
+                                      "--aging-tokens", "30"])
+    config = settings_from_args(args, "redis://x", "m", 4096).scheduler
+    assert (config.ttft_p99_slo_s, config.tpot_slo_s, config.aging_tokens_per_s) == (3.0, 0.4, 30.0)
+    args = build_parser().parse_args(["gateway", "--redis-url", "redis://x", "--slo-tpot-ms", "0"])
+    with pytest.raises(ValueError, match="tpot_slo_s must be positive"):
+        settings_from_args(args, "redis://x", "m", 4096)
