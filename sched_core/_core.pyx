@@ -26,12 +26,14 @@ from sched_core._heap cimport (
 
 from sched_core.costmodel import COEFFICIENTS, StepModel
 from sched_core.report import queued_explanation, route_reason, snapshot_dict, thresholds
+from sched_core.types import HOLD_SLACK as _HOLD_SLACK
 from sched_core.types import LN100 as _LN100
 from sched_core.types import PATHS, Contract, Dispatch, Reject, Request, SchedulerConfig
 
 IMPLEMENTATION = "cython"
 
 cdef double LN100 = _LN100
+cdef double HOLD_SLACK = _HOLD_SLACK
 cdef double INF = INFINITY
 
 
@@ -214,6 +216,8 @@ cdef class Scheduler:
     cdef long long kv[2]        # KV tokens they hold, mid-life: prompt + half the expected output
     cdef long long workers[2]
     cdef long long budget[2]    # tokens per worker step
+    cdef double pend[2]         # prompt tokens dispatched and not yet seen prefilled
+    cdef double queue_steps     # prefill_queue_steps
     cdef double now
     cdef long long next_batch
     cdef long long nqueued
@@ -328,6 +332,9 @@ cdef class Scheduler:
         self.alpha = cfg.ewma_alpha
         self.slo = cfg.ttft_p99_slo_s
         self.tpot = cfg.tpot_slo_s
+        self.queue_steps = cfg.prefill_queue_steps
+        self.pend[CPU] = 0.0
+        self.pend[GPU] = 0.0
         self.default_out = cfg.default_output_tokens
 
     def __dealloc__(self):
@@ -402,7 +409,7 @@ cdef class Scheduler:
         cdef long long limit
         self._expire(now, out)
         cdef Tail tl = self._tail(now)
-        if tl.t_cut < INF:
+        if tl.t_cut < INF and self.cap[GPU] > 0:  # the cut moves the gpu queue's tail to the cpu
             self._tail_cut(now, tl.t_cut, out)
         count = self._bucket_order()
         for i in range(count):
@@ -411,7 +418,7 @@ cdef class Scheduler:
                 p = self._plan(k, now, tl.t_cut)
                 if p < 0:
                     break
-                limit = lmin(lmin(self.n[k], self._free(p)), self.maxb[p])
+                limit = lmin(lmin(lmin(self.n[k], self._free(p)), self.maxb[p]), self._room(p, k))
                 self._take(k, limit)
                 if self.nbuf == 0:
                     break
@@ -462,6 +469,10 @@ cdef class Scheduler:
         cdef int p = PATHS.index(path)
         self._models[p].observe_many(records)
         self._load_coef(p)
+        cdef double done = 0.0
+        for rec in records:
+            done += rec[0]
+        self.pend[p] = self.pend[p] - done if self.pend[p] > done else 0.0
 
     def worker_capacity(self, path, slots, double now, workers=1, step_tokens=0):
         """``path``'s live workers, ``workers`` of them, offer ``slots`` sequence slots in all
@@ -509,6 +520,7 @@ cdef class Scheduler:
             paths.append({
                 "capacity": self.cap[p], "in_flight": self.used[p], "kv_tokens": self.kv[p],
                 "workers": self.workers[p], "step_tokens": self.budget[p],
+                "pending_prefill": self.pend[p],
                 "max_batch": self.maxb[p], "fitted_steps": self._models[p].observations,
                 "step_model": dict(zip(COEFFICIENTS, [self.coef[p][i] for i in range(5)],
                                        strict=True)),
@@ -1041,9 +1053,12 @@ cdef class Scheduler:
         return CPU if c.f + c.m * n < g.f + g.m * n else GPU
 
     cdef bint _tpot_holds(self, int p, int k, long long n, double now) except -1:
-        """Hold bucket k's next batch off path p iff it would push the running sequences'
-        time per output token past the TPOT SLO while they now meet it, and the bucket's
-        oldest request still has TTFT slack. Nothing running: never held."""
+        """Hold bucket k's next batch off path p iff, once it decodes beside them, the running
+        sequences' decode step would pass the TPOT SLO while it now meets it (the prefill
+        steps in between are bounded by the step budget and spread over every output
+        token), and the bucket's oldest request would still get its first token (after the
+        prompts already sent to the path and its own) within ``HOLD_SLACK`` of the TTFT SLO.
+        Nothing running: never held."""
         if self.used[p] <= 0:
             return False
         cdef double w = self.workers[p]
@@ -1054,22 +1069,46 @@ cdef class Scheduler:
         if r <= 0:
             return False
         cdef double tokens = <double>r * (<double>self.psum[k] / <double>n)
-        cdef double pf = self._prefill_s(p, tokens, u, kv)
-        cdef double steps = ceil(tokens / self._chunk(p, u))
-        cdef double after = self._step_s(p, 0.0, u + r, kv + tokens)
-        cdef double h = self.mix_out if self.mix_out > 1.0 else 1.0
-        cdef double during = steps if steps < h else h
-        if (during * (pf / steps) + (h - during) * after) / h <= self.tpot:
+        if self._step_s(p, 0.0, u + r, kv + tokens) <= self.tpot:
             return False
+        cdef double pf = self._prefill_s(p, tokens, u, kv)
         cdef int head = self._fifo_head(k)
-        return head >= 0 and (now - self.reqs[head].t_in) + pf < self.slo
+        cdef double queue = self._prefill_s(p, self.pend[p] / w, u, kv)  # prompts sent before it
+        return head >= 0 and (now - self.reqs[head].t_in) + queue + pf < HOLD_SLACK * self.slo
 
     cdef bint _overdue(self, int k, double now, double t_cut) except -1:
         cdef int h = self._fifo_head(k)
         return h >= 0 and self.reqs[h].t_in + t_cut <= now
 
+    cdef bint _saturated(self, int p) noexcept:
+        """Path p's workers hold ``prefill_queue_steps`` steps of prompt tokens they have not
+        prefilled yet: more would only queue in their FIFO, out of the order's reach."""
+        return self.used[p] > 0 and self.pend[p] >= self._queue_limit(p)
+
+    cdef double _queue_limit(self, int p) noexcept:
+        """Prompt tokens path p's workers prefill in ``prefill_queue_steps`` steps beside
+        the sequences they run."""
+        cdef double w = <double>self.workers[p]
+        return self.queue_steps * self._chunk(p, <double>self.used[p] / w) * w
+
+    cdef long long _room(self, int p, int k) noexcept:
+        """How many of bucket k's requests (at its mean prompt) fill path p's prefill queue
+        up to its limit, at least one; no limit while nothing runs there."""
+        if self.used[p] <= 0:
+            return self.maxb[p]
+        cdef double room = self._queue_limit(p) - self.pend[p]
+        cdef double mean = <double>self.psum[k] / <double>self.n[k] if self.n[k] > 0 else 0.0
+        if room <= 0.0 or mean <= 0.0:
+            return 1
+        cdef double count = ceil(room / mean) if room / mean < <double>self.maxb[p] else <double>self.maxb[p]
+        return <long long>count if count > 1.0 else 1
+
     cdef bint _releases(self, int p, int k, long long n, double now, double t_cut) except -1:
-        """Release to p now unless the TPOT rule holds it; an overdue bucket always leaves."""
+        """Release to p now unless its prefill queue is full, or the TPOT rule holds it and
+        the bucket is not overdue (a full prefill queue holds even an overdue bucket: more
+        would only wait there, in the worker's order instead of this one)."""
+        if self._saturated(p):
+            return False
         return self._overdue(k, now, t_cut) or not self._tpot_holds(p, k, n, now)
 
     cdef double _busy_for(self, int p, double now) except -1.0:
@@ -1198,8 +1237,8 @@ cdef class Scheduler:
         sort_small(self.sortbuf, count)
         for i in range(count):
             k = self.sortbuf[i].k
-            limit = lmin(self._free(CPU), self.maxb[CPU])
-            if limit <= 0:
+            limit = lmin(lmin(self._free(CPU), self.maxb[CPU]), self._room(CPU, k))
+            if limit <= 0 or self._saturated(CPU):
                 return 0
             q = &self.fifo[k]
             self.nbuf = 0
@@ -1248,6 +1287,7 @@ cdef class Scheduler:
             batch.h[i] = h
             self.cold[h].batch = bid
             self.kv[p] += self.reqs[h].prompt + self.reqs[h].out / 2
+            self.pend[p] += self.reqs[h].prompt
             rid = self.ids[h]
             Py_INCREF(rid)
             PyTuple_SET_ITEM(request_ids, i, rid)
@@ -1269,6 +1309,8 @@ cdef class Scheduler:
         learnt as its output length."""
         self.used[p] -= 1
         self.kv[p] -= self.reqs[h].prompt + self.reqs[h].out / 2
+        if self.used[p] == 0:
+            self.pend[p] = 0.0  # nothing running: nothing waits for prefill
         if produced >= 0:
             self._observe_output(h, produced)
         idt_remove(&self.by_id, self.reqs[h].hash, h)

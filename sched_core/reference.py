@@ -27,6 +27,7 @@ from typing import Any
 from sched_core.costmodel import COEFFICIENTS, StepModel
 from sched_core.report import queued_explanation, route_reason, snapshot_dict, thresholds
 from sched_core.types import (
+    HOLD_SLACK,
     LN100,
     PATHS,
     BatchTimings,
@@ -120,6 +121,7 @@ class Scheduler:
         self._kv = [0, 0]  # KV tokens they hold, mid-life: prompt + half the expected output
         self._workers = [1, 1]
         self._budget = [cfg.cpu.step_tokens, cfg.gpu.step_tokens]  # tokens per worker step
+        self._pend = [0.0, 0.0]  # prompt tokens dispatched and not yet seen prefilled
         self._now = 0.0
         self._seq = 0
         self._next_batch = 1
@@ -198,14 +200,14 @@ class Scheduler:
         out: list[Dispatch | Reject] = []
         self._expire(now, out)
         t_cut, _ = self._tail(now)
-        if t_cut < INF:
+        if t_cut < INF and self._cap[GPU] > 0:  # the cut moves the gpu queue's tail to the cpu
             self._tail_cut(now, t_cut, out)
         for k in self._bucket_order():
             while self._n[k] > 0:
                 p = self._plan(k, now, t_cut)
                 if p < 0:
                     break
-                limit = min(self._n[k], self._free(p), self._max_batch[p])
+                limit = min(self._n[k], self._free(p), self._max_batch[p], self._room(p, k))
                 batch = self._take(k, limit)
                 if not batch:
                     break
@@ -249,6 +251,8 @@ class Scheduler:
         model = self._models[p]
         model.observe_many(records)
         self._coef[p] = model.coefficients()
+        done = sum(rec[0] for rec in records)
+        self._pend[p] = self._pend[p] - done if self._pend[p] > done else 0.0
 
     def worker_capacity(self, path: str, slots: int, now: float, workers: int = 1,
                         step_tokens: int = 0) -> None:
@@ -292,6 +296,7 @@ class Scheduler:
             paths.append({
                 "capacity": self._cap[p], "in_flight": self._used[p], "kv_tokens": self._kv[p],
                 "workers": self._workers[p], "step_tokens": self._budget[p],
+                "pending_prefill": self._pend[p],
                 "max_batch": self._max_batch[p], "fitted_steps": model.observations,
                 "step_model": dict(zip(COEFFICIENTS, self._coef[p], strict=True)),
                 "step_s": self._step_s(p, 0.0, u, kv),
@@ -640,10 +645,12 @@ class Scheduler:
         return CPU if fc + mc * n < fg + mg * n else GPU
 
     def _tpot_holds(self, p: int, k: int, n: int, now: float) -> bool:
-        """Marginal cost in continuous batching: hold bucket k's next batch off path p iff its
-        prefill and decode would push the running sequences' time per output token (over the
-        next ``mix_out`` tokens) past the TPOT SLO while they now meet it, and the bucket's
-        oldest request still has TTFT slack. Nothing running: never held."""
+        """Marginal cost in continuous batching: hold bucket k's next batch off path p iff,
+        once it decodes beside them, the running sequences' decode step would pass the TPOT
+        SLO while it now meets it (the prefill steps in between are bounded by the workers'
+        step budget and spread over every output token), and the bucket's oldest request
+        would still get its first token (after the prompts already sent to the path and its
+        own) within ``HOLD_SLACK`` of the TTFT SLO. Nothing running: never held."""
         if self._used[p] <= 0:
             return False
         slo = self.config.tpot_slo_s
@@ -654,22 +661,46 @@ class Scheduler:
         if r <= 0:
             return False
         tokens = r * (self._psum[k] / n)
-        pf = self._prefill_s(p, tokens, u, kv)
-        steps = float(math.ceil(tokens / self._chunk(p, u)))
-        after = self._step_s(p, 0.0, u + r, kv + tokens)
-        h = self._mix_out if self._mix_out > 1.0 else 1.0
-        during = steps if steps < h else h
-        if (during * (pf / steps) + (h - during) * after) / h <= slo:
+        if self._step_s(p, 0.0, u + r, kv + tokens) <= slo:
             return False
+        pf = self._prefill_s(p, tokens, u, kv)
         head = self._fifo_head(k)
-        return head is not None and (now - head.t_in) + pf < self.config.ttft_p99_slo_s
+        queue = self._prefill_s(p, self._pend[p] / self._workers[p], u, kv)  # prompts sent before it
+        return head is not None and (now - head.t_in) + queue + pf < HOLD_SLACK * self.config.ttft_p99_slo_s
 
     def _overdue(self, k: int, now: float, t_cut: float) -> bool:
         r = self._fifo_head(k)
         return r is not None and r.t_in + t_cut <= now
 
+    def _saturated(self, p: int) -> bool:
+        """Path p's workers hold ``prefill_queue_steps`` steps of prompt tokens they have not
+        prefilled yet: more would only queue in their FIFO, out of the order's reach."""
+        return self._used[p] > 0 and self._pend[p] >= self._queue_limit(p)
+
+    def _queue_limit(self, p: int) -> float:
+        """Prompt tokens path p's workers prefill in ``prefill_queue_steps`` steps beside
+        the sequences they run."""
+        u, _ = self._per_worker(p)
+        return self.config.prefill_queue_steps * self._chunk(p, u) * self._workers[p]
+
+    def _room(self, p: int, k: int) -> int:
+        """How many of bucket k's requests (at its mean prompt) fill path p's prefill queue
+        up to its limit, at least one; no limit while nothing runs there."""
+        if self._used[p] <= 0:
+            return self._max_batch[p]
+        room = self._queue_limit(p) - self._pend[p]
+        mean = self._psum[k] / self._n[k] if self._n[k] > 0 else 0.0
+        if room <= 0.0 or mean <= 0.0:
+            return 1
+        count = math.ceil(room / mean) if room / mean < self._max_batch[p] else self._max_batch[p]
+        return max(1, count)
+
     def _releases(self, p: int, k: int, n: int, now: float, t_cut: float) -> bool:
-        """Release to p now unless the TPOT rule holds it; an overdue bucket always leaves."""
+        """Release to p now unless its prefill queue is full, or the TPOT rule holds it and
+        the bucket is not overdue (a full prefill queue holds even an overdue bucket: more
+        would only wait there, in the worker's order instead of this one)."""
+        if self._saturated(p):
+            return False
         return self._overdue(k, now, t_cut) or not self._tpot_holds(p, k, n, now)
 
     def _busy_for(self, p: int, now: float) -> float:
@@ -770,8 +801,8 @@ class Scheduler:
                 firsts.append((r.t_in, r.req.arrival, k))
         firsts.sort()
         for _, _, k in firsts:
-            limit = min(self._free(CPU), self._max_batch[CPU])
-            if limit <= 0:
+            limit = min(self._free(CPU), self._max_batch[CPU], self._room(CPU, k))
+            if limit <= 0 or self._saturated(CPU):
                 return
             batch: list[_Req] = []
             aside: list[_Req] = []
@@ -801,6 +832,7 @@ class Scheduler:
         for r in batch:
             r.batch = bid
             self._kv[p] += r.req.prompt_tokens + r.out // 2
+            self._pend[p] += r.req.prompt_tokens
         self._used[p] += size
         self._inflight[bid] = _Batch(p, batch, now + predicted)
         if p == CPU:
@@ -812,6 +844,8 @@ class Scheduler:
         learnt as its output length."""
         self._used[p] -= 1
         self._kv[p] -= r.req.prompt_tokens + r.out // 2
+        if self._used[p] == 0:
+            self._pend[p] = 0.0  # nothing running: nothing waits for prefill
         if produced >= 0:
             self._observe_output(r, produced)
         r.state = DONE

@@ -21,6 +21,12 @@ PATHS: tuple[str, str] = ("cpu", "gpu")
 #: Defined once here so that the Python and the compiled core use the very same double.
 LN100: float = math.log(100.0)
 
+#: The TPOT hold (docs/scheduling.md §6) keeps a request only while it would still get its
+#: first token within this share of the TTFT SLO: holding it to the last moment leaves the
+#: step-time model's error no room, and measured live, such holds broke TTFT SLOs by the
+#: dozen (docs/benchmarks.md, "Policies on real traffic").
+HOLD_SLACK: float = 0.5
+
 
 @dataclass(frozen=True, slots=True)
 class Request:
@@ -208,6 +214,11 @@ class SchedulerConfig:
     fit_forgetting: per-step decay of old step records in the step-time fits (0.999: a memory
         of about 1000 steps, 10-100 s of one worker); prior_weight: how many typical steps of a
         full worker the priors count as, in each coefficient's direction.
+    prefill_queue_steps: how many worker steps' worth of prompt tokens (per worker: the step
+        budget less the sequences it decodes, at least a quarter of the budget) a busy path
+        may hold dispatched and not yet prefilled (inf: no limit); beyond that new work
+        waits in the scheduler, where the order and fair share apply, instead of in the
+        worker's FIFO prefill queue (a worker telemetry period and a step of lag included).
     """
 
     bucket_bounds: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -226,6 +237,7 @@ class SchedulerConfig:
     default_output_tokens: int = 64
     fit_forgetting: float = 0.999
     prior_weight: float = 10.0
+    prefill_queue_steps: float = 4.0
 
     def __post_init__(self) -> None:
         bounds = self.bucket_bounds
@@ -247,6 +259,8 @@ class SchedulerConfig:
             raise ValueError("fairness needs a positive token weight and a slack >= 0")
         if not 0.0 < self.ewma_alpha <= 1.0 or not 0.0 < self.fit_forgetting <= 1.0:
             raise ValueError("ewma_alpha and fit_forgetting must lie in (0, 1]")
+        if not self.prefill_queue_steps > 0.0:  # inf: no gate
+            raise ValueError(f"prefill_queue_steps must be positive, got {self.prefill_queue_steps}")
         if self.max_queued < 1 or self.default_output_tokens < 1:
             raise ValueError("max_queued and default_output_tokens must be at least 1")
 

@@ -129,6 +129,10 @@ def test_request_and_config_are_validated() -> None:
         SchedulerConfig(tpot_slo_s=0.0)
     with pytest.raises(ValueError):
         SchedulerConfig(tpot_slo_s=math.inf)
+    for steps in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="prefill_queue_steps"):
+            SchedulerConfig(prefill_queue_steps=steps)
+    assert SchedulerConfig(prefill_queue_steps=math.inf).prefill_queue_steps == math.inf  # no limit
     gpu = PathConfig(0.01, 1e-4, 1e-8, 0.02, 1e-6, max_batch=8, step_tokens=64)
     cfg = SchedulerConfig(gpu=gpu)
     assert (cfg.path(0), cfg.path(1)) == (SchedulerConfig().cpu, gpu)

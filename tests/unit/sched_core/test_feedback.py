@@ -124,7 +124,7 @@ def test_snapshot_is_json_and_reports_the_step_model_and_capacity(make: Factory)
     assert set(snap["tail_cut"]) == {"t_cut_s", "mu_cpu", "lambda_cpu", "ttft_p99_slo_s"}
     gpu = snap["paths"]["gpu"]
     assert gpu == {"capacity": 64, "in_flight": 0, "kv_tokens": 0, "workers": 2,
-                   "step_tokens": 256, "max_batch": 64, "fitted_steps": 0,
+                   "step_tokens": 256, "pending_prefill": 0.0, "max_batch": 64, "fitted_steps": 0,
                    "step_model": prior(SchedulerConfig().gpu), "step_s": 0.0}
     assert snap["paths"]["cpu"]["step_tokens"] == SchedulerConfig().cpu.step_tokens
     s.tick(0.0)
@@ -188,9 +188,9 @@ def test_explain(make: Factory) -> None:
 
 def test_explain_says_when_the_per_token_slo_holds_a_request(make: Factory) -> None:
     s = make(gpu=PathConfig(0.05, 0.01, 0.0, 0.05, 0.0, max_batch=64, step_tokens=512),
-             tpot_slo_s=0.1)
+             tpot_slo_s=0.095)
     s.worker_capacity("gpu", 8, 0.0)
-    for i in range(4):  # 0.09 s steps; a fifth sequence would make them 0.1 s after a 0.14 s one
+    for i in range(4):  # 0.09 s steps; a fifth sequence would make them 0.1 s
         s.arrive(req(f"run{i}"), 0.0)
     s.tick(0.0)
     s.arrive(req("late", arrival=0.1), 0.1)
@@ -198,5 +198,5 @@ def test_explain_says_when_the_per_token_slo_holds_a_request(make: Factory) -> N
     e = s.explain("late")
     assert e is not None and e["path"] == "gpu"
     assert e["reason"] == (
-        "held: starting it now would push gpu's running sequences past the 100 ms per-token "
+        "held: starting it now would push gpu's running sequences past the 95 ms per-token "
         "SLO; it leaves when they finish or its own time-to-first-token slack runs out")

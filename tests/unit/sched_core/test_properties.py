@@ -9,6 +9,7 @@ within the fair-share bound.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,6 +141,7 @@ configs = st.builds(
                   step_tokens=st.sampled_from([64, 512])),
     ttft_p99_slo_s=st.sampled_from([0.3, 2.0, 30.0]),
     tpot_slo_s=st.sampled_from([0.01, 0.1, 1.0]),
+    prefill_queue_steps=st.sampled_from([0.5, 2.0, math.inf]),
     max_queued=st.sampled_from([3, 1000]),
     fair_slack_tokens=st.sampled_from([0.0, 500.0, 65536.0]),
     rate_window_s=st.sampled_from([0.05, 10.0]),

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from sched_core import Contract, Dispatch, PathConfig, Reject
-from sched_core.types import LN100
+from sched_core.types import HOLD_SLACK, LN100
 
 from .conftest import Factory
 from .support import batch_line, req, timings
@@ -65,7 +65,7 @@ def test_small_batches_go_to_cpu_large_ones_to_gpu(make: Factory, n: int) -> Non
 
 
 def test_batches_hold_one_bucket_and_respect_limits(make: Factory) -> None:
-    s = make()
+    s = make(prefill_queue_steps=math.inf)  # no prefill-queue gate (tested on its own below)
     s.worker_capacity("gpu", 100, 0.0)
     for i in range(70):
         s.arrive(req(f"s{i}", prompt=100), 0.0)
@@ -106,8 +106,9 @@ TPOT_GPU = PathConfig(0.05, 0.01, 0.0, 0.05, 0.0, max_batch=64, step_tokens=512)
 
 
 def four_running(make: Factory, **fields: object) -> object:
-    """A gpu-only scheduler with four sequences running and ``late`` queued at 0.1."""
-    s = make(gpu=TPOT_GPU, tpot_slo_s=0.1, ttft_p99_slo_s=2.0, **fields)
+    """A gpu-only scheduler with four sequences running and ``late`` queued at 0.1; a TPOT
+    SLO of 95 ms, which four running meet (0.09 s steps) and five do not (0.10 s)."""
+    s = make(gpu=TPOT_GPU, tpot_slo_s=0.095, ttft_p99_slo_s=2.0, **fields)
     s.worker_capacity("gpu", 8, 0.0)
     for i in range(4):
         s.arrive(req(f"run{i}", prompt=100, out=32), 0.0)
@@ -119,15 +120,14 @@ def four_running(make: Factory, **fields: object) -> object:
 
 def test_batch_is_held_while_it_would_break_the_running_tpot_then_leaves(make: Factory) -> None:
     s = four_running(make)
-    # Four running: steps of 0.05 + 4·0.01 = 0.09 s meet the SLO. With late: a prefill
-    # step of 0.05 + 0.09 = 0.14 s, then steps of 0.05 + 5·0.01 = 0.10 s; their mean over
-    # the next (≈ 50) output tokens exceeds 0.1 s: held, though three slots are free.
+    # Four running: steps of 0.05 + 4·0.01 = 0.09 s meet the SLO. With late decoding
+    # beside them, steps of 0.05 + 5·0.01 = 0.10 s would not: held, though three slots
+    # are free.
     assert s.tick(0.1) == []  # type: ignore[attr-defined]
     assert s.snapshot()["paths"]["gpu"]["step_s"] == pytest.approx(0.09)  # type: ignore[attr-defined]
     reason = s.explain("late")["reason"]  # type: ignore[attr-defined]
-    assert reason.startswith("held") and "100 ms per-token SLO" in reason
-    # One finishes: three running, a 0.13 s prefill step then 0.09 s steps, a mean under
-    # 0.1 s over more than 4 tokens: late leaves now.
+    assert reason.startswith("held") and "95 ms per-token SLO" in reason
+    # One finishes: three running, and with late four, 0.09 s steps: late leaves now.
     assert s.finished("run0", 32, 0.2) is True  # type: ignore[attr-defined]
     (d,) = dispatches(s.tick(0.2))  # type: ignore[attr-defined]
     assert (d.path, d.request_ids) == ("gpu", ("late",))
@@ -135,10 +135,12 @@ def test_batch_is_held_while_it_would_break_the_running_tpot_then_leaves(make: F
 
 def test_held_batch_leaves_once_its_ttft_slack_is_gone(make: Factory) -> None:
     s = four_running(make)
-    # Held while its wait plus its 0.14 s prefill stays under the 2 s TTFT SLO: until
-    # 0.1 + 2.0 − 0.14 = 1.96.
-    assert s.tick(1.95) == []  # type: ignore[attr-defined]
-    (d,) = dispatches(s.tick(1.97))  # type: ignore[attr-defined]
+    # Held while its wait, the prefill of the 400 prompt tokens sent before it (no step
+    # record says they are done: one step of 0.14 s) and its own 0.14 s prefill stay under
+    # HOLD_SLACK (half) of the 2 s TTFT SLO: until 0.1 + 1.0 − 0.28 = 0.82.
+    assert HOLD_SLACK == 0.5
+    assert s.tick(0.81) == []  # type: ignore[attr-defined]
+    (d,) = dispatches(s.tick(0.83))  # type: ignore[attr-defined]
     assert (d.path, d.request_ids) == ("gpu", ("late",))
 
 
@@ -225,6 +227,23 @@ def test_tail_cut_sends_overdue_requests_to_cpu(make: Factory) -> None:
     assert d.path == "cpu" and sorted(d.request_ids) == ["a", "b"]
 
 
+def test_without_a_gpu_path_there_is_no_tail_cut_and_the_order_holds_for_old_requests(make: Factory) -> None:
+    """On a cpu-only deployment the cut would hand the oldest requests to the same workers
+    in arrival order; instead the order (shortest prompt, with aging) decides."""
+    s = make(cpu=PathConfig(0.006, 0.0015, 0.0, 0.004, 4e-5, max_batch=8, step_tokens=1024))
+    s.worker_capacity("cpu", 1, 0.0)
+    s.arrive(req("first", out=1), 0.0)
+    dispatches(s.tick(0.0))
+    s.arrive(req("long", prompt=1000, out=1), 0.0)
+    s.arrive(req("short", prompt=10, out=1, arrival=0.5), 0.5)
+    t_cut = s.snapshot()["tail_cut"]["t_cut_s"]
+    assert t_cut is not None and t_cut < 4.0  # both are overdue at 5 s
+    assert s.tick(5.0) == []  # the only slot is busy
+    s.finished("first", 1, 5.0)
+    (d,) = dispatches(s.tick(5.0))
+    assert d.request_ids == ("short",)  # key 10 + 1000·0.5 < 1000 + 0: not the older one
+
+
 def test_tail_cut_is_off_when_the_cpu_cannot_honour_the_slo(make: Factory) -> None:
     s = make(ttft_p99_slo_s=0.01)
     s.worker_capacity("cpu", 8, 0.0)
@@ -257,3 +276,26 @@ def test_capacity_is_validated(make: Factory) -> None:
         s.worker_capacity("gpu", 4, 0.0, workers=-1)
     with pytest.raises(ValueError):
         s.worker_capacity("gpu", 4, 0.0, step_tokens=-1)
+
+
+def test_a_busy_path_holds_new_work_while_its_workers_prefill_queue_is_full(make: Factory) -> None:
+    """Prompt tokens dispatched and not yet prefilled (per the workers' step records) are
+    capped at prefill_queue_steps steps of budget: beyond it work waits in the scheduler."""
+    s = make(cpu=QUICK_CPU, tpot_slo_s=10.0, prefill_queue_steps=2.0)  # 2 steps of 128 tokens
+    s.worker_capacity("cpu", 32, 0.0)
+    for i in range(3):
+        s.arrive(req(f"a{i}", prompt=100, out=10), 0.0)
+    (d,) = dispatches(s.tick(0.0))  # nothing running: all of it leaves
+    assert len(d.request_ids) == 3
+    s.arrive(req("b", prompt=100, out=10), 0.1)
+    assert s.tick(0.1) == []  # 300 tokens wait for prefill, >= 256
+    assert s.snapshot()["paths"]["cpu"]["pending_prefill"] == 300.0
+    s.observe_steps("cpu", [(40, 0, 0, 0.05)], 0.2)
+    assert s.tick(0.2) == []  # 260 still wait
+    s.observe_steps("cpu", [(64, 3, 300, 0.05)], 0.3)
+    (e,) = dispatches(s.tick(0.3))  # 196 wait: it leaves
+    assert e.request_ids == ("b",)
+    assert s.snapshot()["paths"]["cpu"]["pending_prefill"] == 296.0
+    for rid in ("a0", "a1", "a2", "b"):
+        s.finished(rid, 10, 1.0)
+    assert s.snapshot()["paths"]["cpu"]["pending_prefill"] == 0.0  # nothing runs: nothing waits
