@@ -572,13 +572,16 @@ class Worker:
 
     def _publish_telemetry(self) -> None:
         """XADD the buffered step records once ``telemetry_every_s`` passed since the last
-        entry, and at once when the engine falls idle. A failed XADD raises to the main
+        entry, at once after a step that prefilled prompt tokens (gateways count the prompt
+        tokens they sent that are not prefilled yet, docs/scheduling.md §6), and at once
+        when the engine falls idle. A failed XADD raises to the main
         loop, which backs off like after any Redis error; the records wait, capped, for the
         next entry (``dropped`` counts those the cap pushed out)."""
         if not self._steps:
             return
         now = self._clock()
-        if self.engine.busy and now - self._telemetry_at < self.settings.telemetry_every_s:
+        prefilled = self._steps[-1].prefill_tokens > 0
+        if self.engine.busy and not prefilled and now - self._telemetry_at < self.settings.telemetry_every_s:
             return
         self.client.xadd(
             wire.TELEMETRY_STREAM,

@@ -13,7 +13,8 @@ quarter of it) of waiting prompts, whole prompts batched and a long one in chunk
 steps; a sequence whose prefill completes gets its first token in that step. Step times come
 from the pool's ``CostProfile`` with lognormal noise. Each finished sequence is reported at
 once; a batch's report follows its last sequence; step records (prefill tokens, decode
-sequences, KV tokens, seconds) are flushed to the gateway every ``telemetry_s`` while busy.
+sequences, KV tokens, seconds) are flushed to the gateway every ``telemetry_s`` while busy
+and at once after a step that prefilled.
 """
 
 from __future__ import annotations
@@ -310,30 +311,44 @@ class Simulation:
             decode_s = self._noisy(profile.decode_step_s(len(decoded), width), profile)
         budget = w.pool.step_tokens
         room = max(budget - len(decoded), budget // 4) if decoded else IDLE_PREFILL_TOKENS
-        parts = 0
-        longest = 0
-        tokens = 0
-        admitted: list[_Seq] = []
-        for s in w.waiting:
-            if room <= 0 or len(decoded) + len(admitted) >= w.pool.slots:
-                break
-            take = min(s.outcome.arrival.prompt_tokens - s.prefilled, room)
-            s.prefilled += take
-            room -= take
-            tokens += take
-            parts += 1
-            longest = max(longest, take)
-            if s.prefilled < s.outcome.arrival.prompt_tokens:
-                break  # a chunk: the rest of this prompt comes in the next steps
-            admitted.append(s)
-        for _ in admitted:
-            w.waiting.popleft()
+        parts, longest, tokens, admitted = self._admit(w, room, len(decoded))
         prefill_s = self._noisy(profile.prefill_s(parts, longest), profile) if parts else 0.0
         step = _Step(decoded, admitted, decode_s, prefill_s, longest, tokens, kv)
         self._push(now + decode_s + prefill_s, STEP, (w, step))
 
+    @staticmethod
+    def _admit(w: _Worker, room: int, decoding: int) -> tuple[int, int, int, list[_Seq]]:
+        """One prefill forward, as ``HFEngine._prefill_step`` takes it: the next chunk of a
+        prompt being prefilled in chunks, or else the waiting prompts (in order) that fit
+        ``room`` together once padded to the longest, or else the first chunk of the first
+        prompt. Returns (prompts in the pass, padded length, prompt tokens, sequences whose
+        prefill completes) and takes those off ``w.waiting``."""
+        admitted: list[_Seq] = []
+        first = w.waiting[0] if w.waiting else None
+        if first is None or decoding >= w.pool.slots:
+            return 0, 0, 0, admitted
+        if first.prefilled > 0 or first.outcome.arrival.prompt_tokens > room:  # a chunk
+            take = min(first.outcome.arrival.prompt_tokens - first.prefilled, room)
+            first.prefilled += take
+            if first.prefilled == first.outcome.arrival.prompt_tokens:
+                admitted.append(w.waiting.popleft())
+            return 1, take, take, admitted
+        longest = tokens = 0
+        for s in w.waiting:
+            n = s.outcome.arrival.prompt_tokens
+            if decoding + len(admitted) >= w.pool.slots or max(longest, n) * (len(admitted) + 1) > room:
+                break
+            longest = max(longest, n)
+            tokens += n
+            s.prefilled = n
+            admitted.append(s)
+        for _ in admitted:
+            w.waiting.popleft()
+        return len(admitted), longest, tokens, admitted
+
     def _flush(self, w: _Worker, now: float) -> None:
-        """Send the worker's step records to the gateway (every telemetry_s, and when idle)."""
+        """Send the worker's step records to the gateway (every telemetry_s, after a step
+        that prefilled, and when idle)."""
         if w.records:
             self._push(now + self.config.hop_s, STEPS, (w.pool.path, w.records))
             w.records = []
@@ -351,8 +366,8 @@ class Simulation:
         seen = now + self.config.hop_s  # when the client sees this step's tokens
         w.records.append((step.prefill_tokens, len(step.decoded), step.kv_tokens,
                           step.decode_s + step.prefill_s))
-        if now - w.flushed >= self.config.telemetry_s:
-            self._flush(w, now)
+        if step.prefill_tokens > 0 or now - w.flushed >= self.config.telemetry_s:
+            self._flush(w, now)  # a prefill at once: gateways count prompt tokens not yet prefilled
         served: dict[str, list[int]] = {}
         touched: dict[int, _Batch] = {}
         for s in step.decoded:

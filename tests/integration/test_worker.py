@@ -165,7 +165,7 @@ def test_one_read_takes_as_many_jobs_as_free_slots(redis_client: redis.Redis, re
     assert redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 3
 
 
-def test_a_busy_worker_publishes_step_telemetry_every_quarter_second(
+def test_a_busy_worker_publishes_step_telemetry_every_quarter_second_and_after_each_prefill(
     redis_client: redis.Redis, redis_url: str
 ) -> None:
     tokens, n = 120, 6
@@ -185,6 +185,8 @@ def test_a_busy_worker_publishes_step_telemetry_every_quarter_second(
     records = [s for _, t in entries for s in t.steps]
     assert all(t.worker == "w-tel" and t.slots == 8 and t.step_tokens == 0 and t.dropped == 0 for _, t in entries)
     assert sum(s.prefill_tokens for s in records) == 3 * n  # every prompt is 3 tokens
+    # a step that prefilled goes out at once: it ends its entry (gateways count unprefilled tokens)
+    assert all(sum(s.prefill_tokens > 0 for s in t.steps) <= (t.steps[-1].prefill_tokens > 0) for _, t in entries)
     assert sum(s.decode_seqs for s in records) == n * (tokens - 1)  # the first token comes with prefill
     assert all(s.ms >= 10 for s in records if s.decode_seqs)
     assert max(s.kv_tokens for s in records) <= n * (3 + tokens)
