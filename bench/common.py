@@ -60,6 +60,55 @@ def wait_ready(base: str, procs: Sequence[subprocess.Popen[bytes]], timeout_s: f
 
 
 @contextmanager
+def backend(
+    engine: str = "echo",
+    workers: int = 1,
+    echo_tokens: int = 16,
+    slots: int = 32,
+    model_dir: str | None = None,
+) -> Iterator[tuple[str, list[subprocess.Popen[bytes]]]]:
+    """Redis + N workers, as separate processes; yields (redis_url, worker processes)."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    with EmbeddedRedis() as redis:
+        model = ["--model", model_dir] if model_dir else []
+        procs = [
+            spawn(
+                ["-m", "workers", "--redis-url", redis.url, "--engine", engine, "--echo-tokens", str(echo_tokens),
+                 "--slots", str(slots), "--worker-id", f"bench-{i}", *model],
+                OUT / f"worker-{i}.log",
+            )
+            for i in range(workers)
+        ]
+        try:
+            yield redis.url, procs
+        finally:
+            stop(procs)
+
+
+@contextmanager
+def gateway_process(
+    redis_url: str,
+    extra_gateway: Sequence[str] = (),
+    model_dir: str | None = None,
+    backend_procs: Sequence[subprocess.Popen[bytes]] = (),
+) -> Iterator[str]:
+    """One gateway process against ``redis_url``, ready (``/readyz``); yields its base URL."""
+    port = free_port()
+    model = ["--model", model_dir] if model_dir else []
+    proc = spawn(
+        ["-m", "gateway.cli", "--log-level", "WARNING", "gateway", "--redis-url", redis_url,
+         "--port", str(port), "--admin-token", ADMIN_TOKEN, *model, *extra_gateway],
+        OUT / "gateway.log",
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, [proc, *backend_procs])
+        yield base
+    finally:
+        stop([proc])
+
+
+@contextmanager
 def stack(
     engine: str = "echo",
     workers: int = 1,
@@ -70,31 +119,9 @@ def stack(
 ) -> Iterator[tuple[str, str, str]]:
     """Redis + N workers + one gateway, as separate processes; yields (base_url, redis_url,
     API key of a tenant whose budget never binds)."""
-    OUT.mkdir(parents=True, exist_ok=True)
-    with EmbeddedRedis() as redis:
-        port = free_port()
-        model = ["--model", model_dir] if model_dir else []
-        procs = [
-            spawn(
-                ["-m", "workers", "--redis-url", redis.url, "--engine", engine, "--echo-tokens", str(echo_tokens),
-                 "--slots", str(slots), "--worker-id", f"bench-{i}", *model],
-                OUT / f"worker-{i}.log",
-            )
-            for i in range(workers)
-        ]
-        procs.append(
-            spawn(
-                ["-m", "gateway.cli", "--log-level", "WARNING", "gateway", "--redis-url", redis.url,
-                 "--port", str(port), "--admin-token", ADMIN_TOKEN, *model, *extra_gateway],
-                OUT / "gateway.log",
-            )
-        )
-        base = f"http://127.0.0.1:{port}"
-        try:
-            wait_ready(base, procs)
-            yield base, redis.url, bench_key(base)
-        finally:
-            stop(procs)
+    with backend(engine, workers, echo_tokens, slots, model_dir) as (redis_url, procs):
+        with gateway_process(redis_url, extra_gateway, model_dir, procs) as base:
+            yield base, redis_url, bench_key(base)
 
 
 ADMIN_TOKEN = "bench-admin-token-0123456789"

@@ -2,27 +2,33 @@
 
     python -m bench.policies [--policies fcfs,grid,tokengate] [--loads 0.5,0.9,1.5]
                              [--requests 60] [--start 6140] [--length-scale 32] [--max-output 32]
-                             [--slo-ttft-ms 3000] [--slo-tpot-ms 400] [--json]
+                             [--slo-ttft-ms 3000] [--slo-tpot-ms 400] [--aging-tokens A] [--json]
 
 A slice of the Azure LLM code trace (``bench/contracts.py``'s reader: prompt lengths divided by
 --length-scale, random token ids, outputs capped at --max-output and forced with ignore_eos) is
 replayed through ``tokengate gateway --policy P`` and one ``hf`` CPU worker, once per policy and
 load, with identical arrivals: the slice's arrival times are scaled so that their mean rate is
-the given multiple of the worker's capacity, measured first in the same run (the slice sent all
-at once under ``fcfs``: completions per second). Policies: ``fcfs``, the design notes' grid
-(``grid`` = ``fixed:batch=1|4|8,window_ms=0|10|50``) and ``tokengate``. Three tenants share the
-traffic round-robin with budgets 4000/2000/1000 tokens/s.
+the given multiple of the worker's capacity, measured first in the same run (a closed loop under
+``fcfs`` with every slot always busy: completions per second once the start is past and before
+the drain). One Redis and one worker serve every run; each run gets a fresh gateway, told the
+SLO (``--slo-ttft-ms``/``--slo-tpot-ms``) and an aging rate scaled like the prompts
+(``--aging-tokens``, default the gateway's ÷ --length-scale). Policies: ``fcfs``, the design
+notes' grid (``grid`` = ``fixed:batch=1|4|8,window_ms=0|10|50``) and ``tokengate``; the order
+of the runs is reversed from one load to the next. Three tenants share the traffic
+round-robin with budgets 4000/2000/1000 tokens/s.
 
 Per policy and load: SLO attainment (TTFT and time per later token both within the SLO), goodput
 (requests/s meeting it), TTFT and TPOT p50/p95/p99, throughput, and Jain's index of the three
 tenants' served tokens per budget over the whole run (a fairness figure only where all three
 stay backlogged, i.e. at overload; below it the index just reflects the traffic mix). The same
-slice goes through ``tokengate simulate``'s simulator
-with the measured CPU profile, for ``fcfs`` and ``tokengate``, and the simulator's relative error
-is printed beside the live figures. With ``--json`` the last line is one object with
-``attainment_margin_90`` (tokengate minus the best other policy at the load nearest 0.9),
-``goodput_ratio_150`` (tokengate ÷ fcfs at the load nearest 1.5) and ``sim_error_max``.
-Tables go to stdout, plots to ``bench/out/policies_*.png``.
+slice goes through the simulator with the packaged measured CPU profile, for ``fcfs`` and
+``tokengate``, and the simulator's relative error is printed beside the live figures. The
+worker's step records of every run are checked against that profile (per kind of step) and
+the profile's formulas refit on them; the simulator is run again with the refit, to tell the
+profile's error from the rest of the model's. With ``--json`` the last line is one object
+with ``attainment_margin_90`` (tokengate minus the best other policy at the load nearest 0.9),
+``goodput_ratio_150`` (tokengate ÷ fcfs at the load nearest 1.5), ``sim_error_max`` and
+``sim_error_max_refit``. Tables go to stdout, plots to ``bench/out/policies_*.png``.
 """
 
 from __future__ import annotations
@@ -30,23 +36,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import subprocess
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
 import numpy as np
 import orjson
+import redis
 
-from bench.common import OUT, pct, stack, table
+from bench.common import OUT, backend, gateway_process, pct, table
 from bench.contracts import BUDGETS, DEFAULT_TRACE, Row, at_arrivals, load_trace, make_tenants
+from bench.profile import nn_relative_fit
+from sched_core.policies import make_policy
 from sched_core.simulate import experiment as ex
 from sched_core.simulate.engine import Pool, simulate
 from sched_core.simulate.metrics import Slo, summarize
 from sched_core.simulate.profile import CostProfile
 from sched_core.simulate.workload import Arrival, Tenant, Workload
-from sched_core.types import DEFAULT_PROFILES, packaged_profile
-from workers import model_store
+from sched_core.types import DEFAULT_PROFILES, SchedulerConfig, packaged_profile
+from workers import model_store, protocol, wire
 
 Figures = dict[str, float | str]  # one run's figures, as printed and as JSON
 Sims = dict[tuple[str, float], dict[str, float]]  # (policy, load) -> the simulator's figures
@@ -77,41 +89,93 @@ class Run:
     span_s: float = 0.0
 
 
+def _client(base: str) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    return httpx.AsyncClient(base_url=base, timeout=900, limits=limits)
+
+
+async def _stream(client: httpx.AsyncClient, key: str, tenant: int, prompt: list[int], tokens: int) -> Sample:
+    """One streamed completion of exactly ``tokens`` tokens, timed from the request's start."""
+    sample = Sample(tenant, tokens)
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    t0 = time.perf_counter()
+    async with client.stream("POST", "/v1/completions", json=body, headers={"authorization": f"Bearer {key}"}) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return sample
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and math.isnan(sample.ttft_s) and line != "data: [DONE]":
+                sample.ttft_s = time.perf_counter() - t0
+            if line == "data: [DONE]":
+                sample.ok = True
+    sample.e2e_s = time.perf_counter() - t0
+    return sample
+
+
+def _prompts(rows: list[Row], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 40_000, size=r.prompt).tolist() for r in rows]
+
+
 async def replay(base: str, keys: list[str], rows: list[Row], seed: int) -> tuple[list[Sample], float]:
     """Stream every row at its arrival time; returns the samples and the wall time of the run."""
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(100, 40_000, size=r.prompt).tolist() for r in rows]
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
-    async with httpx.AsyncClient(base_url=base, timeout=900, limits=limits) as client:
-
-        async def one(i: int, row: Row) -> Sample:
-            tenant = i % len(keys)
-            sample = Sample(tenant, row.output)
-            body = {"model": "SmolLM2-135M-Instruct", "prompt": prompts[i], "max_tokens": row.output,
-                    "temperature": 0, "ignore_eos": True, "stream": True}
-            t0 = time.perf_counter()
-            async with client.stream("POST", "/v1/completions", json=body,
-                                     headers={"authorization": f"Bearer {keys[tenant]}"}) as r:
-                if r.status_code != 200:
-                    await r.aread()
-                    return sample
-                async for line in r.aiter_lines():
-                    if line.startswith("data: ") and math.isnan(sample.ttft_s) and line != "data: [DONE]":
-                        sample.ttft_s = time.perf_counter() - t0
-                    if line == "data: [DONE]":
-                        sample.ok = True
-            sample.e2e_s = time.perf_counter() - t0
-            return sample
-
+    prompts = _prompts(rows, seed)
+    async with _client(base) as client:
         start = time.perf_counter()
-        samples = await at_arrivals(rows, one)
+        samples = await at_arrivals(rows, lambda i, row: _stream(client, keys[i % len(keys)], i % len(keys),
+                                                                 prompts[i], row.output))
         return samples, time.perf_counter() - start
 
 
-def live(policy: str, rows: list[Row], model_dir: str, seed: int) -> tuple[list[Sample], float]:
-    with stack(engine="hf", slots=SLOTS, model_dir=model_dir, extra_gateway=["--policy", policy]) as (base, _r, _k):
-        keys = make_tenants(base, len(BUDGETS))
-        return asyncio.run(replay(base, keys, rows, seed))
+async def closed_loop(base: str, keys: list[str], rows: list[Row], seed: int, clients: int) -> float:
+    """Requests/s the worker sustains with ``clients`` requests always outstanding (the slice
+    twice over, in order): completions counted from the ``clients``-th to the last one
+    before the first client runs dry, so neither the start nor the drain is in it."""
+    work = rows + rows
+    prompts = _prompts(work, seed)
+    done: list[float] = []
+    next_row = iter(range(len(work)))
+    async with _client(base) as client:
+
+        async def loop() -> None:
+            for i in next_row:
+                sample = await _stream(client, keys[i % len(keys)], i % len(keys), prompts[i], work[i].output)
+                if sample.ok:
+                    done.append(time.perf_counter())
+
+        await asyncio.gather(*(loop() for _ in range(clients)))
+    steady = done[clients - 1 : len(done) - clients]
+    return (len(steady) - 1) / (steady[-1] - steady[0]) if len(steady) > 1 else math.nan
+
+
+@dataclass(slots=True)
+class Live:
+    """One Redis and one ``hf`` worker for every run, a fresh gateway per run (scheduling with
+    its policy for ``slo``); the three tenants are made once; the worker's step records
+    (``tg:steps``) of each run are collected in ``steps``."""
+
+    redis_url: str
+    procs: list[subprocess.Popen[bytes]]
+    model_dir: str
+    slo: Slo
+    aging: float
+    keys: list[str] = field(default_factory=list)
+    steps: list[protocol.StepRecord] = field(default_factory=list)
+
+    @contextmanager
+    def gateway(self, policy: str) -> Iterator[str]:
+        flags = ["--policy", policy, "--slo-ttft-ms", f"{self.slo.ttft_s * 1000:g}",
+                 "--slo-tpot-ms", f"{self.slo.tpot_s * 1000:g}", "--aging-tokens", f"{self.aging:g}"]
+        with gateway_process(self.redis_url, flags, self.model_dir, self.procs) as base:
+            if not self.keys:
+                self.keys = make_tenants(base, len(BUDGETS))
+            yield base
+        client = redis.Redis.from_url(self.redis_url)
+        for _id, fields in client.xrange(wire.TELEMETRY_STREAM):
+            self.steps.extend(protocol.decode_telemetry(fields).steps)
+        client.delete(wire.TELEMETRY_STREAM)
+        client.close()
 
 
 def scaled(rows: list[Row], rate: float) -> list[Row]:
@@ -140,16 +204,22 @@ def figures(run: Run, slo: Slo) -> Figures:
     return out
 
 
-def simulated(policy: str, rows: list[Row], slo: Slo) -> dict[str, float]:
-    """The same arrivals through the simulator: one CPU worker of ``SLOTS`` slots, measured
-    profile, the workers' default step budget."""
+def simulated(policy: str, rows: list[Row], slo: Slo, aging: float, fit: dict[str, float] | None = None
+              ) -> dict[str, float]:
+    """The same arrivals through the simulator: one CPU worker of ``SLOTS`` slots, the packaged
+    measured profile (or its cost formulas replaced by ``fit``, see ``step_check``), the
+    workers' default step budget; the policy built as the gateway builds it."""
     profile = CostProfile.from_dict(packaged_profile(DEFAULT_PROFILES["cpu"]))
+    if fit is not None:
+        profile = replace(profile, prefill_a=fit["a"], prefill_b=fit["b"], prefill_b2=0.0,
+                          decode_c=fit["c"], decode_d=fit["d"], decode_e=fit["e"])
     setup = ex.Setup((Pool("cpu", 1, SLOTS, profile, profile.step_tokens or 64),), slo)
     tenants = tuple(Tenant(f"t{i}", b, 1 / len(BUDGETS)) for i, b in enumerate(BUDGETS))
     arrivals = tuple(Arrival(f"r{i}", r.at, f"t{i % len(BUDGETS)}", r.prompt, r.output, r.output)
                      for i, r in enumerate(rows))
     workload = Workload(arrivals, tenants, "bench.policies slice")
-    result = simulate(ex.make_policy(policy, None, setup, workload), workload, setup.sim_config())
+    config = replace(ex.scheduler_config(setup, workload), aging_tokens_per_s=aging)
+    result = simulate(make_policy(policy, config), workload, setup.sim_config())
     return summarize(result, slo)
 
 
@@ -165,6 +235,9 @@ def main() -> None:
     parser.add_argument("--loads", default="0.5,0.9,1.5", help="multiples of the measured capacity")
     parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=400.0)
+    parser.add_argument("--aging-tokens", type=float, default=None,
+                        help="the scheduler's aging rate (default: the gateway's, divided by --length-scale, "
+                        "so the scaled prompts are ordered as the trace's own would be)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -174,27 +247,80 @@ def main() -> None:
     policies = [p for name in _names(args.policies) for p in (GRID if name == "grid" else (name,))]
     rows = load_trace(args.trace, args.start, args.requests, 1.0, args.length_scale, args.max_output)
 
-    burst = [Row(0.0, r.prompt, r.output) for r in rows]  # capacity: everything at once, fcfs
-    samples, span = live("fcfs", burst, model_dir, args.seed)
-    capacity = sum(s.ok for s in samples) / span
-    print(f"measured capacity: {capacity:.2f} requests/s ({len(rows)} requests at once, fcfs)")
+    aging = args.aging_tokens or SchedulerConfig().aging_tokens_per_s / args.length_scale
+    started = time.perf_counter()
 
     runs: list[Figures] = []
     sims: Sims = {}
-    for load in [float(x) for x in args.loads.split(",")]:
-        arrivals = scaled(rows, load * capacity)
-        for i, policy in enumerate(policies if int(load * 10) % 2 == 0 else reversed(policies)):
-            samples, span = live(policy, arrivals, model_dir, args.seed + i)
-            runs.append(figures(Run(policy, load, load * capacity, samples, span), slo))
-            print(orjson.dumps(runs[-1]).decode() if args.json else f"  {policy} at {load}x: "
-                  f"SLO {runs[-1]['slo_attainment']:.1%}, goodput {runs[-1]['goodput_rps']:.2f}/s")
-        for policy in ("fcfs", "tokengate"):
-            sims[(policy, load)] = simulated(policy, arrivals, slo)
+    loads = [float(x) for x in args.loads.split(",")]
+    with backend("hf", slots=SLOTS, model_dir=model_dir) as (redis_url, procs):
+        live = Live(redis_url, procs, model_dir, slo, aging)
+        with live.gateway("fcfs") as base:  # capacity: a closed loop, every slot busy
+            capacity = asyncio.run(closed_loop(base, live.keys, rows, args.seed, SLOTS))
+        live.steps.clear()
+        print(f"measured capacity: {capacity:.2f} requests/s ({SLOTS} requests always outstanding, fcfs)")
+        for n, load in enumerate(loads):
+            arrivals = scaled(rows, load * capacity)
+            for policy in policies if n % 2 == 0 else reversed(policies):  # order reversed load by load
+                with live.gateway(policy) as base:
+                    samples, span = asyncio.run(replay(base, live.keys, arrivals, args.seed))
+                runs.append(figures(Run(policy, load, load * capacity, samples, span), slo))
+                print(orjson.dumps(runs[-1]).decode() if args.json else f"  {policy} at {load}x: "
+                      f"SLO {runs[-1]['slo_attainment']:.1%}, goodput {runs[-1]['goodput_rps']:.2f}/s")
+            for policy in ("fcfs", "tokengate"):
+                sims[(policy, load)] = simulated(policy, arrivals, slo, aging)
+    print(f"live runs took {time.perf_counter() - started:.0f} s")
+    check = step_check(live.steps)
+    refit: Sims = {(policy, load): simulated(policy, scaled(rows, load * capacity), slo, aging, check.fit)
+                   for load in loads for policy in ("fcfs", "tokengate")}
 
     _tables(runs, sims, slo)
+    table(f"live worker steps vs the packaged cpu profile ({check.steps} steps of every run)",
+          ["step", "count", "median ms", "median measured / profile"], check.rows)
+    print("the profile's formulas refit on the live steps: "
+          + ", ".join(f"{k} = {v:.3g}" for k, v in check.fit.items()))
+    table("simulator with the refit formulas vs live", ["policy", "load", "figure", "live", "simulated",
+          "relative error"], _sim_errors(runs, refit))
     _plots(runs)
-    summary = _summary(runs, sims)
+    summary = _summary(runs, sims, refit, capacity, time.perf_counter() - started)
     print(orjson.dumps(summary).decode() if args.json else summary)
+
+
+@dataclass(frozen=True, slots=True)
+class StepCheck:
+    rows: list[list[object]]  # kind of step, count, median ms, median measured / profile
+    fit: dict[str, float]  # the profile's coefficients refit on the live steps
+    steps: int
+
+
+def step_check(steps: list[protocol.StepRecord]) -> StepCheck:
+    """The live workers' step times against the packaged CPU profile the simulator uses (its
+    ``fit``: ``decode = c + d·n + e·KV``, ``prefill = a + b·T + b2·T²``, a mixed step the
+    sum): per kind of step, how many, the median measured time and the median ratio measured
+    ÷ profile. Then the same fit by least squares on these steps (non-negative, relative
+    error), so the simulator can be rerun with it."""
+    prof = CostProfile.from_dict(packaged_profile(DEFAULT_PROFILES["cpu"]))
+    rows: list[list[object]] = []
+    kinds = {"decode only": lambda s: s.decode_seqs > 0 and not s.prefill_tokens,
+             "prefill only": lambda s: s.prefill_tokens > 0 and not s.decode_seqs,
+             "decode + prefill chunk": lambda s: s.prefill_tokens > 0 and s.decode_seqs > 0}
+    for kind, keep in kinds.items():
+        mine = [s for s in steps if keep(s)]
+        if not mine:
+            continue
+        ratios = [s.ms / 1000 / _profile_step(prof, s) for s in mine]
+        rows.append([kind, len(mine), float(np.median([s.ms for s in mine])), float(np.median(ratios))])
+    timed = [s for s in steps if s.ms > 0]
+    x = np.array([[1.0 if s.decode_seqs else 0.0, s.decode_seqs, s.kv_tokens, 1.0 if s.prefill_tokens else 0.0,
+                   s.prefill_tokens] for s in timed])
+    coef = nn_relative_fit(x, np.array([s.ms / 1000 for s in timed]))[0] if len(timed) >= 5 else np.zeros(5)
+    return StepCheck(rows, dict(zip(("c", "d", "e", "a", "b"), (float(c) for c in coef), strict=True)), len(steps))
+
+
+def _profile_step(prof: CostProfile, s: protocol.StepRecord) -> float:
+    decode = prof.decode_c + prof.decode_d * s.decode_seqs + prof.decode_e * s.kv_tokens if s.decode_seqs else 0.0
+    t = s.prefill_tokens
+    return decode + (prof.prefill_a + prof.prefill_b * t + prof.prefill_b2 * t * t if t else 0.0)
 
 
 def _names(text: str) -> list[str]:
@@ -226,7 +352,7 @@ def _sim_errors(runs: list[Figures], sims: Sims) -> list[list[object]]:
     return rows
 
 
-def _summary(runs: list[Figures], sims: Sims) -> dict[str, float]:
+def _summary(runs: list[Figures], sims: Sims, refit: Sims, capacity: float, seconds: float) -> dict[str, float]:
     at90, at150 = _nearest(runs, 0.9), _nearest(runs, 1.5)
     mine = {float(r["load"]): r for r in runs if r["policy"] == "tokengate"}
     others = [float(r["slo_attainment"]) for r in runs if r["policy"] != "tokengate" and r["load"] == at90]
@@ -235,8 +361,11 @@ def _summary(runs: list[Figures], sims: Sims) -> dict[str, float]:
     ratio = (float(mine[at150]["goodput_rps"]) / float(fcfs[at150]["goodput_rps"])
              if at150 in mine and at150 in fcfs and float(fcfs[at150]["goodput_rps"]) else math.nan)
     errors = [float(e[-1]) for e in _sim_errors(runs, sims)]
+    refit_errors = [float(e[-1]) for e in _sim_errors(runs, refit)]
     return {"attainment_margin_90": margin, "goodput_ratio_150": ratio,
-            "sim_error_max": max(errors) if errors else math.nan}
+            "sim_error_max": max(errors) if errors else math.nan,
+            "sim_error_max_refit": max(refit_errors) if refit_errors else math.nan,
+            "capacity_rps": capacity, "seconds": seconds}
 
 
 def _tables(runs: list[Figures], sims: Sims, slo: Slo) -> None:
