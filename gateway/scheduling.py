@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import orjson
 
@@ -49,7 +50,7 @@ class _Lease:
     expires: float
 
 
-def scheduler_config(priors_path: str | None, **fields: float) -> SchedulerConfig:
+def scheduler_config(priors_path: str | None, **fields: Any) -> SchedulerConfig:
     """The scheduler's config: the given fields (the SLO it schedules for, its aging rate;
     left out, the defaults), with per-path step-time priors from a JSON file if one is given.
 
