@@ -32,8 +32,8 @@ from sched_core.simulate.workload import parse_trace
 from workers import model_store
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_code_2023.csv"
-BUDGETS = (4000.0, 2000.0, 1000.0)
-T = TypeVar("T")  # tokens/s of the tenants, in turn
+BUDGETS = (4000.0, 2000.0, 1000.0)  # tokens/s of the tenants, in turn
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,13 +94,16 @@ def _client(base: str) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=base, timeout=900, limits=limits)
 
 
-async def _stream(client: httpx.AsyncClient, key: str, tenant: int, prompt: list[int], tokens: int) -> Sample:
-    """One streamed completion of exactly ``tokens`` tokens, timed from the request's start."""
+async def _stream(client: httpx.AsyncClient, keys: list[str], i: int, prompt: list[int], tokens: int) -> Sample:
+    """Request ``i``'s streamed completion of exactly ``tokens`` tokens, from the tenants in
+    turn, timed from the request's start."""
+    tenant = i % len(keys)
     sample = Sample(tenant, tokens)
     body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}
     t0 = time.perf_counter()
-    async with client.stream("POST", "/v1/completions", json=body, headers={"authorization": f"Bearer {key}"}) as r:
+    headers = {"authorization": f"Bearer {keys[tenant]}"}
+    async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             await r.aread()
             return sample
@@ -123,8 +126,7 @@ async def replay(base: str, keys: list[str], rows: list[Row], seed: int) -> tupl
     prompts = _prompts(rows, seed)
     async with _client(base) as client:
         start = time.perf_counter()
-        samples = await at_arrivals(rows, lambda i, row: _stream(client, keys[i % len(keys)], i % len(keys),
-                                                                 prompts[i], row.output))
+        samples = await at_arrivals(rows, lambda i, row: _stream(client, keys, i, prompts[i], row.output))
         return samples, time.perf_counter() - start
 
 
@@ -140,7 +142,7 @@ async def closed_loop(base: str, keys: list[str], rows: list[Row], seed: int, cl
 
         async def loop() -> None:
             for i in next_row:
-                sample = await _stream(client, keys[i % len(keys)], i % len(keys), prompts[i], work[i].output)
+                sample = await _stream(client, keys, i, prompts[i], work[i].output)
                 if sample.ok:
                     done.append(time.perf_counter())
 
@@ -241,6 +243,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.requests <= SLOTS:  # the closed loop needs completions between its start and its drain
+        parser.error(f"--requests must exceed the worker's {SLOTS} slots to measure its capacity")
     model_store.offline()
     model_dir = str(model_store.resolve(None, model_store.default_cache_dir()).path)
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
@@ -318,9 +322,9 @@ def step_check(steps: list[protocol.StepRecord]) -> StepCheck:
 
 
 def _profile_step(prof: CostProfile, s: protocol.StepRecord) -> float:
+    """A step as the simulator times it; its decode with ``n·K`` = the record's total KV."""
     decode = prof.decode_c + prof.decode_d * s.decode_seqs + prof.decode_e * s.kv_tokens if s.decode_seqs else 0.0
-    t = s.prefill_tokens
-    return decode + (prof.prefill_a + prof.prefill_b * t + prof.prefill_b2 * t * t if t else 0.0)
+    return decode + (prof.prefill_s(1, s.prefill_tokens) if s.prefill_tokens else 0.0)
 
 
 def _names(text: str) -> list[str]:

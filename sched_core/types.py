@@ -218,7 +218,8 @@ class SchedulerConfig:
         budget less the sequences it decodes, at least a quarter of the budget) a busy path
         may hold dispatched and not yet prefilled (inf: no limit); beyond that new work
         waits in the scheduler, where the order and fair share apply, instead of in the
-        worker's FIFO prefill queue (a worker telemetry period and a step of lag included).
+        worker's FIFO prefill queue (workers report a step that prefilled at once, so the
+        count lags by a step at most).
     """
 
     bucket_bounds: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)

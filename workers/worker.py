@@ -574,9 +574,9 @@ class Worker:
         """XADD the buffered step records once ``telemetry_every_s`` passed since the last
         entry, at once after a step that prefilled prompt tokens (gateways count the prompt
         tokens they sent that are not prefilled yet, docs/scheduling.md §6), and at once
-        when the engine falls idle. A failed XADD raises to the main
-        loop, which backs off like after any Redis error; the records wait, capped, for the
-        next entry (``dropped`` counts those the cap pushed out)."""
+        when the engine falls idle. A failed XADD raises to the main loop, which backs off
+        like after any Redis error; the records wait, capped, for the next entry
+        (``dropped`` counts those the cap pushed out)."""
         if not self._steps:
             return
         now = self._clock()
