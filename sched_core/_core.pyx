@@ -55,7 +55,7 @@ cdef Py_ssize_t* _REQUEST = _field_offsets(Request)
 
 
 cdef object _contract(str rid, int bucket, int path, double ttft, double total, double p99,
-                      long long ahead, double budget_wait):
+                      long long ahead, double budget_wait, double tpot, int out, double ttft_p99):
     cdef object c = new_instance(Contract)
     put(c, _CONTRACT[0], rid)
     put(c, _CONTRACT[1], bucket)
@@ -65,6 +65,9 @@ cdef object _contract(str rid, int bucket, int path, double ttft, double total, 
     put(c, _CONTRACT[5], p99)
     put(c, _CONTRACT[6], ahead)
     put(c, _CONTRACT[7], budget_wait)
+    put(c, _CONTRACT[8], tpot)
+    put(c, _CONTRACT[9], out)
+    put(c, _CONTRACT[10], ttft_p99)
     return c
 
 
@@ -75,15 +78,19 @@ cdef object _reject(str rid, str reason, str message, double retry_after, double
     put(r, _REJECT[2], message)
     put(r, _REJECT[3], retry_after)
     put(r, _REJECT[4], estimate)
+    put(r, _REJECT[5], 0.0)
+    put(r, _REJECT[6], 0.0)
     return r
 
 # Request fields, in the order of types.Request.
 cdef enum:
     R_ID, R_TENANT, R_WEIGHT, R_PROMPT, R_MAX_TOKENS, R_ARRIVAL, R_EXPECTED, R_PRIORITY,
     R_DEADLINE, R_BUDGET_WAIT
-assert [f.name for f in fields(Request)] == [
+assert [f.name for f in fields(Request)][:10] == [
     "id", "tenant", "weight", "prompt_tokens", "max_tokens", "arrival",
     "expected_output_tokens", "priority", "deadline", "budget_wait"]
+assert [f.name for f in fields(Contract)][8:] == ["tpot_s", "output_tokens", "ttft_p99_s"]
+assert [f.name for f in fields(Reject)][5:] == ["ttft_p99_s", "p99_s"]
 
 cdef enum:
     CPU = 0
@@ -382,9 +389,13 @@ cdef class Scheduler:
         cdef int out = self._expected_output(slot(req, _REQUEST[R_EXPECTED]),
                                              slot(req, _REQUEST[R_MAX_TOKENS]), t, k)
         cdef long long n = self.n[k] + 1
-        cdef long long ahead = self.tok[k]
+        cdef long long ahead = 0
+        cdef int j
+        for j in range(k + 1):  # shortest prompt first: shorter buckets go before it
+            ahead += self.tok[j]
         cdef Terms tm = self._terms(k, n, <double>(self.osum[k] + out) / <double>n,
-                                    <double>(self.psum[k] + prompt) / <double>n, ahead, out, now)
+                                    <double>(self.psum[k] + prompt) / <double>n, ahead, out,
+                                    prompt, now)
         cdef double bw = slot(req, _REQUEST[R_BUDGET_WAIT])
         cdef double ttft = bw + tm.wait + tm.prefill
         cdef double total = ttft + tm.decode
@@ -399,7 +410,8 @@ cdef class Scheduler:
                          f"{arrival + total - <double>deadline:.3f}s", tm.wait, total)
         self._enqueue(rid, hv, t, k, prompt, out, slot(req, _REQUEST[R_WEIGHT]), arrival, bw,
                       slot(req, _REQUEST[R_PRIORITY]), deadline, tm.prefill + tm.decode, now)
-        return _contract(rid, k, tm.path, ttft, total, bw + tm.tail + tm.decode_hi, ahead, bw)
+        return _contract(rid, k, tm.path, ttft, total, bw + tm.tail + tm.decode_hi, ahead, bw,
+                         tm.decode / out, out, bw + tm.tail)
 
     def tick(self, double now):
         """Decide what to do now: expired deadlines, tail cuts, then batches by urgency."""
@@ -565,7 +577,8 @@ cdef class Scheduler:
                     ahead_tok += self.reqs[e.h].prompt + self.reqs[e.h].out
         cdef long long n = self.n[k]
         cdef double nbar = self.osum[k] / <double>n
-        cdef Terms tm = self._terms(k, n, nbar, self.psum[k] / <double>n, ahead_tok, r.out, now)
+        cdef Terms tm = self._terms(k, n, nbar, self.psum[k] / <double>n, ahead_tok, r.out,
+                                    r.prompt, now)
         cdef Tail tl = self._tail(now)
         cdef double lo = self._min_counter()
         path, reason = route_reason(
@@ -651,7 +664,7 @@ cdef class Scheduler:
         return max(1, lmin(max_tokens, <long long>(e + 0.5)))
 
     cdef Terms _terms(self, int k, long long n, double nbar, double lbar, long long ahead,
-                      int out, double now) noexcept:
+                      int out, int prompt, double now) noexcept:
         cdef Terms r
         cdef int p = self._target(k, n, nbar)
         cdef long long cap = self.cap[p] if self.cap[p] > 1 else 1
@@ -668,10 +681,12 @@ cdef class Scheduler:
         cdef double kv = <double>self.kv[p] / <double>w
         if self.used[p] > 0:
             wait += self._step_s(p, 0.0, u, kv)
+        if self.pend[p] > 0.0:
+            wait += self._prefill_s(p, self.pend[p] / <double>w, u, kv)
         cdef long long run = lmin(n, self.maxb[p])
         r.path = p
         r.wait = wait
-        r.prefill = self._prefill_s(p, <double>run * length, u, kv)
+        r.prefill = self._prefill_s(p, <double>prompt + <double>(run - 1) * lbar, u, kv)
         cdef double kv_run = kv + <double>run * length
         r.decode = out * self._step_s(p, 0.0, u + run, kv_run)
         cdef double hi = u + run if u + run > per else <double>per

@@ -177,10 +177,10 @@ class Scheduler:
         t = self._tenant(req.tenant)
         out = self._expected_output(req, t, k)
         n = self._n[k] + 1
-        ahead = self._tok[k]
+        ahead = sum(self._tok[: k + 1])  # shortest prompt first: shorter buckets go before it
         p, wait, prefill, decode, decode_hi, tail = self._terms(
             k, n, (self._osum[k] + out) / n, (self._psum[k] + req.prompt_tokens) / n,
-            ahead, out, now)
+            ahead, out, req.prompt_tokens, now)
         bw = req.budget_wait
         ttft = bw + wait + prefill
         total = ttft + decode
@@ -192,7 +192,8 @@ class Scheduler:
                           f"misses the deadline by {req.arrival + total - req.deadline:.3f}s",
                           wait, total)
         self._enqueue(req, t, k, out, prefill + decode, now)
-        return Contract(rid, k, PATHS[p], ttft, total, bw + tail + decode_hi, ahead, bw)
+        return Contract(rid, k, PATHS[p], ttft, total, bw + tail + decode_hi, ahead, bw,
+                        decode / out, out, bw + tail)
 
     def tick(self, now: float) -> list[Dispatch | Reject]:
         """Decide what to do now: expired deadlines, tail cuts, then batches by urgency."""
@@ -330,7 +331,8 @@ class Scheduler:
         n = self._n[k]
         nbar = self._osum[k] / n
         p, wait, prefill, decode, decode_hi, tail = self._terms(k, n, nbar, self._psum[k] / n,
-                                                                ahead_tok, r.out, now)
+                                                                ahead_tok, r.out,
+                                                                r.req.prompt_tokens, now)
         t_cut, _ = self._tail(now)
         lo = self._min_counter()
         path, reason = route_reason(
@@ -380,14 +382,15 @@ class Scheduler:
         return max(1, min(req.max_tokens, int(e + 0.5)))
 
     def _terms(self, k: int, n: int, nbar: float, lbar: float, ahead: int, out: int,
-               now: float) -> tuple[int, float, float, float, float, float]:
-        """Contract terms for a request in bucket k of ``n`` queued (itself included) with
-        ``ahead`` tokens before it: (path, wait, prefill, decode, decode bound, p99 of
-        wait + prefill).
+               prompt: int, now: float) -> tuple[int, float, float, float, float, float]:
+        """Contract terms for a ``prompt``-token request in bucket k of ``n`` queued (itself
+        included) with ``ahead`` tokens before it: (path, wait, prefill, decode, decode bound,
+        p99 of wait + prefill).
 
         wait = tokens ahead ÷ the path's token throughput when every worker runs full, plus
-        the step its worker is in (a continuous-batching worker admits sequences between
-        steps); the p99 term is the tail-cut bound ``T_cut + ln(100)/(μ_a − λ_a)`` where the
+        the prompts already sent to its worker and not yet prefilled, plus the step its worker
+        is in (a continuous-batching worker admits sequences between steps); prefill is its
+        own prompt with the bucket's others of a batch; the p99 term is the tail-cut bound ``T_cut + ln(100)/(μ_a − λ_a)`` where the
         cut is active, else the exponential tail ``ln(100)·(wait + prefill)``. Prefill is
         chunked next to the worker's running sequences; each decode step runs with them and
         the batch: expected ``out·step(running + batch)``, bounded by the steps of a full
@@ -405,8 +408,10 @@ class Scheduler:
         u, kv = self._per_worker(p)
         if self._used[p] > 0:
             wait += self._step_s(p, 0.0, u, kv)
+        if self._pend[p] > 0.0:
+            wait += self._prefill_s(p, self._pend[p] / w, u, kv)
         run = min(n, self._max_batch[p])
-        prefill = self._prefill_s(p, run * length, u, kv)
+        prefill = self._prefill_s(p, prompt + (run - 1) * lbar, u, kv)
         kv_run = kv + run * length
         decode = out * self._step_s(p, 0.0, u + run, kv_run)
         hi = u + run if u + run > per else float(per)

@@ -36,7 +36,10 @@ class Request:
     ``expected_output_tokens == 0`` asks the scheduler to estimate the output length;
     ``priority``: lower is more urgent, 0 is the default class; ``deadline`` is absolute;
     ``budget_wait`` is how long the budget limiter already held the request (it is part of
-    the contract, and the scheduler's own wait is measured from ``arrival + budget_wait``).
+    the contract, and the scheduler's own wait is measured from ``arrival + budget_wait``);
+    ``slo_ttft_s``/``slo_tpot_s`` are the client's (or its tenant's) SLO: the driver refuses
+    the request at admission when its calibrated bounds cannot meet them (the core ignores
+    them).
     """
 
     id: str
@@ -49,6 +52,8 @@ class Request:
     priority: int = 0
     deadline: float | None = None
     budget_wait: float = 0.0
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -61,11 +66,20 @@ class Request:
             raise ValueError("expected_output_tokens and budget_wait must not be negative")
         if not math.isfinite(self.arrival):
             raise ValueError("arrival must be finite")
+        for slo in (self.slo_ttft_s, self.slo_tpot_s):
+            if slo is not None and not (slo > 0.0 and math.isfinite(slo)):
+                raise ValueError(f"an SLO must be positive and finite, got {slo}")
 
 
 @dataclass(frozen=True, slots=True)
 class Contract:
-    """The latency promise made at admission, in seconds from ``arrival``, budget wait included."""
+    """The latency promise made at admission, in seconds from ``arrival``, budget wait included.
+
+    ``ttft_s`` and ``total_s`` are the predicted first and last token, ``tpot_s`` the time per
+    output token after the first, ``output_tokens`` the output length ``total_s`` assumes;
+    ``ttft_p99_s`` and ``p99_s`` bound the first and the last token 99 times in 100. The core
+    returns its model's raw terms; ``sched_core.contracts`` calibrates them on outcomes.
+    """
 
     request_id: str
     bucket: int
@@ -75,6 +89,9 @@ class Contract:
     p99_s: float
     tokens_ahead: int
     budget_wait_s: float
+    tpot_s: float = 0.0
+    output_tokens: int = 0
+    ttft_p99_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,14 +109,17 @@ class Dispatch:
 @dataclass(frozen=True, slots=True)
 class Reject:
     """A request the scheduler will not run. ``reason`` is a stable code: ``duplicate``,
-    ``too_long``, ``queue_full`` or ``deadline``; ``estimate_s`` is the completion estimate
-    (from arrival) that motivated it, 0 where none applies."""
+    ``too_long``, ``queue_full``, ``deadline`` or (from the driver) ``slo``; ``estimate_s`` is
+    the completion estimate (from arrival) that motivated it, 0 where none applies; an ``slo``
+    refusal carries the best bounds the gateway could promise (``ttft_p99_s``, ``p99_s``)."""
 
     request_id: str
     reason: str
     message: str
     retry_after_s: float
     estimate_s: float
+    ttft_p99_s: float = 0.0
+    p99_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

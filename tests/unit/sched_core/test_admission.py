@@ -30,12 +30,14 @@ def test_contract_of_a_lone_request_follows_the_step_model(make: Factory) -> Non
     c = s.arrive(req("a", prompt=100, out=32, budget_wait=0.25, arrival=1.0), 1.0)
     assert isinstance(c, Contract) and c.path == "gpu"
     g = SchedulerConfig().gpu
-    # Nothing ahead, nothing running: no wait; the 128-token bucket prefills in one chunk,
-    # then 32 decode steps of one sequence holding 128 KV tokens.
-    prefill = g.prefill_launch + g.prefill_token * 128
+    # Nothing ahead, nothing running: no wait; its 100-token prompt prefills in one chunk,
+    # then 32 decode steps of one sequence holding its bucket's 128 KV tokens.
+    prefill = g.prefill_launch + g.prefill_token * 100
     step = g.decode_launch + g.decode_seq * 1 + g.kv_token * 128
     assert c.ttft_s == pytest.approx(0.25 + prefill)
     assert c.total_s == pytest.approx(0.25 + prefill + 32 * step)
+    assert (c.tpot_s, c.output_tokens) == (pytest.approx(step), 32)
+    assert c.ttft_p99_s == pytest.approx(0.25 + LN100 * prefill)
     # p99 (no cpu, so no tail cut): the exponential tail ln(100)·(wait + prefill), and the
     # decode bounded by a full worker, 64 sequences of 128 + 32 tokens.
     full = g.decode_launch + g.decode_seq * 64 + g.kv_token * 64 * (128 + 32)
@@ -50,13 +52,14 @@ def test_bucket_bounds_are_inclusive_and_longer_prompts_rejected(make: Factory) 
     assert isinstance(r, Reject) and r.reason == "too_long"
 
 
-def test_tokens_ahead_counts_the_bucket_queue(make: Factory) -> None:
+def test_tokens_ahead_counts_its_bucket_and_the_shorter_ones(make: Factory) -> None:
     s = make()
     s.arrive(req("a", prompt=100, out=20), 0.0)
     s.arrive(req("b", prompt=110, out=30), 0.0)
-    s.arrive(req("other-bucket", prompt=1000, out=30), 0.0)
+    s.arrive(req("longer-bucket", prompt=1000, out=30), 0.0)
+    s.arrive(req("shorter-bucket", prompt=40, out=10), 0.0)
     c = s.arrive(req("c", prompt=120, out=8), 0.0)
-    assert isinstance(c, Contract) and c.tokens_ahead == 100 + 20 + 110 + 30
+    assert isinstance(c, Contract) and c.tokens_ahead == 100 + 20 + 110 + 30 + 40 + 10
 
 
 def test_duplicate_id_is_rejected_while_known(make: Factory) -> None:
