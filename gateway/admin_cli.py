@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import urllib.error
 import urllib.parse
@@ -18,6 +19,11 @@ from typing import Any
 from workers.cli import env_default
 
 _LIMITS = ("max_prompt_tokens", "max_output_tokens", "max_concurrent")
+#: (option, field, what it is): a tenant's default latency SLO, in milliseconds
+_SLOS = (
+    ("--slo-ttft-ms", "slo_ttft_ms", "p99 time to first token"),
+    ("--slo-tpot-ms", "slo_tpot_ms", "time per output token"),
+)
 
 
 def _count_or_none(text: str) -> int | None:
@@ -29,6 +35,20 @@ def _count_or_none(text: str) -> int | None:
         raise argparse.ArgumentTypeError(
             f"expected a whole number or 'none', got {text!r}"
         ) from None
+    return value
+
+
+def _ms_or_none(text: str) -> float | None:
+    if text.lower() in ("none", "null", ""):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"expected milliseconds (a number > 0) or 'none', got {text!r}"
+        )
     return value
 
 
@@ -70,6 +90,14 @@ def _tenant_fields(parser: argparse.ArgumentParser, create: bool) -> None:
         dest="max_queue_delay_s",
         help="seconds a request may wait for its budget before a 429",
     )
+    for option, dest, what in _SLOS:
+        parser.add_argument(
+            option,
+            type=_ms_or_none,
+            dest=dest,
+            default=argparse.SUPPRESS,
+            help=f"default SLO, {what} in ms, for requests that set none; 'none' removes it",
+        )
     for limit in _LIMITS:
         parser.add_argument(
             "--" + limit.replace("_", "-"),
@@ -125,6 +153,7 @@ def tenant_body(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, name, None)
         if value is not None:
             body[name] = value
+    body.update({dest: getattr(args, dest) for _, dest, _ in _SLOS if hasattr(args, dest)})
     limits = {k: getattr(args, k) for k in (*_LIMITS, "allowed_models") if hasattr(args, k)}
     if limits:
         body["limits"] = limits

@@ -29,6 +29,8 @@ Rate = Annotated[float, Field(gt=0.0, le=1e9, allow_inf_nan=False)]
 Burst = Annotated[int, Field(ge=1, le=10**12)]
 Priority = Annotated[int, Field(ge=0, le=9)]
 QueueDelay = Annotated[float, Field(ge=0.0, le=300.0, allow_inf_nan=False)]
+SloTtftMs = Annotated[float, Field(gt=0.0, le=600_000.0, allow_inf_nan=False)]
+SloTpotMs = Annotated[float, Field(gt=0.0, le=60_000.0, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=1, le=10**9)]
 Models = Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=64)]
 
@@ -77,14 +79,23 @@ class TenantCreate(_Model):
     priority: Priority = 0
     weight: Rate | None = None  # default: the rate
     max_queue_delay_s: QueueDelay = DEFAULT_MAX_QUEUE_DELAY_S
+    slo_ttft_ms: SloTtftMs | None = None  # default: no SLO
+    slo_tpot_ms: SloTpotMs | None = None
     limits: LimitsIn = LimitsIn()
+
+
+#: TenantUpdate's fields where null removes the value (elsewhere null is refused)
+_NULL_REMOVES = ("slo_ttft_ms", "slo_tpot_ms")
 
 
 def _schema_without_nulls(schema: dict[str, Any]) -> None:
     """TenantUpdate's JSON schema (``gateway.openapi``): a field may be left out, but null is
-    refused (``_not_null``), so the schema admits no null; validation is unchanged."""
-    for prop in schema["properties"].values():
+    refused (``_not_null``), so the schema admits no null, except in the fields where null
+    removes the value (``_NULL_REMOVES``); validation is unchanged."""
+    for name, prop in schema["properties"].items():
         prop.pop("default", None)
+        if name in _NULL_REMOVES:
+            continue
         branches = [b for b in prop.pop("anyOf", ()) if b != {"type": "null"}]
         if len(branches) == 1:
             prop.update(branches[0])
@@ -93,7 +104,8 @@ def _schema_without_nulls(schema: dict[str, Any]) -> None:
 
 
 class TenantUpdate(_Model):
-    """Every field optional; only the given ones change."""
+    """Every field optional; only the given ones change. Null is refused, except in the SLO
+    fields, where it removes the tenant's default SLO (absent keeps it, as in ``LimitsIn``)."""
 
     model_config = ConfigDict(json_schema_extra=_schema_without_nulls)
 
@@ -103,6 +115,8 @@ class TenantUpdate(_Model):
     priority: Priority | None = None
     weight: Rate | None = None
     max_queue_delay_s: QueueDelay | None = None
+    slo_ttft_ms: SloTtftMs | None = None
+    slo_tpot_ms: SloTpotMs | None = None
     limits: LimitsIn | None = None
 
     _given = field_validator(
@@ -133,6 +147,8 @@ def parse_create(body: Any, now: float | None = None) -> Tenant:
         priority=req.priority,
         weight=req.weight or req.rate,
         max_queue_delay_s=req.max_queue_delay_s,
+        slo_ttft_ms=req.slo_ttft_ms,
+        slo_tpot_ms=req.slo_tpot_ms,
         limits=req.limits.apply(Limits()),
         created=int(time.time() if now is None else now),
     )
@@ -145,6 +161,7 @@ def parse_update(body: Any) -> TenantUpdate:
 
 def apply_update(tenant: Tenant, upd: TenantUpdate) -> Tenant:
     t = with_rate(tenant, upd.rate) if upd.rate is not None else tenant
+    given = upd.model_fields_set
     return replace(
         t,
         name=upd.name if upd.name is not None else t.name,
@@ -154,6 +171,8 @@ def apply_update(tenant: Tenant, upd: TenantUpdate) -> Tenant:
         max_queue_delay_s=upd.max_queue_delay_s
         if upd.max_queue_delay_s is not None
         else t.max_queue_delay_s,
+        slo_ttft_ms=upd.slo_ttft_ms if "slo_ttft_ms" in given else t.slo_ttft_ms,
+        slo_tpot_ms=upd.slo_tpot_ms if "slo_tpot_ms" in given else t.slo_tpot_ms,
         limits=upd.limits.apply(t.limits) if upd.limits is not None else t.limits,
     )
 

@@ -235,6 +235,8 @@ class TenantDoc(TypedDict):
     priority: int
     weight: float
     max_queue_delay_s: float
+    slo_ttft_ms: float | None
+    slo_tpot_ms: float | None
     limits: TenantLimits
     created: int
 
@@ -644,8 +646,8 @@ def _example(body: str, model: str) -> dict[str, Any]:
         "ChatCompletionRequest": {"model": model, "messages": [{"role": "user", "content": "Say hello."}],
                                   "max_tokens": 16},
         "CompletionRequest": {"model": model, "prompt": "Once upon a time", "max_tokens": 16},
-        "TenantCreate": {"name": "acme", "rate": 2000, "limits": {"max_concurrent": 16}},
-        "TenantUpdate": {"rate": 4000, "limits": {"max_concurrent": None}},
+        "TenantCreate": {"name": "acme", "rate": 2000, "slo_ttft_ms": 800, "limits": {"max_concurrent": 16}},
+        "TenantUpdate": {"rate": 4000, "slo_ttft_ms": None, "limits": {"max_concurrent": None}},
         "KeyCreate": {"name": "laptop"},
     }
     return examples[body]

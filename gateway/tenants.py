@@ -40,6 +40,10 @@ class Tenant:
     bucket's depth); ``priority`` is the scheduler's class (0 the most urgent); ``weight``
     is its share under overload in tokens/s (the rate unless set apart); a request may
     wait up to ``max_queue_delay_s`` for its budget before it is refused with 429.
+
+    ``slo_ttft_ms`` (p99 time to first token) and ``slo_tpot_ms`` (time per output token),
+    both in milliseconds, are the latency SLO its requests are held to when they carry none
+    of their own; None: no default.
     """
 
     id: str
@@ -49,6 +53,8 @@ class Tenant:
     priority: int = 0
     weight: float = 0.0  # 0: the rate
     max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
     limits: Limits = field(default_factory=Limits)
     created: int = 0
 
@@ -88,6 +94,8 @@ def to_doc(t: Tenant) -> dict[str, Any]:
         "priority": t.priority,
         "weight": t.weight,
         "max_queue_delay_s": t.max_queue_delay_s,
+        "slo_ttft_ms": t.slo_ttft_ms,
+        "slo_tpot_ms": t.slo_tpot_ms,
         "limits": {
             "max_prompt_tokens": t.limits.max_prompt_tokens,
             "max_output_tokens": t.limits.max_output_tokens,
@@ -96,6 +104,10 @@ def to_doc(t: Tenant) -> dict[str, Any]:
         },
         "created": t.created,
     }
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def from_doc(doc: dict[str, Any]) -> Tenant:
@@ -108,6 +120,9 @@ def from_doc(doc: dict[str, Any]) -> Tenant:
         priority=int(doc["priority"]),
         weight=float(doc["weight"]),
         max_queue_delay_s=float(doc["max_queue_delay_s"]),
+        # absent from documents stored before tenants had an SLO
+        slo_ttft_ms=_float_or_none(doc.get("slo_ttft_ms")),
+        slo_tpot_ms=_float_or_none(doc.get("slo_tpot_ms")),
         limits=Limits(
             max_prompt_tokens=lim["max_prompt_tokens"],
             max_output_tokens=lim["max_output_tokens"],

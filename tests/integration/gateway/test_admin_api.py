@@ -61,9 +61,25 @@ async def test_tenant_lifecycle(harness: Harness) -> None:
         and r.json()["rate"] == 5.0
         and r.json()["limits"]["max_concurrent"] is None
     )
+    assert r.json()["slo_ttft_ms"] is None and r.json()["slo_tpot_ms"] is None
     r = await harness.admin("DELETE", "/tenants/acme")
     assert r.json() == {"id": t["id"], "object": "tenant", "name": "acme", "deleted": True}
     assert (await harness.admin("GET", f"/tenants/{t['id']}")).status_code == 404
+
+
+async def test_a_tenant_default_slo_is_set_kept_and_removed(harness: Harness) -> None:
+    r = await harness.admin("POST", "/tenants", {"name": "acme", "rate": 50, "slo_ttft_ms": 800})
+    assert r.status_code == 201 and (r.json()["slo_ttft_ms"], r.json()["slo_tpot_ms"]) == (800.0, None)
+    r = await harness.admin("PATCH", "/tenants/acme", {"slo_tpot_ms": 40})
+    assert (r.json()["slo_ttft_ms"], r.json()["slo_tpot_ms"]) == (800.0, 40.0)
+    r = await harness.admin("PATCH", "/tenants/acme", {"rate": 60})  # absent: kept
+    assert (r.json()["slo_ttft_ms"], r.json()["slo_tpot_ms"]) == (800.0, 40.0)
+    r = await harness.admin("PATCH", "/tenants/acme", {"slo_ttft_ms": None})  # null: removed
+    assert r.status_code == 200 and (r.json()["slo_ttft_ms"], r.json()["slo_tpot_ms"]) == (None, 40.0)
+    got = (await harness.admin("GET", "/tenants/acme")).json()
+    assert (got["slo_ttft_ms"], got["slo_tpot_ms"]) == (None, 40.0)
+    listed = (await harness.admin("GET", "/tenants")).json()["data"][0]
+    assert (listed["slo_ttft_ms"], listed["slo_tpot_ms"]) == (None, 40.0)
 
 
 async def test_validation_conflicts_and_unknowns(harness: Harness) -> None:
@@ -74,6 +90,11 @@ async def test_validation_conflicts_and_unknowns(harness: Harness) -> None:
         ("POST", "/tenants", {"name": "new", "rate": -1}, 400, "rate"),
         ("POST", "/tenants", {"name": "new", "rate": 1, "limits": {"x": 1}}, 400, "limits.x"),
         ("POST", "/tenants", [1, 2], 400, None),
+        ("POST", "/tenants", {"name": "new", "rate": 1, "slo_ttft_ms": 0}, 400, "slo_ttft_ms"),
+        ("POST", "/tenants", {"name": "new", "rate": 1, "slo_ttft_ms": 600_001}, 400, "slo_ttft_ms"),
+        ("POST", "/tenants", {"name": "new", "rate": 1, "slo_tpot_ms": "40"}, 400, "slo_tpot_ms"),
+        ("PATCH", "/tenants/beta", {"slo_tpot_ms": 60_001}, 400, "slo_tpot_ms"),
+        ("PATCH", "/tenants/beta", {"slo_ttft_ms": -1}, 400, "slo_ttft_ms"),
         ("PATCH", "/tenants/beta", {"name": "acme"}, 409, "name"),
         ("PATCH", "/tenants/beta", {"burst": None}, 400, "burst"),
         ("PATCH", "/tenants/nobody", {"rate": 1}, 404, "tenant"),

@@ -134,6 +134,11 @@ async def test_real_responses_conform(harness: Harness) -> None:
     check(await http.get("/admin/tenants/acme", headers=admin))
     check(await http.get("/admin/tenants/nobody", headers=admin))  # 404
     check(await http.patch(f"/admin/tenants/{tid}", json={"limits": {"max_concurrent": 4}}, headers=admin))
+    fast = check(await http.post("/admin/tenants", json={"name": "fast", "rate": 1, "slo_ttft_ms": 800,
+                                                          "slo_tpot_ms": 40}, headers=admin))
+    check(await http.patch("/admin/tenants/fast", json={"slo_ttft_ms": None}, headers=admin))
+    check(await http.patch("/admin/tenants/fast", json={"slo_tpot_ms": 0}, headers=admin))  # 400
+    check(await http.delete(f"/admin/tenants/{fast.json()['id']}", headers=admin))
     key = check(await http.post("/admin/tenants/acme/keys", json={"name": "k"}, headers=admin)).json()["key"]
     check(await http.post("/admin/tenants/acme/keys", headers=admin))  # no body: a key without a name
     check(await http.get("/admin/tenants/acme/keys", headers=admin))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import orjson
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -48,6 +49,16 @@ async def test_create_read_list_update_delete(store: TenantStore) -> None:
     with pytest.raises(NotFound):
         await store.delete(a.id)
     assert [t.name for t in await store.list_tenants()] == ["beta"]
+
+
+async def test_a_tenant_stored_before_tenants_had_an_slo_loads_without_one(store: TenantStore) -> None:
+    t = await store.create(ap.parse_create({"name": "acme", "rate": 10, "slo_ttft_ms": 900}))
+    assert (await store.get("acme")).slo_ttft_ms == 900.0
+    doc = orjson.loads(await store.client.get(wire.tenant(t.id)))
+    del doc["slo_ttft_ms"], doc["slo_tpot_ms"]
+    await store.client.set(wire.tenant(t.id), orjson.dumps(doc))
+    old = await store.get("acme")
+    assert old.slo_ttft_ms is None and old.slo_tpot_ms is None and old.rate == 10.0
 
 
 async def test_names_are_unique(store: TenantStore) -> None:

@@ -71,6 +71,23 @@ def test_commands_map_to_admin_routes(argv: tuple[str, ...], want: tuple[str, st
     assert parse(*argv) == want
 
 
+def test_a_tenant_default_slo_is_set_and_cleared() -> None:
+    _, _, body = parse("tenants", "create", "acme", "--rate", "5", "--slo-ttft-ms", "800", "--slo-tpot-ms", "40")
+    assert body == {"name": "acme", "rate": 5.0, "slo_ttft_ms": 800.0, "slo_tpot_ms": 40.0}
+    assert parse("tenants", "update", "acme", "--slo-ttft-ms", "none") == (
+        "PATCH",
+        "/admin/tenants/acme",
+        {"slo_ttft_ms": None},
+    )
+    assert parse("tenants", "update", "acme", "--priority", "1")[2] == {"priority": 1}
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "nan", "inf", "fast"])
+def test_a_bad_slo_is_a_usage_error(value: str) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["tenants", "update", "a", "--slo-tpot-ms", value])
+
+
 def test_connection_options_come_after_the_command() -> None:
     args = build_parser().parse_args(
         ["tenants", "list", "--url", "http://x:1", "--admin-token", "t"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ def test_defaults_of_a_new_tenant() -> None:
     assert is_id(t.id) and t.name == "acme" and t.rate == 100.0
     assert t.burst == 1000 and t.weight == 100.0 and t.priority == 0
     assert t.max_queue_delay_s == 2.0 and t.limits == Limits() and t.created == 1_700_000_000
+    assert t.slo_ttft_ms is None and t.slo_tpot_ms is None
 
 
 def test_the_document_round_trips() -> None:
@@ -26,6 +28,8 @@ def test_the_document_round_trips() -> None:
         "priority": 3,
         "weight": 9.0,
         "max_queue_delay_s": 0,
+        "slo_ttft_ms": 750,
+        "slo_tpot_ms": 42.5,
         "limits": {
             "max_prompt_tokens": 10,
             "max_output_tokens": 5,
@@ -35,7 +39,16 @@ def test_the_document_round_trips() -> None:
     }
     t = ap.parse_create(body)
     assert t.limits.allowed_models == ("m",)
+    assert (t.slo_ttft_ms, t.slo_tpot_ms) == (750.0, 42.5)
     assert from_doc(to_doc(t)) == t
+
+
+def test_a_document_stored_before_tenants_had_an_slo_still_loads() -> None:
+    t = ap.parse_create({"name": "old", "rate": 1, "slo_ttft_ms": 500})
+    doc = to_doc(t)
+    del doc["slo_ttft_ms"], doc["slo_tpot_ms"]
+    old = from_doc(doc)
+    assert old.slo_ttft_ms is None and old.slo_tpot_ms is None and old.name == "old"
 
 
 @pytest.mark.parametrize(
@@ -52,6 +65,13 @@ def test_the_document_round_trips() -> None:
         ({"name": "a", "rate": 1, "burst": 2.5}, "burst"),
         ({"name": "a", "rate": 1, "priority": 10}, "priority"),
         ({"name": "a", "rate": 1, "max_queue_delay_s": -1}, "max_queue_delay_s"),
+        ({"name": "a", "rate": 1, "slo_ttft_ms": 0}, "slo_ttft_ms"),
+        ({"name": "a", "rate": 1, "slo_ttft_ms": 600_001}, "slo_ttft_ms"),
+        ({"name": "a", "rate": 1, "slo_ttft_ms": "500"}, "slo_ttft_ms"),
+        ({"name": "a", "rate": 1, "slo_tpot_ms": -5}, "slo_tpot_ms"),
+        ({"name": "a", "rate": 1, "slo_tpot_ms": 60_001}, "slo_tpot_ms"),
+        ({"name": "a", "rate": 1, "slo_tpot_ms": float("inf")}, "slo_tpot_ms"),
+        ({"name": "a", "rate": 1, "slo_tpot_ms": True}, "slo_tpot_ms"),
         ({"name": "a", "rate": 1, "limits": {"max_concurrent": 0}}, "limits.max_concurrent"),
         ({"name": "a", "rate": 1, "limits": {"max_concurent": 1}}, "limits.max_concurent"),
         ({"name": "a", "rate": 1, "limits": {"allowed_models": "m"}}, "limits.allowed_models"),
@@ -71,6 +91,19 @@ def test_updates_change_only_what_is_given_and_null_clears_a_limit() -> None:
     u = ap.apply_update(t, ap.parse_update({"burst": 50, "limits": {"max_concurrent": None}}))
     assert u.burst == 50 and u.rate == 10.0 and u.name == "a"
     assert u.limits.max_concurrent is None and u.limits.max_output_tokens == 9
+
+
+def test_an_update_sets_an_slo_absent_keeps_it_and_null_removes_it() -> None:
+    t = ap.parse_create({"name": "a", "rate": 10, "slo_ttft_ms": 800})
+    assert t.slo_ttft_ms == 800.0 and t.slo_tpot_ms is None
+    u = ap.apply_update(t, ap.parse_update({"slo_tpot_ms": 30}))
+    assert (u.slo_ttft_ms, u.slo_tpot_ms) == (800.0, 30.0)
+    assert ap.apply_update(u, ap.parse_update({"burst": 5})) == replace(u, burst=5)
+    cleared = ap.apply_update(u, ap.parse_update({"slo_ttft_ms": None}))
+    assert (cleared.slo_ttft_ms, cleared.slo_tpot_ms) == (None, 30.0)
+    with pytest.raises(InvalidRequest) as info:
+        ap.parse_update({"slo_tpot_ms": 0})
+    assert info.value.param == "slo_tpot_ms"
 
 
 def test_a_weight_that_followed_the_rate_keeps_following_it() -> None:

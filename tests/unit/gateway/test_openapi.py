@@ -106,6 +106,9 @@ TEXT = {"model": "tiny", "prompt": "hi"}
         ("TenantUpdate", {"name": None}),
         ("TenantUpdate", {"limits": None}),
         ("TenantUpdate", {"priority": 10}),
+        ("TenantCreate", {"name": "acme", "rate": 1, "slo_ttft_ms": 0}),
+        ("TenantUpdate", {"slo_ttft_ms": 600_001}),
+        ("TenantUpdate", {"slo_tpot_ms": "40"}),
         ("KeyCreate", {"name": "k" * 129}),
     ],
 )
@@ -127,6 +130,8 @@ def test_what_the_schema_refuses_the_gateway_refuses(name: str, body: dict[str, 
         ("TenantCreate", {"name": "acme", "rate": 1, "limits": {"max_concurrent": None}}),
         ("TenantUpdate", {"limits": {"allowed_models": None}}),
         ("TenantUpdate", {}),
+        ("TenantCreate", {"name": "acme", "rate": 1, "slo_ttft_ms": 600_000, "slo_tpot_ms": None}),
+        ("TenantUpdate", {"slo_ttft_ms": None, "slo_tpot_ms": 60_000}),
         ("KeyCreate", {}),
     ],
 )
