@@ -55,7 +55,8 @@ cdef Py_ssize_t* _REQUEST = _field_offsets(Request)
 
 
 cdef object _contract(str rid, int bucket, int path, double ttft, double total, double p99,
-                      long long ahead, double budget_wait, double tpot, int out, double ttft_p99):
+                      long long ahead, double budget_wait, double tpot, int out, double ttft_p99,
+                      double tpot_p99):
     cdef object c = new_instance(Contract)
     put(c, _CONTRACT[0], rid)
     put(c, _CONTRACT[1], bucket)
@@ -68,6 +69,7 @@ cdef object _contract(str rid, int bucket, int path, double ttft, double total, 
     put(c, _CONTRACT[8], tpot)
     put(c, _CONTRACT[9], out)
     put(c, _CONTRACT[10], ttft_p99)
+    put(c, _CONTRACT[11], tpot_p99)
     return c
 
 
@@ -89,7 +91,8 @@ cdef enum:
 assert [f.name for f in fields(Request)][:10] == [
     "id", "tenant", "weight", "prompt_tokens", "max_tokens", "arrival",
     "expected_output_tokens", "priority", "deadline", "budget_wait"]
-assert [f.name for f in fields(Contract)][8:] == ["tpot_s", "output_tokens", "ttft_p99_s"]
+assert [f.name for f in fields(Contract)][8:] == [
+    "tpot_s", "output_tokens", "ttft_p99_s", "tpot_p99_s"]
 assert [f.name for f in fields(Reject)][5:] == ["ttft_p99_s", "p99_s"]
 
 cdef enum:
@@ -389,13 +392,15 @@ cdef class Scheduler:
         cdef int out = self._expected_output(slot(req, _REQUEST[R_EXPECTED]),
                                              slot(req, _REQUEST[R_MAX_TOKENS]), t, k)
         cdef long long n = self.n[k] + 1
-        cdef long long ahead = 0
+        cdef long long ahead = 0, ahead_n = 0, ahead_prompt = 0
         cdef int j
         for j in range(k + 1):  # shortest prompt first: shorter buckets go before it
             ahead += self.tok[j]
+            ahead_n += self.n[j]
+            ahead_prompt += self.psum[j]
         cdef Terms tm = self._terms(k, n, <double>(self.osum[k] + out) / <double>n,
-                                    <double>(self.psum[k] + prompt) / <double>n, ahead, out,
-                                    prompt, now)
+                                    <double>(self.psum[k] + prompt) / <double>n, ahead_n,
+                                    ahead_prompt, out, prompt, now)
         cdef double bw = slot(req, _REQUEST[R_BUDGET_WAIT])
         cdef double ttft = bw + tm.wait + tm.prefill
         cdef double total = ttft + tm.decode
@@ -411,7 +416,7 @@ cdef class Scheduler:
         self._enqueue(rid, hv, t, k, prompt, out, slot(req, _REQUEST[R_WEIGHT]), arrival, bw,
                       slot(req, _REQUEST[R_PRIORITY]), deadline, tm.prefill + tm.decode, now)
         return _contract(rid, k, tm.path, ttft, total, bw + tm.tail + tm.decode_hi, ahead, bw,
-                         tm.decode / out, out, bw + tm.tail)
+                         tm.decode / out, out, bw + tm.tail, tm.decode_hi / out)
 
     def tick(self, double now):
         """Decide what to do now: expired deadlines, tail cuts, then batches by urgency."""
@@ -507,6 +512,12 @@ cdef class Scheduler:
         self._unqueue(h, DONE)
         return True
 
+    def over_share(self, tenant):
+        """True while ``tenant`` has been served more than ``fair_slack_tokens`` ahead of the
+        most-behind backlogged tenant: its queued requests wait for the others'."""
+        t = self.tenant_ix.get(tenant)
+        return t is not None and not self._eligible(t)
+
     def snapshot(self):
         """Queues per bucket, fitted cost curves, thresholds and counters, as JSON data."""
         cdef double now = self.now
@@ -567,7 +578,7 @@ cdef class Scheduler:
                                 "bucket": k, "batch_id": bid, "path": PATHS[batch.path]}
         cdef double now = self.now
         mine = (c.key, self.arr[h], request_id)
-        cdef long long ahead_n = 0, ahead_tok = 0
+        cdef long long ahead_n = 0, ahead_tok = 0, ahead_prompt = 0
         for j in range(self.ntenants):
             heap = &self.rq[j * self.nb + k]
             for i in range(heap.n):
@@ -575,10 +586,11 @@ cdef class Scheduler:
                 if self.reqs[e.h].state == QUEUED and (e.p, self.arr[e.h], self.ids[e.h]) < mine:
                     ahead_n += 1
                     ahead_tok += self.reqs[e.h].prompt + self.reqs[e.h].out
+                    ahead_prompt += self.reqs[e.h].prompt
         cdef long long n = self.n[k]
         cdef double nbar = self.osum[k] / <double>n
-        cdef Terms tm = self._terms(k, n, nbar, self.psum[k] / <double>n, ahead_tok, r.out,
-                                    r.prompt, now)
+        cdef Terms tm = self._terms(k, n, nbar, self.psum[k] / <double>n, ahead_n, ahead_prompt,
+                                    r.out, r.prompt, now)
         cdef Tail tl = self._tail(now)
         cdef double lo = self._min_counter()
         path, reason = route_reason(
@@ -663,8 +675,8 @@ cdef class Scheduler:
             e = self.default_out
         return max(1, lmin(max_tokens, <long long>(e + 0.5)))
 
-    cdef Terms _terms(self, int k, long long n, double nbar, double lbar, long long ahead,
-                      int out, int prompt, double now) noexcept:
+    cdef Terms _terms(self, int k, long long n, double nbar, double lbar, long long ahead_n,
+                      long long ahead_prompt, int out, int prompt, double now) noexcept:
         cdef Terms r
         cdef int p = self._target(k, n, nbar)
         cdef long long cap = self.cap[p] if self.cap[p] > 1 else 1
@@ -675,14 +687,24 @@ cdef class Scheduler:
         cdef double s_full = (self._prefill_s(p, <double>per * length, 0.0, 0.0)
                               + nbar * self._step_s(p, 0.0, <double>per,
                                                     <double>per * (length + 0.5 * nbar)))
-        cdef double wait = <double>ahead * s_full / (<double>(w * per) * (lbar + nbar))
+        cdef long long free = self._free(p)
+        if free < 0:
+            free = 0
+        cdef double wait = 0.0
+        if ahead_n >= free:
+            wait = <double>(ahead_n - free + 1) * s_full / <double>(w * per)
         cdef Tail tl = self._tail(now)
         cdef double u = <double>self.used[p] / <double>w
         cdef double kv = <double>self.kv[p] / <double>w
         if self.used[p] > 0:
             wait += self._step_s(p, 0.0, u, kv)
-        if self.pend[p] > 0.0:
-            wait += self._prefill_s(p, self.pend[p] / <double>w, u, kv)
+        cdef double before = self.pend[p]
+        if ahead_n > free:
+            before += <double>ahead_prompt * <double>free / <double>ahead_n
+        else:
+            before += <double>ahead_prompt
+        if before > 0.0:
+            wait += self._prefill_s(p, before / <double>w, u, kv)
         cdef long long run = lmin(n, self.maxb[p])
         r.path = p
         r.wait = wait

@@ -180,7 +180,7 @@ class Scheduler:
         ahead = sum(self._tok[: k + 1])  # shortest prompt first: shorter buckets go before it
         p, wait, prefill, decode, decode_hi, tail = self._terms(
             k, n, (self._osum[k] + out) / n, (self._psum[k] + req.prompt_tokens) / n,
-            ahead, out, req.prompt_tokens, now)
+            sum(self._n[: k + 1]), sum(self._psum[: k + 1]), out, req.prompt_tokens, now)
         bw = req.budget_wait
         ttft = bw + wait + prefill
         total = ttft + decode
@@ -193,7 +193,7 @@ class Scheduler:
                           wait, total)
         self._enqueue(req, t, k, out, prefill + decode, now)
         return Contract(rid, k, PATHS[p], ttft, total, bw + tail + decode_hi, ahead, bw,
-                        decode / out, out, bw + tail)
+                        decode / out, out, bw + tail, decode_hi / out)
 
     def tick(self, now: float) -> list[Dispatch | Reject]:
         """Decide what to do now: expired deadlines, tail cuts, then batches by urgency."""
@@ -277,6 +277,12 @@ class Scheduler:
         self._unqueue(r, DONE)
         return True
 
+    def over_share(self, tenant: str) -> bool:
+        """True while ``tenant`` has been served more than ``fair_slack_tokens`` ahead of the
+        most-behind backlogged tenant: its queued requests wait for the others'."""
+        t = self._tenant_ix.get(tenant)
+        return t is not None and not self._eligible(t)
+
     def snapshot(self) -> dict[str, Any]:
         """Queues per bucket, fitted cost curves, thresholds and counters, as JSON data."""
         now = self._now
@@ -322,16 +328,17 @@ class Scheduler:
                     "batch_id": r.batch, "path": PATHS[self._inflight[r.batch].path]}
         now = self._now
         mine = (r.key, r.req.arrival, request_id)
-        ahead_n = ahead_tok = 0
+        ahead_n = ahead_tok = ahead_prompt = 0
         for heap in self._rq[k]:
             for e in heap:
                 if e[4].state == QUEUED and e[:3] < mine:
                     ahead_n += 1
                     ahead_tok += e[4].req.prompt_tokens + e[4].out
+                    ahead_prompt += e[4].req.prompt_tokens
         n = self._n[k]
         nbar = self._osum[k] / n
         p, wait, prefill, decode, decode_hi, tail = self._terms(k, n, nbar, self._psum[k] / n,
-                                                                ahead_tok, r.out,
+                                                                ahead_n, ahead_prompt, r.out,
                                                                 r.req.prompt_tokens, now)
         t_cut, _ = self._tail(now)
         lo = self._min_counter()
@@ -381,16 +388,18 @@ class Scheduler:
             e = float(self.config.default_output_tokens)
         return max(1, min(req.max_tokens, int(e + 0.5)))
 
-    def _terms(self, k: int, n: int, nbar: float, lbar: float, ahead: int, out: int,
-               prompt: int, now: float) -> tuple[int, float, float, float, float, float]:
+    def _terms(self, k: int, n: int, nbar: float, lbar: float, ahead_n: int, ahead_prompt: int,
+               out: int, prompt: int, now: float) -> tuple[int, float, float, float, float, float]:
         """Contract terms for a ``prompt``-token request in bucket k of ``n`` queued (itself
-        included) with ``ahead`` tokens before it: (path, wait, prefill, decode, decode bound,
-        p99 of wait + prefill).
+        included) with ``ahead_n`` requests of ``ahead_prompt`` prompt tokens before it:
+        (path, wait, prefill, decode, decode bound, p99 of wait + prefill).
 
-        wait = tokens ahead ÷ the path's token throughput when every worker runs full, plus
-        the prompts already sent to its worker and not yet prefilled, plus the step its worker
-        is in (a continuous-batching worker admits sequences between steps); prefill is its
-        own prompt with the bucket's others of a batch; the p99 term is the tail-cut bound ``T_cut + ln(100)/(μ_a − λ_a)`` where the
+        A continuous-batching worker takes a request as soon as a slot is free, so the wait
+        is: the slots it waits for (the requests ahead beyond the free slots, at the rate a
+        full path finishes requests), plus the prompts prefilled before its own (those sent
+        to the workers and not yet prefilled, and those ahead that take free slots), plus
+        the step its worker is in; prefill is its own prompt with the bucket's others of a
+        batch; the p99 term is the tail-cut bound ``T_cut + ln(100)/(μ_a − λ_a)`` where the
         cut is active, else the exponential tail ``ln(100)·(wait + prefill)``. Prefill is
         chunked next to the worker's running sequences; each decode step runs with them and
         the batch: expected ``out·step(running + batch)``, bounded by the steps of a full
@@ -403,13 +412,15 @@ class Scheduler:
         length = float(self._bounds[k])
         s_full = (self._prefill_s(p, per * length, 0.0, 0.0)
                   + nbar * self._step_s(p, 0.0, float(per), per * (length + 0.5 * nbar)))
-        wait = ahead * s_full / ((w * per) * (lbar + nbar))
+        free = max(self._free(p), 0)
+        wait = (ahead_n - free + 1) * s_full / (w * per) if ahead_n >= free else 0.0
         t_cut, gap = self._tail(now)
         u, kv = self._per_worker(p)
         if self._used[p] > 0:
             wait += self._step_s(p, 0.0, u, kv)
-        if self._pend[p] > 0.0:
-            wait += self._prefill_s(p, self._pend[p] / w, u, kv)
+        before = self._pend[p] + (ahead_prompt * free / ahead_n if ahead_n > free else ahead_prompt)
+        if before > 0.0:
+            wait += self._prefill_s(p, before / w, u, kv)
         run = min(n, self._max_batch[p])
         prefill = self._prefill_s(p, prompt + (run - 1) * lbar, u, kv)
         kv_run = kv + run * length

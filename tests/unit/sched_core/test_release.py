@@ -256,13 +256,17 @@ def test_queued_request_is_rejected_once_its_deadline_cannot_be_met(make: Factor
     s = make()
     c = s.arrive(req("a", deadline=10.0), 0.0)
     assert isinstance(c, Contract) and c.total_s < 10.0
-    # Nothing was ahead of it: the contract's total is its own prefill and decode, so it
-    # expires as soon as starting now would finish it after the deadline.
-    due = 10.0 - c.total_s
+    # It expires as soon as starting now would finish it after the deadline: its own prefill
+    # and decode, which is the whole contract where a slot is free and nothing is ahead.
+    idle = make()
+    idle.worker_capacity("cpu", 8, 0.0)
+    alone = idle.arrive(req("a", deadline=10.0), 0.0)
+    assert isinstance(alone, Contract) and alone.total_s < c.total_s  # s has no slot: a wait
+    due = 10.0 - alone.total_s
     assert s.tick(due - 1e-3) == []
     (r,) = s.tick(due + 1e-3)
     assert isinstance(r, Reject) and r.reason == "deadline"
-    assert r.estimate_s == pytest.approx(due + 1e-3 + c.total_s) and r.estimate_s > 10.0
+    assert r.estimate_s == pytest.approx(due + 1e-3 + alone.total_s) and r.estimate_s > 10.0
     assert s.queued == 0 and s.cancel("a", due + 1e-3) is False
 
 
