@@ -48,7 +48,7 @@ from workers import protocol as p
 
 log = logging.getLogger("tokengate.gateway")
 
-DEADLINE_HEADER = "x-tokengate-deadline-ms"
+DEADLINE_HEADER = openapi.DEADLINE_HEADER
 
 
 OVERSIZE_CODES = frozenset({"payload_too_large", "context_length_exceeded", "prompt_too_long"})
@@ -148,7 +148,8 @@ class Gateway:
     async def _settle(
         self, admission: Admission, state: str, prompt: int, completion: int, record: dict[str, float]
     ) -> bool:
-        self.metrics.observe_contract(record)
+        self.metrics.observe_contract(self.dispatcher.outcome(admission.rid, record.get("ttft_s"),
+                                                              record.get("total_s"), completion))
         return await self._until_settled(
             admission.rid, lambda: self.budget.settle(admission, state, prompt, completion, record)
         )
@@ -195,11 +196,29 @@ def _deadline_s(request: Request) -> float | None:
         ms = float(raw)
     except ValueError:
         ms = -1.0
-    if not 0 < ms < 86_400_000:
+    if not 0 < ms < openapi.DEADLINE_MS_MAX:
         raise InvalidRequest(
             f"The {DEADLINE_HEADER} header must be a positive number of milliseconds.", param=DEADLINE_HEADER
         )
     return ms / 1000
+
+
+def _slo_s(request: Request) -> tuple[float | None, float | None]:
+    """The client's SLO headers (TTFT, TPOT) in seconds; None where absent."""
+    out: list[float | None] = []
+    for name, top in openapi.SLO_HEADERS.items():
+        raw = request.headers.get(name)
+        if raw is None:
+            out.append(None)
+            continue
+        try:
+            ms = float(raw)
+        except ValueError:
+            ms = -1.0
+        if not 0 < ms <= top:
+            raise InvalidRequest(f"The {name} header must be a number of milliseconds in (0, {top:.0f}].", param=name)
+        out.append(ms / 1000)
+    return out[0], out[1]
 
 
 def _held(gw: Gateway, tenant: Tenant) -> RateLimited | None:
@@ -242,7 +261,7 @@ async def _generate(request: Request, parse: Any) -> Response:
         raise refusal
     try:
         gen = parse(await read_json(request, gw.settings.max_body_bytes))
-        life = RequestLife(gw, caller, gen, _deadline_s(request))
+        life = RequestLife(gw, caller, gen, _deadline_s(request), _slo_s(request))
         await life.start()
     except (PayloadTooLarge, InvalidRequest) as exc:
         if exc.code in OVERSIZE_CODES:

@@ -28,6 +28,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -35,6 +36,7 @@ from gateway.liveness import Liveness
 from gateway.scheduling import Origin, SchedulerShell, Send
 from gateway.settings import GatewaySettings
 from sched_core import Contract, Reject, SchedulerConfig
+from sched_core.contracts import Accuracy
 from workers import protocol as p
 from workers import wire
 from workers.retry import Outage, backoff_policy
@@ -43,6 +45,7 @@ log = logging.getLogger("tokengate.dispatch")
 
 CANCEL_TTL_S = 600
 WATCH_S = 0.5  # how often workers and peers are re-read (and slot leases checked)
+MODEL_SAVE_S = 10.0  # how often the fitted model and calibration are saved for the next start
 BACKOFF = backoff_policy(base_s=0.05, cap_s=2.0)  # after the n-th Redis failure in a row of one loop
 
 
@@ -87,6 +90,7 @@ class Dispatcher:
 
     async def start(self) -> None:
         try:
+            await self._load_model()
             await self.refresh_workers()
         except RedisError as exc:  # not ready until Redis answers; the watch loop retries
             log.warning("Redis is not reachable at start-up: %s", exc)
@@ -95,6 +99,25 @@ class Dispatcher:
             asyncio.create_task(self._supervised("replies", self._reply_loop), name="replies"),
             asyncio.create_task(self._supervised("workers", self._watch_loop), name="workers"),
         ]
+
+    async def _load_model(self) -> None:
+        """Start warm: the fitted model and calibration a gateway serving this model saved."""
+        raw = await self.client.get(wire.model_key(self.settings.model_name))
+        if raw is None:
+            return
+        try:
+            state = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            log.warning("ignoring an unreadable saved model at %s", wire.model_key(self.settings.model_name))
+            return
+        if isinstance(state, dict):
+            self.shell.load_model_state(state)
+            log.info("started from the saved step-time model and contract calibration")
+
+    async def _save_model(self) -> None:
+        state = self.shell.model_state()
+        if state is not None:
+            await self.client.set(wire.model_key(self.settings.model_name), orjson.dumps(state))
 
     async def _supervised(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
         try:
@@ -124,6 +147,7 @@ class Dispatcher:
                 log.error("the %s loop did not stop within 5 s", task.get_name())
         self.fail_all("shutdown", "The gateway is shutting down; retry on another replica.")
         with contextlib.suppress(RedisError):
+            await self._save_model()
             await self.liveness.leave(self.replies)
 
     # -- requests -------------------------------------------------------------------------
@@ -157,6 +181,11 @@ class Dispatcher:
         """The request is over here: stop routing its events; its batch's lease learns it."""
         self.pending.pop(rid, None)
         self.shell.request_ended(rid, time.monotonic())
+
+    def outcome(self, rid: str, ttft_s: float | None, total_s: float | None, tokens: int) -> Accuracy | None:
+        """What the request took (seconds from arrival; None: not seen): it calibrates the
+        contracts; how its promise fared."""
+        return self.shell.outcome(rid, ttft_s, total_s, tokens, time.monotonic())
 
     def fail_all(self, code: str, message: str) -> None:
         """End every waiting request with an error event (shutdown, a lost loop)."""
@@ -341,6 +370,7 @@ class Dispatcher:
 
     async def _watch_loop(self) -> None:
         failures = 0
+        saved = time.monotonic()
         while not self._closing:
             await asyncio.sleep(BACKOFF.compute(failures) if failures else WATCH_S)
             expired = self.shell.expire(time.monotonic())
@@ -351,6 +381,9 @@ class Dispatcher:
             started = time.monotonic()
             try:
                 await self.refresh_workers()
+                if started - saved >= MODEL_SAVE_S:
+                    saved = started
+                    await self._save_model()
             except RedisError as exc:
                 failures += 1
                 self._outage.failed(exc)

@@ -56,6 +56,10 @@ log = logging.getLogger("tokengate.requests")
 CANCEL_DRAIN_S = 5.0  # how long a cancelled request's final token count is awaited
 
 
+def _ms(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000
+
+
 def contract_headers(c: Contract | None) -> dict[str, str]:
     """The latency contract (milliseconds from when the gateway received the request); none
     under a baseline policy (``--policy fcfs`` or ``fixed:…``), which promises nothing."""
@@ -63,7 +67,11 @@ def contract_headers(c: Contract | None) -> dict[str, str]:
         return {}
     return {
         "x-tokengate-ttft-ms": f"{c.ttft_s * 1000:.1f}",
+        "x-tokengate-tpot-ms": f"{c.tpot_s * 1000:.1f}",
+        "x-tokengate-output-tokens": str(c.output_tokens),
         "x-tokengate-latency-ms": f"{c.total_s * 1000:.1f}",
+        "x-tokengate-ttft-p99-ms": f"{c.ttft_p99_s * 1000:.1f}",
+        "x-tokengate-tpot-p99-ms": f"{c.tpot_p99_s * 1000:.1f}",
         "x-tokengate-p99-ms": f"{c.p99_s * 1000:.1f}",
         "x-tokengate-tokens-ahead": str(c.tokens_ahead),
         "x-tokengate-budget-wait-ms": f"{c.budget_wait_s * 1000:.1f}",
@@ -91,6 +99,12 @@ def refused(rid: str, reject: Reject) -> GatewayError:
         headers["x-tokengate-estimate-ms"] = str(estimate["estimate_ms"])
     if reject.reason == "too_long":
         return InvalidRequest(f"Request {rid}: {reject.message}", param="messages", code="prompt_too_long")
+    if reject.reason == "slo":
+        best = {"best_ttft_p99_ms": round(reject.ttft_p99_s * 1000, 1), "best_p99_ms": round(reject.p99_s * 1000, 1)}
+        headers["x-tokengate-ttft-p99-ms"] = str(best["best_ttft_p99_ms"])
+        headers["x-tokengate-p99-ms"] = str(best["best_p99_ms"])
+        return Unavailable(f"Request {rid} cannot meet its SLO now: {reject.message}; retry later, relax the "
+                           "SLO or go elsewhere.", code="slo_unattainable", headers=headers, extra=estimate | best)
     code = "deadline_unmet" if reject.reason == "deadline" else reject.reason
     return Unavailable(f"Request {rid} cannot be served in time: {reject.message}", code=code, headers=headers,
                        extra=estimate)
@@ -101,11 +115,15 @@ def _sse(doc: dict[str, object]) -> bytes:
 
 
 class RequestLife:
-    def __init__(self, gw: Gateway, caller: Caller, gen: oai.Generation, deadline_s: float | None) -> None:
+    def __init__(self, gw: Gateway, caller: Caller, gen: oai.Generation, deadline_s: float | None,
+                 slo_s: tuple[float | None, float | None] = (None, None)) -> None:
         self.gw = gw
         self.caller = caller
         self.gen = gen
         self.deadline_s = deadline_s
+        tenant = caller.tenant  # the client's SLO, else its tenant's default (docs/tenants.md)
+        self.slo_ttft_s = slo_s[0] if slo_s[0] is not None else _ms(tenant.slo_ttft_ms)
+        self.slo_tpot_s = slo_s[1] if slo_s[1] is not None else _ms(tenant.slo_tpot_ms)
         self.meter = Meter(0)
         self.rid = ""
         self.admission: Admission | None = None
@@ -137,8 +155,10 @@ class RequestLife:
             seq = p.SeqJob(gw.new_rid(), tuple(ids), self.gen.sampling(max_tokens), self.gen.stream)
             self.rid = seq.rid
             self.meter.prompt_tokens = len(ids)
+            # a budget wait past the first-token SLO would miss it: refused now, not after the wait
+            wait_limit = min((s for s in (self.deadline_s, self.slo_ttft_s) if s is not None), default=None)
             admit = asyncio.ensure_future(
-                gw.budget.admit(tenant, seq.rid, len(ids), max_tokens, key=self.caller.key, deadline_s=self.deadline_s)
+                gw.budget.admit(tenant, seq.rid, len(ids), max_tokens, key=self.caller.key, deadline_s=wait_limit)
             )
             try:
                 self.admission = await asyncio.shield(admit)
@@ -157,6 +177,8 @@ class RequestLife:
                 priority=tenant.priority,
                 budget_wait_s=self.admission.wait_s,
                 deadline_s=None if self.deadline_s is None else self.deadline_s - self.meter.age(),
+                slo_ttft_s=self.slo_ttft_s,
+                slo_tpot_s=self.slo_tpot_s,
             )
             decision = gw.dispatcher.submit(seq, who)
             if isinstance(decision, Reject):

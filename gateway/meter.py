@@ -53,7 +53,8 @@ class Meter:
         out: dict[str, float] = {}
         if self.contract is not None:
             c = self.contract
-            out |= {"contract_ttft_s": c.ttft_s, "contract_total_s": c.total_s, "contract_p99_s": c.p99_s}
+            out |= {"contract_ttft_s": c.ttft_s, "contract_total_s": c.total_s, "contract_p99_s": c.p99_s,
+                    "contract_ttft_p99_s": c.ttft_p99_s}
         if self.first_token_s is not None:
             out["ttft_s"] = self.first_token_s
         if self.total_s is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from sched_core.contracts import Accuracy
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -39,16 +41,19 @@ class Metrics:
         self.in_flight = Gauge(
             "tokengate_requests_in_flight", "Generation requests awaiting their result", registry=self.registry
         )
-        self.contract_ratio = Histogram(
-            "tokengate_contract_latency_ratio",
-            "Actual end-to-end latency divided by the contract's predicted latency",
-            buckets=(0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 3, 5, 10),
+        self.contract_inside = Counter(
+            "tokengate_contract_outcomes",
+            "Finished requests with a contract, by path, component (ttft: first token; total: last) and "
+            "whether it came within its p99 bound",
+            ["path", "component", "within_p99"],
             registry=self.registry,
         )
-        self.contract_kept = Counter(
-            "tokengate_contract_outcomes",
-            "Finished requests by whether they ended within their contract's p99 bound",
-            ["within_p99"],
+        self.contract_error = Histogram(
+            "tokengate_contract_error_ratio",
+            "Absolute percentage error of the predicted latency (as a fraction), by path, component and "
+            "prediction: calibrated (the promise) or raw (the step-time model before calibration)",
+            ["path", "component", "prediction"],
+            buckets=(0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5),
             registry=self.registry,
         )
         self.workers = Gauge(
@@ -61,10 +66,12 @@ class Metrics:
             registry=self.registry,
         )
 
-    def observe_contract(self, record: dict[str, float]) -> None:
-        total, predicted, bound = record.get("total_s"), record.get("contract_total_s"), record.get("contract_p99_s")
-        if total is None or predicted is None or bound is None:
+    def observe_contract(self, acc: Accuracy | None) -> None:
+        """How a finished request's promise fared (None: it had none, or did not finish)."""
+        if acc is None:
             return
-        if predicted > 0:
-            self.contract_ratio.observe(total / predicted)
-        self.contract_kept.labels("true" if total <= bound else "false").inc()
+        for component, inside, error, raw in (("ttft", acc.ttft_inside, acc.ttft_ape, acc.raw_ttft_ape),
+                                              ("total", acc.total_inside, acc.total_ape, acc.raw_total_ape)):
+            self.contract_inside.labels(acc.path, component, "true" if inside else "false").inc()
+            self.contract_error.labels(acc.path, component, "calibrated").observe(error)
+            self.contract_error.labels(acc.path, component, "raw").observe(raw)

@@ -190,6 +190,7 @@ class RequestRecord(TypedDict):
     contract_ttft_s: NotRequired[float]
     contract_total_s: NotRequired[float]
     contract_p99_s: NotRequired[float]
+    contract_ttft_p99_s: NotRequired[float]
     ttft_s: NotRequired[float]
     total_s: NotRequired[float]
     schedule: NotRequired[dict[str, Any]]
@@ -413,8 +414,17 @@ HEADERS: dict[str, dict[str, Any]] = {
         "schema": _INT,
     },
     "x-tokengate-ttft-ms": {"description": "Predicted time to the first token (ms since arrival).", "schema": _MS},
+    "x-tokengate-tpot-ms": {"description": "Predicted time per output token after the first (ms).", "schema": _MS},
+    "x-tokengate-output-tokens": {"description": "The output length the predicted latency assumes.",
+                                  "schema": _INT},
     "x-tokengate-latency-ms": {"description": "Predicted time to the last token (ms since arrival).", "schema": _MS},
-    "x-tokengate-p99-ms": {"description": "The bound the request should finish within 99 times in 100.",
+    "x-tokengate-ttft-p99-ms": {"description": "The bound the first token should come within 99 times in 100 "
+                                "(ms since arrival); on a 503 `slo_unattainable`, the best the gateway could "
+                                "promise.", "schema": _MS},
+    "x-tokengate-tpot-p99-ms": {"description": "The bound on the time per output token, 99 times in 100 (ms).",
+                                "schema": _MS},
+    "x-tokengate-p99-ms": {"description": "The bound the request should finish within 99 times in 100 (ms since "
+                           "arrival); on a 503 `slo_unattainable`, the best the gateway could promise.",
                            "schema": _MS},
     "x-tokengate-tokens-ahead": {"description": "Tokens queued ahead of it in its bucket.", "schema": _INT},
     "x-tokengate-budget-wait-ms": {"description": "How long the budget limiter held it.", "schema": _MS},
@@ -431,12 +441,15 @@ HEADERS: dict[str, dict[str, Any]] = {
 # on every admitted generation (streams: before the first event)
 ADMITTED_HEADERS = (
     "x-request-id", "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens",
-    "x-tokengate-ttft-ms", "x-tokengate-latency-ms", "x-tokengate-p99-ms", "x-tokengate-tokens-ahead",
+    "x-tokengate-ttft-ms", "x-tokengate-tpot-ms", "x-tokengate-output-tokens", "x-tokengate-latency-ms",
+    "x-tokengate-ttft-p99-ms", "x-tokengate-tpot-p99-ms", "x-tokengate-p99-ms", "x-tokengate-tokens-ahead",
     "x-tokengate-budget-wait-ms", "x-tokengate-bucket", "x-tokengate-path",
 )
 OPTIONAL_ADMITTED_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests")
 DEADLINE_HEADER = "x-tokengate-deadline-ms"
 DEADLINE_MS_MAX = 86_400_000
+# the SLO pair llm-d and the Gateway API Inference Extension send (docs/tenants.md)
+SLO_HEADERS = {"x-slo-ttft-ms": 600_000.0, "x-slo-tpot-ms": 60_000.0}  # name -> largest value accepted
 
 
 def _headers(required: Sequence[str], optional: Sequence[str] = ()) -> dict[str, Any]:
@@ -490,6 +503,19 @@ DEADLINE_PARAM = {
     "schema": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": DEADLINE_MS_MAX},
 }
 
+SLO_PARAMS = tuple(
+    {
+        "name": name,
+        "in": "header",
+        "required": False,
+        "description": f"The client's SLO on its {what} in milliseconds (0 < N ≤ {top:,.0f}); without it, the "
+        "tenant's default SLO applies. A request whose calibrated p99 bound cannot meet it is refused at "
+        "once (503 `slo_unattainable`, with `Retry-After` and the best bounds).",
+        "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": top},
+    }
+    for (name, top), what in zip(SLO_HEADERS.items(), ("first token", "time per output token"), strict=True)
+)
+
 REDIS_DOWN = "`redis_unavailable`: the gateway's store is not answering."
 BAD_JSON = "The body is not a JSON object, or a field is invalid (`param` names it)."
 NOT_JSON = "`unsupported_media_type`: the body is declared as something other than JSON."
@@ -503,12 +529,13 @@ def _generation(summary: str, body: str, chunk: str, ok: str) -> Operation:
         security="ApiKey",
         ok=(200, ok),
         body=body,
-        parameters=(DEADLINE_PARAM,),
+        parameters=(DEADLINE_PARAM, *SLO_PARAMS),
         ok_headers=(ADMITTED_HEADERS, OPTIONAL_ADMITTED_HEADERS),
         streams=chunk,
         errors={
             400: BAD_JSON + " Also `context_length_exceeded`, `prompt_too_long`, `max_tokens_exceeded`, "
-            "`budget_exceeded` (more than the burst), a bad `x-tokengate-deadline-ms`.",
+            "`budget_exceeded` (more than the burst), a bad `x-tokengate-deadline-ms`, `x-slo-ttft-ms` or "
+            "`x-slo-tpot-ms`.",
             401: "`invalid_api_key`: no, a malformed, an unknown or a revoked key.",
             404: "`model_not_found`: not a model this gateway serves, or not one the tenant may use.",
             413: "`payload_too_large`: the body is over the gateway's `--max-body-bytes`.",
@@ -518,7 +545,8 @@ def _generation(summary: str, body: str, chunk: str, ok: str) -> Operation:
             "`budget_wait_s`) or its `max_concurrent` (`type` `requests`), or too many long prompts "
             "being tokenized for the tenant.",
             500: "`worker_error`: the model worker failed on this request.",
-            503: "`no_worker`, `overloaded`, `timeout`, `deadline_unmet` (with `estimate_ms`), `lost`, "
+            503: "`no_worker`, `overloaded`, `timeout`, `deadline_unmet` (with `estimate_ms`), "
+            "`slo_unattainable` (with `estimate_ms`, `best_ttft_p99_ms` and `best_p99_ms`), `lost`, "
             "`shutdown`, " + REDIS_DOWN,
         },
     )
@@ -620,7 +648,7 @@ _STATUS_TEXT = {
 _ERROR_HEADERS: dict[int, tuple[Sequence[str], Sequence[str]]] = {
     429: (("retry-after",), ("x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens",
                              *OPTIONAL_ADMITTED_HEADERS)),
-    503: (("retry-after",), ("x-tokengate-estimate-ms",)),
+    503: (("retry-after",), ("x-tokengate-estimate-ms", "x-tokengate-ttft-p99-ms", "x-tokengate-p99-ms")),
 }
 
 

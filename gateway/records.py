@@ -19,7 +19,7 @@ from workers import wire
 _INTS = ("prompt_tokens", "reserved_tokens", "charged_tokens")
 _FLOATS = (
     "admitted_at", "finished_at", "budget_wait_s",
-    "contract_ttft_s", "contract_total_s", "contract_p99_s", "ttft_s", "total_s",
+    "contract_ttft_s", "contract_total_s", "contract_p99_s", "contract_ttft_p99_s", "ttft_s", "total_s",
 )
 _RESPONSE_PREFIXES = ("chatcmpl-", "cmpl-")
 

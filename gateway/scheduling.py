@@ -6,6 +6,7 @@ The dispatcher owns the clock and Redis; this module turns gateway objects into
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, replace
@@ -14,6 +15,7 @@ from typing import Any
 import orjson
 
 from sched_core import BatchTimings, Contract, Dispatch, PathConfig, Reject, Request, SchedulerConfig
+from sched_core.contracts import Accuracy
 from sched_core.driver import Driver
 from sched_core.policies import make_policy
 from workers import protocol as p
@@ -28,6 +30,8 @@ class Origin:
     priority: int = 0
     budget_wait_s: float = 0.0
     deadline_s: float | None = None  # relative to arrival
+    slo_ttft_s: float | None = None  # the client's or its tenant's SLO (docs/tenants.md)
+    slo_tpot_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,11 +157,52 @@ class SchedulerShell:
             deadline=None if who.deadline_s is None else now + who.deadline_s,
             budget_wait=who.budget_wait_s,
             expected_output_tokens=_known_output(seq.params),
+            slo_ttft_s=who.slo_ttft_s,
+            slo_tpot_s=who.slo_tpot_s,
         )
         decision = self.driver.arrive(req, now)
         if not isinstance(decision, Reject):
             self._seqs[seq.rid] = seq
         return decision
+
+    def outcome(self, rid: str, ttft_s: float | None, total_s: float | None, tokens: int,
+                now: float) -> Accuracy | None:
+        """The request ended here: what it took calibrates the contracts (a request that did
+        not finish, or whose first token was never seen, is only forgotten)."""
+        if ttft_s is None or total_s is None:
+            self.driver.forget(rid)
+            return None
+        return self.driver.outcome(rid, ttft_s, total_s, tokens, now)
+
+    def model_state(self) -> dict[str, Any] | None:
+        """What the gateway learnt, to persist: per path the fitted step-time coefficients
+        (paths with fitted steps only), and the contracts' calibration; None before it
+        learnt anything."""
+        snapshot = getattr(self.driver.policy, "snapshot", None)
+        if snapshot is None:
+            return None
+        fitted = {pool: path["step_model"] for pool, path in snapshot()["paths"].items() if path["fitted_steps"] > 0}
+        calibration = self.driver.contracts.state()
+        if not fitted and not calibration["ratios"] and not calibration["outputs"]:
+            return None
+        return {"step_model": fitted, "contracts": calibration}
+
+    def load_model_state(self, state: dict[str, Any]) -> None:
+        """Start from a persisted state: its fitted coefficients become the priors of a new
+        core (only before any request arrived), its calibration the contracts' windows."""
+        config = getattr(self.driver.policy, "config", None)
+        fitted = state.get("step_model")
+        if isinstance(config, SchedulerConfig) and isinstance(fitted, dict) and self.driver.queued == 0:
+            paths = {}
+            for pool, coef in fitted.items():
+                if pool in p.POOLS and isinstance(coef, dict):
+                    with contextlib.suppress(TypeError, ValueError):
+                        paths[pool] = replace(getattr(config, pool), **coef)
+            if paths:
+                self.driver = Driver(make_policy(self.policy, replace(config, **paths)))
+        calibration = state.get("contracts")
+        if isinstance(calibration, dict):
+            self.driver.contracts.load(calibration)
 
     def tick(self, now: float) -> tuple[list[Send], list[Reject]]:
         sends: list[Send] = []

@@ -11,16 +11,24 @@ The rules, in one place:
 * a request's slot comes back when the request finishes (``finished``), not when its whole
   batch ends; a batch report (``completed``) gives back the rest and ends the batch;
 * worker step telemetry refits the policy's step-time model (``steps``); the workers' slots,
-  their number and their per-step token budget are its capacity (``capacity``).
+  their number and their per-step token budget are its capacity (``capacity``);
+* a policy that promises (the scheduler) has its raw contracts calibrated on outcomes
+  (``sched_core.contracts``): the driver estimates each request's output length, turns the
+  core's contract into the calibrated promise, and refuses at admission a request whose
+  SLO the promise cannot meet (``slo``; a tenant over its fair share is held to half its
+  TTFT SLO, since its requests wait for the others'); every request that got a promise
+  ends in ``outcome`` (what it took) or ``forget``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
-from sched_core.types import PATHS, BatchTimings, Contract, Dispatch, Reject, Request
+from sched_core.contracts import Accuracy, Contracts
+from sched_core.types import HOLD_SLACK, PATHS, BatchTimings, Contract, Dispatch, Reject, Request, SchedulerConfig
 
 TICK_S = 0.002  # how often a policy is asked while requests wait and a slot is free
 
@@ -55,12 +63,26 @@ class Wakes(Protocol):
     def next_wake(self, now: float) -> float: ...
 
 
+@runtime_checkable
+class Cancels(Protocol):
+    """A policy that can drop a queued request and tell whether a tenant is over its share."""
+
+    def cancel(self, request_id: str, now: float) -> bool: ...
+
+    def over_share(self, tenant: str) -> bool: ...
+
+
 class Driver:
-    """A policy plus the slot bookkeeping that decides when it must be asked again."""
+    """A policy plus the slot bookkeeping that decides when it must be asked again, and the
+    calibration of its contracts."""
 
     def __init__(self, policy: Policy, tick_s: float = TICK_S) -> None:
         self.policy = policy
         self.tick_s = tick_s
+        config = getattr(policy, "config", None)
+        if not isinstance(config, SchedulerConfig):
+            config = SchedulerConfig()
+        self.contracts = Contracts(config.bucket_bounds, config.default_output_tokens)
         self._cap = dict.fromkeys(PATHS, 0)
         self._used = dict.fromkeys(PATHS, 0)
         self._open: dict[int, tuple[str, set[str]]] = {}  # batch -> (path, unfinished requests)
@@ -71,7 +93,47 @@ class Driver:
         return self.policy.queued
 
     def arrive(self, req: Request, now: float) -> Contract | Reject | None:
-        return self.policy.arrive(req, now)
+        """The policy's decision; a contract comes back calibrated, or as an ``slo`` refusal."""
+        cal = self.contracts
+        out, out_hi = cal.output(req)
+        if out != req.expected_output_tokens:
+            req = replace(req, expected_output_tokens=out)
+        decision = self.policy.arrive(req, now)
+        if not isinstance(decision, Contract):
+            return decision
+        path = decision.path
+        load = (self._used[path] + self.policy.queued) / max(self._cap[path], 1)
+        c = cal.promise(decision, req, out_hi, load, now)
+        if req.slo_ttft_s is None and req.slo_tpot_s is None:
+            return c
+        policy = self.policy
+        over = isinstance(policy, Cancels) and policy.over_share(req.tenant)
+        ttft_slo = req.slo_ttft_s * (HOLD_SLACK if over else 1.0) if req.slo_ttft_s is not None else math.inf
+        tpot_slo = req.slo_tpot_s if req.slo_tpot_s is not None else math.inf
+        if c.ttft_p99_s <= ttft_slo and c.tpot_p99_s <= tpot_slo:
+            return c
+        if not isinstance(policy, Cancels) or not policy.cancel(req.id, now):
+            return c  # it cannot be taken back: keep the promise, bounds and all
+        cal.forget(req.id)
+        if c.ttft_p99_s > ttft_slo:
+            why = (f"its first token could be promised within {c.ttft_p99_s * 1000:.0f} ms (p99), "
+                   f"not the {ttft_slo * 1000:.0f} ms asked" + (" (half the SLO: its tenant is over its "
+                                                               "fair share)" if over else ""))
+        else:
+            why = (f"its tokens could be promised every {c.tpot_p99_s * 1000:.0f} ms (p99), not the "
+                   f"{tpot_slo * 1000:.0f} ms asked")
+        wait = max(c.ttft_p99_s - ttft_slo, 0.0)
+        return Reject(req.id, "slo", why, max(1.0, wait), c.total_s, c.ttft_p99_s, c.p99_s)
+
+    def outcome(self, request_id: str, ttft_s: float, total_s: float, tokens: int,
+                now: float) -> Accuracy | None:
+        """A request with a promise finished: first token and last after ``ttft_s`` and
+        ``total_s`` seconds (from arrival), ``tokens`` generated. How the promise fared."""
+        return self.contracts.observe(request_id, ttft_s, total_s, tokens, now)
+
+    def forget(self, request_id: str) -> None:
+        """A request ended without a usable outcome (failed, cancelled, refused later)."""
+        self.contracts.forget(request_id)
 
     def tick(self, now: float) -> list[Dispatch | Reject]:
         decisions = self.policy.tick(now)

@@ -82,6 +82,12 @@ def request(rid: str) -> str:
 
 # -- tenants, keys, budgets, usage ----------------------------------------------------------
 
+def model_key(model: str) -> str:
+    """JSON: a gateway's fitted step-time model and contract calibration for ``model``, so
+    that a restarted gateway or a second replica starts warm (docs/scheduling.md §14)."""
+    return f"tg:model:{model}"
+
+
 TENANT_IDS = "tg:tenants"  # set of tenant ids
 TENANT_NAMES = "tg:tenant-names"  # hash: name -> tenant id
 TENANT_PREFIX = "tg:tenant:"  # + id: the tenant's JSON document (string)

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast, runtime_checkable
 
+from sched_core.contracts import Accuracy
 from sched_core.driver import Driver, Policy
 from sched_core.simulate.profile import CostProfile
 from sched_core.simulate.workload import Arrival, Workload
@@ -66,6 +67,9 @@ class SimConfig:
     # fit its free slots (workers/worker.py reads count = free slots)
     jobs_per_read: int = 0
     telemetry_s: float = 0.25  # a busy worker flushes its step records this often
+    # the SLO every request carries to admission (TTFT, TPOT seconds): the driver refuses
+    # those its calibrated bounds say would miss it; None: no SLO, every request is admitted
+    admission_slo: tuple[float, float] | None = None
 
     def pool(self, path: str) -> Pool | None:
         return next((p for p in self.pools if p.path == path), None)
@@ -77,6 +81,7 @@ class Outcome:
 
     arrival: Arrival
     contract: Contract | None = None
+    accuracy: Accuracy | None = None
     rejected: str | None = None
     path: str | None = None
     dispatched: float = math.nan
@@ -223,6 +228,9 @@ class Simulation:
                 self._tick(now)
             elif kind == FINISH:
                 rid, tokens = cast(tuple[str, int], payload)
+                o = self._outcomes[rid]
+                if o.contract is not None:  # what the gateway sees: the last token, and its time
+                    o.accuracy = self.driver.outcome(rid, o.ttft, o.e2e, tokens, now)
                 if self.driver.finished(rid, tokens, now):
                     self._tick(now)
             elif kind == STEPS:
@@ -236,10 +244,12 @@ class Simulation:
                       batches=len(self._batches), steps=self._steps, end=now)
 
     def _arrive(self, a: Arrival, now: float) -> None:
+        slo = self.config.admission_slo
         req = Request(
             id=a.id, tenant=a.tenant, weight=self._budget[a.tenant],
             prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens, arrival=now,
             expected_output_tokens=a.output_tokens if self.config.known_output else 0,
+            slo_ttft_s=slo[0] if slo else None, slo_tpot_s=slo[1] if slo else None,
         )
         decision = self.driver.arrive(req, now)
         out = self._outcomes[a.id]

@@ -1,0 +1,325 @@
+"""Calibrated latency contracts: the core's raw prediction, corrected and bounded by what
+requests really took (docs/scheduling.md §14). Pure: no clock, no I/O.
+
+Per path, load level and prompt bucket, sliding windows keep the ratios of what finished
+requests took to what the raw model predicted for them (the budget wait, known exactly, left
+out):
+
+* first token: actual TTFT ÷ raw TTFT;
+* per token: actual (e2e − TTFT)/(tokens − 1) ÷ raw TPOT;
+* total: actual e2e ÷ the raw bound ``TTFT + (out_hi − 1)·TPOT``, ``out_hi`` the output
+  length's upper quantile for the tenant (the exact length when ``ignore_eos`` fixes it).
+
+A promise multiplies the raw terms by the window's weighted median ratio (weights 1/ratio:
+the factor that minimises the mean absolute percentage error) and bounds them by the
+window's split-conformal quantile (the ⌈(n+1)·q⌉-th smallest of n ratios), which covers a
+share q of new requests whatever the model's error, as long as the window resembles them;
+the window forgets, so coverage recovers after a shift. The load level (``LEVELS``: the
+path's sequences running and queued, as a share of its slots, when the request arrived) makes
+the windows conditional on congestion (Mondrian conformal prediction): the model errs most in
+bursts, and an unconditional window, mostly calm, bounds a burst too tightly. A cell with too
+few outcomes borrows its level's pooled window, then its path's; with too few of those, the
+bound is the raw one times ``PRIOR_BOUND_FACTOR``.
+
+Output lengths are learned per tenant and bucket: the last ``output_window`` lengths, with
+exact quantiles over them (a sliding window is small and forgets, which a mergeable sketch
+such as DDSketch does not); the estimate is their 1/length-weighted median, the bound their
+q quantile, never above ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from sched_core.types import Contract, Request
+
+#: Before a path has enough outcomes for a conformal bound, bounds are the raw model's times
+#: this (the model is the packaged profile's: measured, but not on this deployment's load).
+PRIOR_BOUND_FACTOR = 3.0
+MIN_POINT = 16  # outcomes a window needs before its median corrects the raw prediction
+REFRESH = 8  # a window's factors are recomputed after this many new outcomes (and while small)
+MIN_CONFORMAL = 99  # outcomes a window needs before it bounds at a level past its resolution
+#: Adaptive conformal inference (Gibbs and Candès, 2021): after each outcome the level a
+#: component's bounds are set at moves by GAMMA·(miss − (1 − coverage)), so that misses that
+#: come together (a burst, whose outcomes the windows learn only once they finish) raise the
+#: level until the long-run share inside the bounds is the coverage asked for. Past level 1
+#: the largest ratio is stretched by exp(STRETCH·(level − 1)), at most ``LEVEL_MAX``. The
+#: raised level decays back with time constant ``LEVEL_DECAY_S``: a gateway that refuses
+#: everything learns from no outcome, and must not stay locked by an old burst.
+GAMMA = 0.01
+STRETCH = 40.0
+LEVEL_MAX = 1.035  # a stretch of 4x at most
+LEVEL_DECAY_S = 30.0
+COMPONENTS = ("ttft", "tpot", "total")
+#: Upper edges of the load levels: (running + queued) ÷ slots of the request's path.
+LEVELS = (0.5, 0.9, 1.5)
+
+
+def load_level(load: float) -> int:
+    """The level of a path's load: the number of ``LEVELS`` edges at or below it."""
+    return sum(load >= edge for edge in LEVELS)
+
+
+class Window:
+    """The last ``size`` ratios, sorted on demand (cached while fewer than ``REFRESH`` new)."""
+
+    __slots__ = ("size", "values", "at", "stale", "point", "sorted")
+
+    def __init__(self, size: int, values: list[float] | None = None) -> None:
+        self.size = size
+        self.values: list[float] = list(values or [])[-size:]
+        self.at = len(self.values) % size
+        self.stale = len(self.values)
+        self.point = 1.0
+        self.sorted: list[float] = []
+
+    def add(self, x: float) -> None:
+        if len(self.values) < self.size:
+            self.values.append(x)
+        else:
+            self.values[self.at] = x
+            self.at = (self.at + 1) % self.size
+        self.stale += 1
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def _refresh(self) -> None:
+        if self.stale and (self.stale >= REFRESH or len(self.values) < 8 * REFRESH):
+            self.sorted = sorted(self.values)
+            self.point = weighted_median(self.sorted)
+            self.stale = 0
+
+    def median(self) -> float:
+        """The 1/x-weighted median: the factor that minimises the mean absolute percentage error."""
+        self._refresh()
+        return self.point
+
+    def quantile(self, q: float) -> float:
+        """The split-conformal q quantile, the ⌈(n+1)·q⌉-th smallest; inf while the window is
+        too small for one. Past q = 1 (adaptive conformal inference asks for more than the
+        window can give), the largest ratio, stretched by how far past."""
+        self._refresh()
+        xs = self.sorted
+        n = len(xs)
+        if q >= 1.0:
+            return xs[-1] * math.exp(STRETCH * (q - 1.0)) if n >= MIN_CONFORMAL else math.inf
+        k = math.ceil((n + 1) * q)
+        return xs[k - 1] if k <= n else math.inf
+
+    def ordered(self) -> list[float]:
+        """Oldest first (for persisting)."""
+        return self.values[self.at:] + self.values[: self.at]
+
+
+def weighted_median(xs: list[float]) -> float:
+    """The median of sorted positive ``xs`` weighted 1/x: the c minimising Σ|c − x|/x."""
+    half = sum(1.0 / x for x in xs) / 2.0
+    acc = 0.0
+    for x in xs:
+        acc += 1.0 / x
+        if acc >= half:
+            return x
+    return xs[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    path: str
+    level: int
+    bucket: int
+    tenant: str
+    wait: float  # budget wait: part of every figure, known exactly
+    raw_ttft: float  # without the wait
+    raw_tpot: float
+    raw_total: float  # the core's total, wait included (for the raw error)
+    basis: float  # raw total bound without the wait: ttft + (out_hi − 1)·tpot
+    promise: Contract
+
+
+@dataclass(frozen=True, slots=True)
+class Accuracy:
+    """How one promise fared: inside its bounds, and the absolute percentage error of the
+    calibrated prediction and of the raw model's, per component (first token, total)."""
+
+    path: str
+    ttft_inside: bool
+    total_inside: bool
+    ttft_ape: float
+    total_ape: float
+    raw_ttft_ape: float
+    raw_total_ape: float
+
+
+class Contracts:
+    """Output-length estimates and calibration windows, and the promises built from them."""
+
+    def __init__(self, bucket_bounds: tuple[int, ...], default_output: int, coverage: float = 0.99,
+                 window: int = 512, output_window: int = 256) -> None:
+        if not 0.5 <= coverage < 1.0 or window < 1 or output_window < 1:
+            raise ValueError("coverage must lie in [0.5, 1), windows must hold at least one outcome")
+        self.bounds = bucket_bounds
+        self.default_output = default_output
+        self.coverage = coverage
+        self.window = window
+        self.output_window = output_window
+        # (component, path, level or -1, bucket or -1)
+        self._ratios: dict[tuple[str, str, int, int], Window] = {}
+        self._outputs: dict[tuple[str, int], Window] = {}  # (tenant or "", bucket)
+        # (component, path): the adaptive level's excess over the coverage, and when it was set
+        self._level: dict[tuple[str, str], tuple[float, float]] = {}
+        self._pending: dict[str, _Pending] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    # -- output lengths -----------------------------------------------------------------------
+
+    def _bucket(self, prompt: int) -> int:
+        for k, bound in enumerate(self.bounds):
+            if prompt <= bound:
+                return k
+        return len(self.bounds) - 1
+
+    def output(self, req: Request) -> tuple[int, int]:
+        """(estimate, upper bound) of the request's output length, within [1, max_tokens]."""
+        cap = req.max_tokens
+        if req.expected_output_tokens > 0:
+            n = min(req.expected_output_tokens, cap)
+            return n, n
+        k = self._bucket(req.prompt_tokens)
+        for key in ((req.tenant, k), ("", k)):
+            w = self._outputs.get(key)
+            if w is not None and len(w) >= MIN_POINT:
+                point = w.median()
+                hi = _quantile(w.sorted, self.coverage)
+                return max(1, min(cap, round(point))), max(1, min(cap, math.ceil(hi)))
+        return min(cap, self.default_output), cap
+
+    # -- promises -----------------------------------------------------------------------------
+
+    def _adaptive(self, component: str, path: str, now: float) -> float:
+        """The level a component's bounds are set at now (adaptive conformal inference)."""
+        excess, at = self._level.get((component, path), (0.0, now))
+        return self.coverage + excess * math.exp(-max(now - at, 0.0) / LEVEL_DECAY_S)
+
+    def _factors(self, component: str, path: str, level: int, bucket: int, now: float) -> tuple[float, float]:
+        """(point factor, bound factor) for a component on a path, load level and bucket: each
+        from the most specific window that has enough outcomes for it."""
+        cells = [self._ratios.get(key) for key in
+                 ((component, path, level, bucket), (component, path, level, -1), (component, path, -1, -1))]
+        q = self._adaptive(component, path, now)
+        point, bound = 1.0, math.inf
+        for w in cells:
+            if w is not None and len(w) >= MIN_POINT:
+                point = w.median()
+                break
+        for w in cells:
+            if w is not None and len(w) >= MIN_POINT:
+                bound = w.quantile(q)
+                if bound < math.inf:
+                    break
+        if bound == math.inf:
+            seen = max((max(w.values) for w in cells if w is not None and len(w)), default=0.0)
+            bound = max(PRIOR_BOUND_FACTOR, seen)
+        return point, max(point, bound)
+
+    def promise(self, raw: Contract, req: Request, out_hi: int, load: float, now: float) -> Contract:
+        """The calibrated contract for a request the core admitted with ``raw``; ``load`` is
+        its path's running and queued sequences ÷ its slots."""
+        level = load_level(load)
+        wait = raw.budget_wait_s
+        out = raw.output_tokens
+        raw_ttft = max(raw.ttft_s - wait, 1e-6)
+        raw_tpot = max(raw.tpot_s, 1e-6)
+        f_ttft, b_ttft = self._factors("ttft", raw.path, level, raw.bucket, now)
+        f_tpot, b_tpot = self._factors("tpot", raw.path, level, raw.bucket, now)
+        _, b_total = self._factors("total", raw.path, level, raw.bucket, now)
+        basis = raw_ttft + max(out_hi - 1, 0) * raw_tpot
+        ttft = wait + raw_ttft * f_ttft
+        tpot = raw_tpot * f_tpot
+        total = ttft + max(out - 1, 0) * tpot
+        ttft_hi = wait + raw_ttft * b_ttft
+        total_hi = max(wait + basis * b_total, ttft_hi, total)
+        c = replace(raw, ttft_s=ttft, total_s=total, tpot_s=tpot, p99_s=total_hi, ttft_p99_s=ttft_hi,
+                    tpot_p99_s=raw_tpot * b_tpot)
+        self._pending[raw.request_id] = _Pending(raw.path, level, raw.bucket, req.tenant, wait, raw_ttft,
+                                                 raw_tpot, raw.total_s, basis, c)
+        return c
+
+    def forget(self, rid: str) -> None:
+        """The request ended without an outcome to learn from (refused, failed, cancelled)."""
+        self._pending.pop(rid, None)
+
+    def observe(self, rid: str, ttft_s: float, total_s: float, tokens: int, now: float) -> Accuracy | None:
+        """A request this calibrator promised finished: learn from it; how its promise fared
+        (None if it made none)."""
+        pend = self._pending.pop(rid, None)
+        if pend is None or not (0.0 < ttft_s <= total_s) or tokens < 1:
+            return None
+        c = pend.promise
+        k = pend.bucket
+        self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft)
+        if tokens > 1:
+            self._add("tpot", pend, max((total_s - ttft_s) / (tokens - 1), 1e-6) / pend.raw_tpot)
+        self._add("total", pend, max(total_s - pend.wait, 1e-6) / pend.basis)
+        for key in ((pend.tenant, k), ("", k)):
+            self._outputs.setdefault(key, Window(self.output_window)).add(float(tokens))
+        ttft_in, total_in = ttft_s <= c.ttft_p99_s, total_s <= c.p99_s
+        for component, inside in (("ttft", ttft_in), ("total", total_in)):
+            q = self._adaptive(component, pend.path, now) + GAMMA * ((not inside) - (1.0 - self.coverage))
+            self._level[(component, pend.path)] = (min(max(q, self.coverage), LEVEL_MAX) - self.coverage, now)
+        return Accuracy(
+            path=pend.path,
+            ttft_inside=ttft_in,
+            total_inside=total_in,
+            ttft_ape=abs(c.ttft_s - ttft_s) / ttft_s,
+            total_ape=abs(c.total_s - total_s) / total_s,
+            raw_ttft_ape=abs(pend.raw_ttft + pend.wait - ttft_s) / ttft_s,
+            raw_total_ape=abs(pend.raw_total - total_s) / total_s,
+        )
+
+    def _add(self, component: str, pend: _Pending, ratio: float) -> None:
+        path = pend.path
+        for key in ((component, path, pend.level, pend.bucket), (component, path, pend.level, -1),
+                    (component, path, -1, -1)):
+            w = self._ratios.get(key)
+            if w is None:
+                w = self._ratios[key] = Window(self.window)
+            w.add(ratio)
+
+    # -- persistence --------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """The windows, as JSON data (``load`` takes it back)."""
+        return {
+            "ratios": [[c, p, lv, k, w.ordered()] for (c, p, lv, k), w in self._ratios.items()],
+            "outputs": [[t, k, w.ordered()] for (t, k), w in self._outputs.items()],
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Start from a saved state (another replica's, or this one's before a restart);
+        malformed entries are skipped."""
+        for entry in state.get("ratios", ()):
+            try:
+                c, p, lv, k, values = entry
+                xs = [float(x) for x in values if float(x) > 0.0 and math.isfinite(float(x))]
+                if c in COMPONENTS and isinstance(p, str) and isinstance(lv, int) and isinstance(k, int) and xs:
+                    self._ratios[(c, p, lv, k)] = Window(self.window, xs)
+            except (TypeError, ValueError):
+                continue
+        for entry in state.get("outputs", ()):
+            try:
+                t, k, values = entry
+                xs = [float(x) for x in values if float(x) >= 1.0 and math.isfinite(float(x))]
+                if isinstance(t, str) and isinstance(k, int) and xs:
+                    self._outputs[(t, k)] = Window(self.output_window, xs)
+            except (TypeError, ValueError):
+                continue
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    """The q quantile of sorted ``xs`` (nearest rank, rounding up)."""
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
