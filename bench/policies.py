@@ -4,7 +4,7 @@
                              [--requests 60] [--start 6140] [--length-scale 32] [--max-output 32]
                              [--slo-ttft-ms 3000] [--slo-tpot-ms 400] [--aging-tokens A] [--json]
 
-A slice of the Azure LLM code trace (``bench/contracts.py``'s reader: prompt lengths divided by
+A slice of the Azure LLM code trace (``bench/traffic.py``'s reader: prompt lengths divided by
 --length-scale, random token ids, outputs capped at --max-output and forced with ignore_eos) is
 replayed through ``tokengate gateway --policy P`` and one ``hf`` CPU worker, once per policy and
 load, with identical arrivals: the slice's arrival times are scaled so that their mean rate is
@@ -43,14 +43,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import httpx
 import numpy as np
 import orjson
 import redis
 
 from bench.common import OUT, backend, gateway_process, pct, table
-from bench.contracts import BUDGETS, DEFAULT_TRACE, Row, at_arrivals, load_trace, make_tenants
 from bench.profile import nn_relative_fit
+from bench.traffic import BUDGETS, DEFAULT_TRACE, Row, Sample, closed_loop, load_trace, make_tenants, replay, scaled
 from sched_core.policies import make_policy
 from sched_core.simulate import experiment as ex
 from sched_core.simulate.engine import Pool, simulate
@@ -68,87 +67,12 @@ SLOTS = 32  # the worker's slots (the default of `tokengate worker`)
 
 
 @dataclass(slots=True)
-class Sample:
-    tenant: int
-    tokens: int
-    ok: bool = False
-    ttft_s: float = math.nan
-    e2e_s: float = math.nan
-
-    @property
-    def tpot_s(self) -> float:
-        return (self.e2e_s - self.ttft_s) / (self.tokens - 1) if self.tokens > 1 else 0.0
-
-
-@dataclass(slots=True)
 class Run:
     policy: str
     load: float
     rate: float
     samples: list[Sample] = field(default_factory=list)
     span_s: float = 0.0
-
-
-def _client(base: str) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
-    return httpx.AsyncClient(base_url=base, timeout=900, limits=limits)
-
-
-async def _stream(client: httpx.AsyncClient, keys: list[str], i: int, prompt: list[int], tokens: int) -> Sample:
-    """Request ``i``'s streamed completion of exactly ``tokens`` tokens, from the tenants in
-    turn, timed from the request's start."""
-    tenant = i % len(keys)
-    sample = Sample(tenant, tokens)
-    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}
-    t0 = time.perf_counter()
-    headers = {"authorization": f"Bearer {keys[tenant]}"}
-    async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return sample
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and math.isnan(sample.ttft_s) and line != "data: [DONE]":
-                sample.ttft_s = time.perf_counter() - t0
-            if line == "data: [DONE]":
-                sample.ok = True
-    sample.e2e_s = time.perf_counter() - t0
-    return sample
-
-
-def _prompts(rows: list[Row], seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(100, 40_000, size=r.prompt).tolist() for r in rows]
-
-
-async def replay(base: str, keys: list[str], rows: list[Row], seed: int) -> tuple[list[Sample], float]:
-    """Stream every row at its arrival time; returns the samples and the wall time of the run."""
-    prompts = _prompts(rows, seed)
-    async with _client(base) as client:
-        start = time.perf_counter()
-        samples = await at_arrivals(rows, lambda i, row: _stream(client, keys, i, prompts[i], row.output))
-        return samples, time.perf_counter() - start
-
-
-async def closed_loop(base: str, keys: list[str], rows: list[Row], seed: int, clients: int) -> float:
-    """Requests/s the worker sustains with ``clients`` requests always outstanding (the slice
-    twice over, in order): completions counted from the ``clients``-th to the last one
-    before the first client runs dry, so neither the start nor the drain is in it."""
-    work = rows + rows
-    prompts = _prompts(work, seed)
-    done: list[float] = []
-    next_row = iter(range(len(work)))
-    async with _client(base) as client:
-
-        async def loop() -> None:
-            for i in next_row:
-                sample = await _stream(client, keys, i, prompts[i], work[i].output)
-                if sample.ok:
-                    done.append(time.perf_counter())
-
-        await asyncio.gather(*(loop() for _ in range(clients)))
-    steady = done[clients - 1 : len(done) - clients]
-    return (len(steady) - 1) / (steady[-1] - steady[0]) if len(steady) > 1 else math.nan
 
 
 @dataclass(slots=True)
@@ -178,12 +102,6 @@ class Live:
             self.steps.extend(protocol.decode_telemetry(fields).steps)
         client.delete(wire.TELEMETRY_STREAM)
         client.close()
-
-
-def scaled(rows: list[Row], rate: float) -> list[Row]:
-    """The slice's arrivals stretched or compressed to a mean rate of ``rate`` requests/s."""
-    native = (len(rows) - 1) / max(rows[-1].at, 1e-9)
-    return [Row(r.at * native / rate, r.prompt, r.output) for r in rows]
 
 
 def figures(run: Run, slo: Slo) -> Figures:

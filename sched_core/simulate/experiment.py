@@ -33,10 +33,12 @@ class Setup:
     implementation: str = "cython"
     jobs_per_read: int = 0
     fair_windows: int = 10
+    shed: bool = False  # every request carries the SLO to admission: tokengate refuses what would miss it
 
     def sim_config(self) -> SimConfig:
         return SimConfig(self.pools, self.hop_s, self.tick_s, self.seed, self.known_output,
-                         self.jobs_per_read)
+                         self.jobs_per_read,
+                         admission_slo=(self.slo.ttft_s, self.slo.tpot_s) if self.shed else None)
 
     def max_batch(self) -> dict[str, int]:
         return {p.path: p.slots for p in self.pools} | {
@@ -261,19 +263,20 @@ def targets(rows: Sequence[dict[str, Any]], tg: str = "tokengate") -> dict[str, 
         out["load_vs_fcfs"] = {"tokengate_rps": ours, "fcfs_rps": theirs, "ratio": ratio,
                                "met": None if ratio is None else ratio >= 2.0}
 
-    # 3. contracts, at the loads tokengate sustains
-    ok = [r for r in _by(rows, tg) if r["slo_attainment"] >= LEVEL and r["mape"] is not None]
+    # 3. contracts, at every load up to FCFS's 90%-SLO load (all loads without FCFS)
     every = [r for r in _by(rows, tg) if r["mape"] is not None]
+    upto = [r for r in every if load.get("fcfs") is None or r["rate_rps"] <= load["fcfs"] * 1.001]
     if every:
-        pool = ok or every
-        within = min(r["within_p99_bound"] for r in pool)
+        pool = upto or every
+        within = min(min(r["within_ttft_bound"], r["within_p99_bound"]) for r in pool)
+        mape_ttft = max(r["mape_ttft"] for r in pool)
         mape = max(r["mape"] for r in pool)
         out["contracts"] = {
-            "loads": "where tokengate meets 90% SLO" if ok else "all loads",
-            "min_within_p99_bound": within, "max_mape": mape,
-            "all_loads": [{"rate_rps": r["rate_rps"], "within_p99_bound": r["within_p99_bound"],
-                           "mape": r["mape"], "mape_ttft": r["mape_ttft"]} for r in every],
-            "met": within >= 0.99 and mape <= 0.10,
+            "loads": "every load up to FCFS's 90%-SLO load" if upto else "all loads",
+            "min_within_bounds": within, "max_mape_ttft": mape_ttft, "max_mape": mape,
+            "all_loads": [{k: r[k] for k in ("rate_rps", "within_ttft_bound", "within_p99_bound", "mape_ttft",
+                                             "mape", "raw_mape_ttft", "raw_mape", "refused_slo")} for r in every],
+            "met": within >= 0.99 and mape_ttft <= 0.10 and mape <= 0.25,
         }
 
     # 4. fairness at the heaviest load, and its throughput cost vs FCFS
