@@ -70,7 +70,7 @@ class Window:
     def __init__(self, size: int, values: list[float] | None = None) -> None:
         self.size = size
         self.values: list[float] = list(values or [])[-size:]
-        self.at = len(self.values) % size
+        self.at = 0  # the oldest (values are oldest first); appends until full leave it there
         self.stale = len(self.values)
         self.point = 1.0
         self.sorted: list[float] = []
