@@ -1,0 +1,131 @@
+"""Driver: calibrated contracts, SLO refusals at admission and outcomes, on both builds."""
+
+from __future__ import annotations
+
+import pytest
+
+from sched_core import Contract, Dispatch, Reject
+from sched_core.driver import Driver
+from sched_core.types import HOLD_SLACK
+
+from .conftest import Factory
+from .support import req
+
+
+def driver(make: Factory, cpu: int = 8, **config: object) -> Driver:
+    d = Driver(make(**config))
+    d.capacity("cpu", cpu, 0.0)
+    return d
+
+
+def test_an_slo_the_bounds_cannot_meet_is_refused_and_not_queued(make: Factory) -> None:
+    d = driver(make)
+    assert isinstance(d.arrive(req("first"), 0.0), Contract)
+    queued, promised = d.queued, len(d.contracts)
+    for ttft, tpot, why in ((1e-6, None, "first token"), (None, 1e-6, "tokens")):
+        r = d.arrive(req("tight", arrival=0.01, slo_ttft_s=ttft, slo_tpot_s=tpot), 0.01)
+        assert isinstance(r, Reject) and r.reason == "slo", r
+        assert r.request_id == "tight" and r.retry_after_s >= 1.0
+        assert 1e-6 < r.ttft_p99_s <= r.p99_s and r.estimate_s > 0.0
+        assert why in r.message
+        # taken back: not queued, no promise pending, and its id is free again
+        assert d.queued == queued and len(d.contracts) == promised
+    assert isinstance(d.arrive(req("tight", arrival=0.02), 0.02), Contract)
+    assert d.queued == queued + 1
+
+
+def test_retry_after_is_how_far_the_first_token_bound_is_past_the_slo(make: Factory) -> None:
+    d = driver(make, cpu=1)
+    d.arrive(req("running", prompt=1000, max_tokens=400, out=400), 0.0)
+    d.tick(0.0)
+    for i in range(20):  # a deep queue behind a busy slot: the first token is seconds away
+        d.arrive(req(f"q{i}", prompt=1000, max_tokens=400, out=400), 0.0)
+    r = d.arrive(req("late", slo_ttft_s=0.5), 0.0)
+    assert isinstance(r, Reject) and r.reason == "slo"
+    assert r.ttft_p99_s > 2.0
+    assert r.retry_after_s == pytest.approx(r.ttft_p99_s - 0.5)
+
+
+def test_a_loose_slo_is_accepted(make: Factory) -> None:
+    d = driver(make)
+    c = d.arrive(req("a", slo_ttft_s=600.0, slo_tpot_s=60.0), 0.0)
+    assert isinstance(c, Contract)
+    assert c.ttft_p99_s <= 600.0 and c.tpot_p99_s <= 60.0
+    assert d.queued == 1 and len(d.contracts) == 1
+
+
+def test_without_an_slo_nothing_is_refused(make: Factory) -> None:
+    d = driver(make, cpu=1)
+    d.arrive(req("running", prompt=1000, max_tokens=400, out=400), 0.0)
+    d.tick(0.0)
+    for i in range(50):  # however long the wait, a request without an SLO gets a promise
+        c = d.arrive(req(f"r{i}", tenant=f"t{i % 3}", prompt=1000, max_tokens=400, out=0), 0.0)
+        assert isinstance(c, Contract)
+    assert isinstance(c, Contract) and c.ttft_p99_s > 5.0  # the same bound refuses one with an SLO
+    assert isinstance(d.arrive(req("slo", prompt=1000, slo_ttft_s=5.0), 0.0), Reject)
+
+
+def test_a_tenant_over_its_fair_share_is_held_to_half_its_ttft_slo(make: Factory) -> None:
+    # one slot; hog's short prompts go first, so hog is served ahead of the backlogged other
+    d = driver(make, cpu=1, fair_slack_tokens=0.0)
+    d.arrive(req("h1", tenant="hog", prompt=10), 0.0)
+    d.arrive(req("h2", tenant="hog", prompt=10), 0.0)
+    d.arrive(req("o1", tenant="other", prompt=1000), 0.0)
+    (batch,) = d.tick(0.0)
+    assert isinstance(batch, Dispatch) and batch.request_ids == ("h1",)
+    policy = d.policy
+    assert policy.over_share("hog") and not policy.over_share("other")  # type: ignore[attr-defined]
+    probe = d.arrive(req("probe", tenant="hog", prompt=10), 0.0)
+    assert isinstance(probe, Contract)
+    assert policy.cancel("probe", 0.0)  # type: ignore[attr-defined]
+    d.forget("probe")
+    slo = 1.5 * probe.ttft_p99_s  # meets the bound, but not half of it
+    r = d.arrive(req("h3", tenant="hog", prompt=10, slo_ttft_s=slo), 0.0)
+    assert isinstance(r, Reject) and r.reason == "slo" and "fair share" in r.message
+    assert HOLD_SLACK * slo < r.ttft_p99_s <= slo
+    # twice as loose, half of it is enough
+    c = d.arrive(req("h4", tenant="hog", prompt=10, slo_ttft_s=slo / HOLD_SLACK), 0.0)
+    assert isinstance(c, Contract)
+
+
+def test_an_outcome_is_judged_and_calibrates(make: Factory) -> None:
+    d = driver(make)
+    c = d.arrive(req("a", out=0, max_tokens=64), 0.0)
+    assert isinstance(c, Contract) and c.output_tokens == 64  # the default, before any outcome
+    (batch,) = d.tick(0.0)
+    assert isinstance(batch, Dispatch)
+    d.finished("a", 5, 1.0)
+    acc = d.outcome("a", c.ttft_s * 0.5, c.ttft_s + 1.0, 5, 1.0)
+    assert acc is not None and acc.path == c.path == batch.path
+    assert acc.ttft_inside and acc.ttft_ape == pytest.approx(1.0)
+    assert d.outcome("a", 0.1, 0.2, 5, 1.0) is None  # once only
+    assert d.outcome("unknown", 0.1, 0.2, 5, 1.0) is None
+    state = d.contracts.state()
+    assert {r[0] for r in state["ratios"]} == {"ttft", "tpot", "total"}
+    assert all(r[1] == c.path for r in state["ratios"])
+    # enough short outcomes for the tenant and the driver asks the core for short outputs
+    now = 1.0
+    for i in range(20):
+        now += 1.0
+        ci = d.arrive(req(f"r{i}", out=0, arrival=now), now)
+        assert isinstance(ci, Contract)
+        for dispatched in d.tick(now):
+            assert isinstance(dispatched, Dispatch)
+        d.finished(f"r{i}", 5, now + 0.5)
+        assert d.outcome(f"r{i}", 0.1, 0.5, 5, now + 0.5) is not None
+    c = d.arrive(req("b", out=0, arrival=now + 1), now + 1)
+    assert isinstance(c, Contract) and c.output_tokens == 5
+    # a known length is taken as it is
+    c = d.arrive(req("known", out=17, arrival=now + 1), now + 1)
+    assert isinstance(c, Contract) and c.output_tokens == 17
+
+
+def test_forget_drops_the_pending_promise(make: Factory) -> None:
+    d = driver(make)
+    assert isinstance(d.arrive(req("a"), 0.0), Contract)
+    assert len(d.contracts) == 1
+    d.forget("a")
+    d.forget("a")  # twice is harmless
+    assert len(d.contracts) == 0
+    assert d.outcome("a", 0.1, 0.2, 5, 1.0) is None
+    assert d.contracts.state() == {"ratios": [], "outputs": []}
