@@ -72,6 +72,8 @@ class Metrics:
             return
         for component, inside, error, raw in (("ttft", acc.ttft_inside, acc.ttft_ape, acc.raw_ttft_ape),
                                               ("total", acc.total_inside, acc.total_ape, acc.raw_total_ape)):
+            if inside is None or error is None or raw is None:  # the first token was not seen apart
+                continue
             self.contract_inside.labels(acc.path, component, "true" if inside else "false").inc()
             self.contract_error.labels(acc.path, component, "calibrated").observe(error)
             self.contract_error.labels(acc.path, component, "raw").observe(raw)

@@ -168,8 +168,9 @@ class SchedulerShell:
     def outcome(self, rid: str, ttft_s: float | None, total_s: float | None, tokens: int,
                 now: float) -> Accuracy | None:
         """The request ended here: what it took calibrates the contracts (a request that did
-        not finish, or whose first token was never seen, is only forgotten)."""
-        if ttft_s is None or total_s is None:
+        not finish is only forgotten; a non-streaming one, whose first token is not seen
+        apart, teaches only its total and its length)."""
+        if total_s is None:
             self.driver.forget(rid)
             return None
         return self.driver.outcome(rid, ttft_s, total_s, tokens, now)

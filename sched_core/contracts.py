@@ -142,15 +142,15 @@ class _Pending:
 @dataclass(frozen=True, slots=True)
 class Accuracy:
     """How one promise fared: inside its bounds, and the absolute percentage error of the
-    calibrated prediction and of the raw model's, per component (first token, total)."""
+    calibrated prediction and of the raw model's, per component (total, first token)."""
 
     path: str
-    ttft_inside: bool
     total_inside: bool
-    ttft_ape: float
     total_ape: float
-    raw_ttft_ape: float
     raw_total_ape: float
+    ttft_inside: bool | None  # None: the first token was not seen apart (not streamed)
+    ttft_ape: float | None
+    raw_ttft_ape: float | None
 
 
 class Contracts:
@@ -253,32 +253,36 @@ class Contracts:
         """The request ended without an outcome to learn from (refused, failed, cancelled)."""
         self._pending.pop(rid, None)
 
-    def observe(self, rid: str, ttft_s: float, total_s: float, tokens: int, now: float) -> Accuracy | None:
+    def observe(self, rid: str, ttft_s: float | None, total_s: float, tokens: int,
+                now: float) -> Accuracy | None:
         """A request this calibrator promised finished: learn from it; how its promise fared
-        (None if it made none)."""
+        (None if it made none). ``ttft_s`` is None where the first token was not seen apart
+        (a non-streaming response): the total and the output length still teach."""
         pend = self._pending.pop(rid, None)
-        if pend is None or not (0.0 < ttft_s <= total_s) or tokens < 1:
+        if pend is None or not total_s > 0.0 or tokens < 1 or (ttft_s is not None and not 0.0 < ttft_s <= total_s):
             return None
         c = pend.promise
         k = pend.bucket
-        self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft)
-        if tokens > 1:
-            self._add("tpot", pend, max((total_s - ttft_s) / (tokens - 1), 1e-6) / pend.raw_tpot)
         self._add("total", pend, max(total_s - pend.wait, 1e-6) / pend.basis)
         for key in ((pend.tenant, k), ("", k)):
             self._outputs.setdefault(key, Window(self.output_window)).add(float(tokens))
-        ttft_in, total_in = ttft_s <= c.ttft_p99_s, total_s <= c.p99_s
-        for component, inside in (("ttft", ttft_in), ("total", total_in)):
+        judged = [("total", total_s <= c.p99_s)]
+        if ttft_s is not None:
+            self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft)
+            if tokens > 1:
+                self._add("tpot", pend, max((total_s - ttft_s) / (tokens - 1), 1e-6) / pend.raw_tpot)
+            judged.append(("ttft", ttft_s <= c.ttft_p99_s))
+        for component, inside in judged:
             q = self._adaptive(component, pend.path, now) + GAMMA * ((not inside) - (1.0 - self.coverage))
             self._level[(component, pend.path)] = (min(max(q, self.coverage), LEVEL_MAX) - self.coverage, now)
         return Accuracy(
             path=pend.path,
-            ttft_inside=ttft_in,
-            total_inside=total_in,
-            ttft_ape=abs(c.ttft_s - ttft_s) / ttft_s,
+            total_inside=total_s <= c.p99_s,
             total_ape=abs(c.total_s - total_s) / total_s,
-            raw_ttft_ape=abs(pend.raw_ttft + pend.wait - ttft_s) / ttft_s,
             raw_total_ape=abs(pend.raw_total - total_s) / total_s,
+            ttft_inside=None if ttft_s is None else ttft_s <= c.ttft_p99_s,
+            ttft_ape=None if ttft_s is None else abs(c.ttft_s - ttft_s) / ttft_s,
+            raw_ttft_ape=None if ttft_s is None else abs(pend.raw_ttft + pend.wait - ttft_s) / ttft_s,
         )
 
     def _add(self, component: str, pend: _Pending, ratio: float) -> None:

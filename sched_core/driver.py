@@ -125,10 +125,11 @@ class Driver:
         wait = max(c.ttft_p99_s - ttft_slo, 0.0)
         return Reject(req.id, "slo", why, max(1.0, wait), c.total_s, c.ttft_p99_s, c.p99_s)
 
-    def outcome(self, request_id: str, ttft_s: float, total_s: float, tokens: int,
+    def outcome(self, request_id: str, ttft_s: float | None, total_s: float, tokens: int,
                 now: float) -> Accuracy | None:
-        """A request with a promise finished: first token and last after ``ttft_s`` and
-        ``total_s`` seconds (from arrival), ``tokens`` generated. How the promise fared."""
+        """A request with a promise finished: first token and last after ``ttft_s`` (None: not
+        seen apart) and ``total_s`` seconds (from arrival), ``tokens`` generated. How the
+        promise fared."""
         return self.contracts.observe(request_id, ttft_s, total_s, tokens, now)
 
     def forget(self, request_id: str) -> None:

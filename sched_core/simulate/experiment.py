@@ -265,7 +265,8 @@ def targets(rows: Sequence[dict[str, Any]], tg: str = "tokengate") -> dict[str, 
 
     # 3. contracts, at every load up to FCFS's 90%-SLO load (all loads without FCFS)
     every = [r for r in _by(rows, tg) if r["mape"] is not None]
-    upto = [r for r in every if load.get("fcfs") is None or r["rate_rps"] <= load["fcfs"] * 1.001]
+    fcfs_load = load.get("fcfs")
+    upto = [r for r in every if fcfs_load is None or r["rate_rps"] <= fcfs_load * 1.001]
     if every:
         pool = upto or every
         within = min(min(r["within_ttft_bound"], r["within_p99_bound"]) for r in pool)

@@ -138,14 +138,14 @@ def summarize(result: Result, slo: Slo, windows: int = 20) -> dict[str, Any]:
     index, nwin = fairness(result, windows)
     acc = [o.accuracy for o in done if o.accuracy is not None]
     contracts: dict[str, float | None] = dict.fromkeys(CONTRACT_FIGURES)
-    if acc:
+    if acc:  # the simulator sees every first token
         n = len(acc)
         contracts = {
-            "within_ttft_bound": sum(a.ttft_inside for a in acc) / n,
+            "within_ttft_bound": sum(bool(a.ttft_inside) for a in acc) / n,
             "within_p99_bound": sum(a.total_inside for a in acc) / n,
-            "mape_ttft": sum(a.ttft_ape for a in acc) / n,
+            "mape_ttft": sum(a.ttft_ape or 0.0 for a in acc) / n,
             "mape": sum(a.total_ape for a in acc) / n,
-            "raw_mape_ttft": sum(a.raw_ttft_ape for a in acc) / n,
+            "raw_mape_ttft": sum(a.raw_ttft_ape or 0.0 for a in acc) / n,
             "raw_mape": sum(a.raw_total_ape for a in acc) / n,
         }
     paths = {p: sum(1 for o in done if o.path == p) for p in ("cpu", "gpu")}
