@@ -512,12 +512,6 @@ cdef class Scheduler:
         self._unqueue(h, DONE)
         return True
 
-    def over_share(self, tenant):
-        """True while ``tenant`` has been served more than ``fair_slack_tokens`` ahead of the
-        most-behind backlogged tenant: its queued requests wait for the others'."""
-        t = self.tenant_ix.get(tenant)
-        return t is not None and not self._eligible(t)
-
     def snapshot(self):
         """Queues per bucket, fitted cost curves, thresholds and counters, as JSON data."""
         cdef double now = self.now

@@ -28,9 +28,13 @@ from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
 from sched_core.contracts import Accuracy, Contracts
+from sched_core.reference import RateMeter
 from sched_core.types import HOLD_SLACK, PATHS, BatchTimings, Contract, Dispatch, Reject, Request, SchedulerConfig
 
 TICK_S = 0.002  # how often a policy is asked while requests wait and a slot is free
+#: A tenant over its fair share is refused (when it has an SLO) once its path's running and
+#: queued sequences reach this share of its slots.
+FULL_LOAD = 0.9
 
 StepRecord = tuple[int, int, int, float]  # prefill tokens, decode sequences, KV tokens, seconds
 
@@ -65,11 +69,42 @@ class Wakes(Protocol):
 
 @runtime_checkable
 class Cancels(Protocol):
-    """A policy that can drop a queued request and tell whether a tenant is over its share."""
+    """A policy that can drop a queued request."""
 
     def cancel(self, request_id: str, now: float) -> bool: ...
 
-    def over_share(self, tenant: str) -> bool: ...
+
+class Shares:
+    """Each tenant's admitted work (prompt + expected output tokens per second, decayed with
+    time constant ``tau``) against its budget's share of all tenants' admitted work: who is
+    over its share. The weights of the tenants seen lately are summed at most once a second."""
+
+    def __init__(self, tau: float = 10.0) -> None:
+        self.tau = tau
+        self._meters: dict[str, tuple[RateMeter, float]] = {}
+        self._total = RateMeter(tau)
+        self._weights = 0.0
+        self._summed = -math.inf
+
+    def add(self, tenant: str, weight: float, tokens: float, now: float) -> None:
+        entry = self._meters.get(tenant)
+        if entry is None or entry[1] != weight:
+            meter = entry[0] if entry is not None else RateMeter(self.tau)
+            entry = self._meters[tenant] = (meter, weight)
+        entry[0].add(now, tokens)
+        self._total.add(now, tokens)
+
+    def over(self, tenant: str, now: float) -> bool:
+        entry = self._meters.get(tenant)
+        if entry is None:
+            return False
+        total = self._total.rate(now)
+        if now - self._summed >= 1.0:
+            floor = 1e-3 * total
+            self._meters = {t: e for t, e in self._meters.items() if e[0].rate(now) > floor or t == tenant}
+            self._weights = sum(w for _, w in self._meters.values())
+            self._summed = now
+        return entry[0].rate(now) > total * entry[1] / max(self._weights, entry[1])
 
 
 class Driver:
@@ -83,6 +118,7 @@ class Driver:
         if not isinstance(config, SchedulerConfig):
             config = SchedulerConfig()
         self.contracts = Contracts(config.bucket_bounds, config.default_output_tokens)
+        self.shares = Shares(config.rate_window_s)
         self._cap = dict.fromkeys(PATHS, 0)
         self._used = dict.fromkeys(PATHS, 0)
         self._open: dict[int, tuple[str, set[str]]] = {}  # batch -> (path, unfinished requests)
@@ -104,18 +140,30 @@ class Driver:
         path = decision.path
         load = (self._used[path] + self.policy.queued) / max(self._cap[path], 1)
         c = cal.promise(decision, req, out_hi, load, now)
-        if req.slo_ttft_s is None and req.slo_tpot_s is None:
-            return c
+        if req.slo_ttft_s is not None or req.slo_tpot_s is not None:
+            refusal = self._refusal(req, c, load, now)
+            if refusal is not None:
+                return refusal
+        self.shares.add(req.tenant, req.weight, req.prompt_tokens + c.output_tokens, now)
+        return c
+
+    def _refusal(self, req: Request, c: Contract, load: float, now: float) -> Reject | None:
+        """The ``slo`` refusal of a request its promise cannot serve in time (None: keep it)."""
+        cal = self.contracts
         policy = self.policy
-        over = isinstance(policy, Cancels) and policy.over_share(req.tenant)
+        over = self.shares.over(req.tenant, now)
         ttft_slo = req.slo_ttft_s * (HOLD_SLACK if over else 1.0) if req.slo_ttft_s is not None else math.inf
         tpot_slo = req.slo_tpot_s if req.slo_tpot_s is not None else math.inf
-        if c.ttft_p99_s <= ttft_slo and c.tpot_p99_s <= tpot_slo:
-            return c
+        full = over and load >= FULL_LOAD  # capacity left is kept for the tenants within their share
+        if c.ttft_p99_s <= ttft_slo and c.tpot_p99_s <= tpot_slo and not full:
+            return None
         if not isinstance(policy, Cancels) or not policy.cancel(req.id, now):
-            return c  # it cannot be taken back: keep the promise, bounds and all
+            return None  # it cannot be taken back: keep the promise, bounds and all
         cal.forget(req.id)
-        if c.ttft_p99_s > ttft_slo:
+        if full:
+            why = ("its tenant is over its fair share and the workers are full: what is left goes to the "
+                   "tenants within theirs")
+        elif c.ttft_p99_s > ttft_slo:
             why = (f"its first token could be promised within {c.ttft_p99_s * 1000:.0f} ms (p99), "
                    f"not the {ttft_slo * 1000:.0f} ms asked" + (" (half the SLO: its tenant is over its "
                                                                "fair share)" if over else ""))

@@ -277,12 +277,6 @@ class Scheduler:
         self._unqueue(r, DONE)
         return True
 
-    def over_share(self, tenant: str) -> bool:
-        """True while ``tenant`` has been served more than ``fair_slack_tokens`` ahead of the
-        most-behind backlogged tenant: its queued requests wait for the others'."""
-        t = self._tenant_ix.get(tenant)
-        return t is not None and not self._eligible(t)
-
     def snapshot(self) -> dict[str, Any]:
         """Queues per bucket, fitted cost curves, thresholds and counters, as JSON data."""
         now = self._now

@@ -65,27 +65,41 @@ def test_without_an_slo_nothing_is_refused(make: Factory) -> None:
     assert isinstance(d.arrive(req("slo", prompt=1000, slo_ttft_s=5.0), 0.0), Reject)
 
 
-def test_a_tenant_over_its_fair_share_is_held_to_half_its_ttft_slo(make: Factory) -> None:
-    # one slot; hog's short prompts go first, so hog is served ahead of the backlogged other
-    d = driver(make, cpu=1, fair_slack_tokens=0.0)
-    d.arrive(req("h1", tenant="hog", prompt=10), 0.0)
-    d.arrive(req("h2", tenant="hog", prompt=10), 0.0)
-    d.arrive(req("o1", tenant="other", prompt=1000), 0.0)
-    (batch,) = d.tick(0.0)
-    assert isinstance(batch, Dispatch) and batch.request_ids == ("h1",)
+def test_a_tenant_over_its_share_of_admitted_work_is_held_to_half_its_ttft_slo(make: Factory) -> None:
+    d = driver(make, cpu=64)
+    # hog has admitted nine times other's work on the same budget: over its share
+    for i in range(9):
+        assert isinstance(d.arrive(req(f"h{i}", tenant="hog", prompt=10), 0.0), Contract)
+    assert isinstance(d.arrive(req("o0", tenant="other", prompt=10), 0.0), Contract)
+    assert d.shares.over("hog", 0.0) and not d.shares.over("other", 0.0)
     policy = d.policy
-    assert policy.over_share("hog") and not policy.over_share("other")  # type: ignore[attr-defined]
     probe = d.arrive(req("probe", tenant="hog", prompt=10), 0.0)
     assert isinstance(probe, Contract)
     assert policy.cancel("probe", 0.0)  # type: ignore[attr-defined]
     d.forget("probe")
     slo = 1.5 * probe.ttft_p99_s  # meets the bound, but not half of it
-    r = d.arrive(req("h3", tenant="hog", prompt=10, slo_ttft_s=slo), 0.0)
+    r = d.arrive(req("h9", tenant="hog", prompt=10, slo_ttft_s=slo), 0.0)
     assert isinstance(r, Reject) and r.reason == "slo" and "fair share" in r.message
     assert HOLD_SLACK * slo < r.ttft_p99_s <= slo
-    # twice as loose, half of it is enough
-    c = d.arrive(req("h4", tenant="hog", prompt=10, slo_ttft_s=slo / HOLD_SLACK), 0.0)
+    # the other tenant, within its share, is held to the whole SLO
+    c = d.arrive(req("o1", tenant="other", prompt=10, slo_ttft_s=slo), 0.0)
     assert isinstance(c, Contract)
+    # twice as loose, half of it is enough
+    c = d.arrive(req("h10", tenant="hog", prompt=10, slo_ttft_s=slo / HOLD_SLACK), 0.0)
+    assert isinstance(c, Contract)
+
+
+def test_a_tenant_over_its_share_is_refused_once_the_workers_are_full(make: Factory) -> None:
+    d = driver(make, cpu=8)
+    for i in range(7):  # 7 of 8 slots' worth queued, all hog's
+        assert isinstance(d.arrive(req(f"h{i}", tenant="hog", prompt=10), 0.0), Contract)
+    assert isinstance(d.arrive(req("o0", tenant="other", prompt=10), 0.0), Contract)
+    # 8 queued on 8 slots: full; hog is refused whatever its SLO, other is not
+    r = d.arrive(req("h7", tenant="hog", prompt=10, slo_ttft_s=600.0), 0.0)
+    assert isinstance(r, Reject) and r.reason == "slo" and "full" in r.message
+    assert isinstance(d.arrive(req("o1", tenant="other", prompt=10, slo_ttft_s=600.0), 0.0), Contract)
+    # without an SLO nothing is refused
+    assert isinstance(d.arrive(req("h8", tenant="hog", prompt=10), 0.0), Contract)
 
 
 def test_an_outcome_is_judged_and_calibrates(make: Factory) -> None:
