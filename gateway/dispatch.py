@@ -182,6 +182,10 @@ class Dispatcher:
         self.pending.pop(rid, None)
         self.shell.request_ended(rid, time.monotonic())
 
+    def first_token(self, rid: str, ttft_s: float) -> None:
+        """A streamed request's first token came ``ttft_s`` after it arrived."""
+        self.shell.driver.first_token(rid, ttft_s, time.monotonic())
+
     def outcome(self, rid: str, ttft_s: float | None, total_s: float | None, tokens: int) -> Accuracy | None:
         """What the request took (seconds from arrival; None: not seen): it calibrates the
         contracts; how its promise fared."""

@@ -215,7 +215,10 @@ class RequestLife:
                 raise Timeout(
                     f"Request {self.rid} timed out after {self.gw.settings.request_timeout_s:g} s."
                 ) from None
+        first = self.meter.first_token_s is None
         self.meter.observe(ev)
+        if first and self.meter.first_token_s is not None:  # a stream's first token: the contract learns now
+            self.gw.dispatcher.first_token(self.rid, self.meter.first_token_s)
         if isinstance(ev, p.Finished):
             self.gw.metrics.tokens.labels("prompt").inc(ev.prompt_tokens)
             self.gw.metrics.tokens.labels("completion").inc(ev.completion_tokens)

@@ -690,19 +690,18 @@ cdef class Scheduler:
         cdef Tail tl = self._tail(now)
         cdef double u = <double>self.used[p] / <double>w
         cdef double kv = <double>self.kv[p] / <double>w
-        if self.used[p] > 0:
-            wait += self._step_s(p, 0.0, u, kv)
+        if self.used[p] > 0:  # the rest of the step its worker is in: half of one, on average
+            wait += 0.5 * self._step_s(p, 0.0, u, kv)
         cdef double before = self.pend[p]
         if ahead_n > free:
             before += <double>ahead_prompt * <double>free / <double>ahead_n
         else:
             before += <double>ahead_prompt
-        if before > 0.0:
-            wait += self._prefill_s(p, before / <double>w, u, kv)
         cdef long long run = lmin(n, self.maxb[p])
         r.path = p
         r.wait = wait
-        r.prefill = self._prefill_s(p, <double>prompt + <double>(run - 1) * lbar, u, kv)
+        # its prompt is prefilled after those before it, in the same chunked passes
+        r.prefill = self._prefill_s(p, before / <double>w + <double>prompt + <double>(run - 1) * lbar, u, kv)
         cdef double kv_run = kv + <double>run * length
         r.decode = out * self._step_s(p, 0.0, u + run, kv_run)
         cdef double hi = u + run if u + run > per else <double>per

@@ -29,6 +29,7 @@ q quantile, never above ``max_tokens``.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -51,7 +52,7 @@ MIN_CONFORMAL = 99  # outcomes a window needs before it bounds at a level past i
 GAMMA = 0.01
 STRETCH = 40.0
 LEVEL_MAX = 1.035  # a stretch of 4x at most
-LEVEL_DECAY_S = 30.0
+LEVEL_DECAY_S = 60.0
 COMPONENTS = ("ttft", "tpot", "total")
 #: Upper edges of the load levels: (running + queued) ÷ slots of the request's path.
 LEVELS = (0.5, 0.9, 1.5)
@@ -125,7 +126,7 @@ def weighted_median(xs: list[float]) -> float:
     return xs[-1]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Pending:
     path: str
     level: int
@@ -137,6 +138,8 @@ class _Pending:
     raw_total: float  # the core's total, wait included (for the raw error)
     basis: float  # raw total bound without the wait: ttft + (out_hi − 1)·tpot
     promise: Contract
+    first: float | None = None  # its first token, seconds from arrival, once seen
+    judged: bool = False  # its first-token bound has moved the adaptive level (kept or missed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +174,7 @@ class Contracts:
         # (component, path): the adaptive level's excess over the coverage, and when it was set
         self._level: dict[tuple[str, str], tuple[float, float]] = {}
         self._pending: dict[str, _Pending] = {}
+        self._due: list[tuple[float, str]] = []  # (when its first-token bound runs out, request id)
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -229,6 +233,7 @@ class Contracts:
     def promise(self, raw: Contract, req: Request, out_hi: int, load: float, now: float) -> Contract:
         """The calibrated contract for a request the core admitted with ``raw``; ``load`` is
         its path's running and queued sequences ÷ its slots."""
+        self._overdue(now)
         level = load_level(load)
         wait = raw.budget_wait_s
         out = raw.output_tokens
@@ -247,7 +252,34 @@ class Contracts:
                     tpot_p99_s=raw_tpot * b_tpot)
         self._pending[raw.request_id] = _Pending(raw.path, level, raw.bucket, req.tenant, wait, raw_ttft,
                                                  raw_tpot, raw.total_s, basis, c)
+        heapq.heappush(self._due, (now - wait + ttft_hi, raw.request_id))
         return c
+
+    def _overdue(self, now: float) -> None:
+        """Promises whose first-token bound ran out with no first token are misses now, not
+        when they finish: in a burst the level rises while the burst lasts."""
+        due = self._due
+        while due and due[0][0] < now:
+            pend = self._pending.get(heapq.heappop(due)[1])
+            if pend is not None and not pend.judged:
+                pend.judged = True
+                self._adapt("ttft", pend.path, False, now)
+
+    def _adapt(self, component: str, path: str, inside: bool, now: float) -> None:
+        q = self._adaptive(component, path, now) + GAMMA * ((not inside) - (1.0 - self.coverage))
+        self._level[(component, path)] = (min(max(q, self.coverage), LEVEL_MAX) - self.coverage, now)
+
+    def first_token(self, rid: str, ttft_s: float, now: float) -> None:
+        """A promised request's first token came, ``ttft_s`` after arrival: its first-token
+        ratio is learnt now, before its last token."""
+        pend = self._pending.get(rid)
+        if pend is None or pend.first is not None or not ttft_s > 0.0:
+            return
+        pend.first = ttft_s
+        self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft)
+        if not pend.judged:
+            pend.judged = True
+            self._adapt("ttft", pend.path, ttft_s <= pend.promise.ttft_p99_s, now)
 
     def forget(self, rid: str) -> None:
         """The request ended without an outcome to learn from (refused, failed, cancelled)."""
@@ -259,6 +291,8 @@ class Contracts:
         (None if it made none). ``ttft_s`` is None where the first token was not seen apart
         (a non-streaming response): the total and the output length still teach."""
         pend = self._pending.pop(rid, None)
+        if pend is not None and pend.first is not None:
+            ttft_s = pend.first  # seen and learnt already
         if pend is None or not total_s > 0.0 or tokens < 1 or (ttft_s is not None and not 0.0 < ttft_s <= total_s):
             return None
         c = pend.promise
@@ -266,15 +300,14 @@ class Contracts:
         self._add("total", pend, max(total_s - pend.wait, 1e-6) / pend.basis)
         for key in ((pend.tenant, k), ("", k)):
             self._outputs.setdefault(key, Window(self.output_window)).add(float(tokens))
-        judged = [("total", total_s <= c.p99_s)]
+        self._adapt("total", pend.path, total_s <= c.p99_s, now)
         if ttft_s is not None:
-            self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft)
+            if pend.first is None:
+                self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft)
+            if not pend.judged:
+                self._adapt("ttft", pend.path, ttft_s <= c.ttft_p99_s, now)
             if tokens > 1:
                 self._add("tpot", pend, max((total_s - ttft_s) / (tokens - 1), 1e-6) / pend.raw_tpot)
-            judged.append(("ttft", ttft_s <= c.ttft_p99_s))
-        for component, inside in judged:
-            q = self._adaptive(component, pend.path, now) + GAMMA * ((not inside) - (1.0 - self.coverage))
-            self._level[(component, pend.path)] = (min(max(q, self.coverage), LEVEL_MAX) - self.coverage, now)
         return Accuracy(
             path=pend.path,
             total_inside=total_s <= c.p99_s,

@@ -180,6 +180,10 @@ class Driver:
         promise fared."""
         return self.contracts.observe(request_id, ttft_s, total_s, tokens, now)
 
+    def first_token(self, request_id: str, ttft_s: float, now: float) -> None:
+        """A promised request's first token came ``ttft_s`` seconds after its arrival."""
+        self.contracts.first_token(request_id, ttft_s, now)
+
     def forget(self, request_id: str) -> None:
         """A request ended without a usable outcome (failed, cancelled, refused later)."""
         self.contracts.forget(request_id)

@@ -410,13 +410,12 @@ class Scheduler:
         wait = (ahead_n - free + 1) * s_full / (w * per) if ahead_n >= free else 0.0
         t_cut, gap = self._tail(now)
         u, kv = self._per_worker(p)
-        if self._used[p] > 0:
-            wait += self._step_s(p, 0.0, u, kv)
+        if self._used[p] > 0:  # the rest of the step its worker is in: half of one, on average
+            wait += 0.5 * self._step_s(p, 0.0, u, kv)
         before = self._pend[p] + (ahead_prompt * free / ahead_n if ahead_n > free else ahead_prompt)
-        if before > 0.0:
-            wait += self._prefill_s(p, before / w, u, kv)
         run = min(n, self._max_batch[p])
-        prefill = self._prefill_s(p, prompt + (run - 1) * lbar, u, kv)
+        # its prompt is prefilled after those before it, in the same chunked passes
+        prefill = self._prefill_s(p, before / w + prompt + (run - 1) * lbar, u, kv)
         kv_run = kv + run * length
         decode = out * self._step_s(p, 0.0, u + run, kv_run)
         hi = u + run if u + run > per else float(per)

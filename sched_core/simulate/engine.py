@@ -394,6 +394,8 @@ class Simulation:
             b.padded = max(b.padded, step.padded)
             s.generated = 1
             s.outcome.first_token = seen
+            if s.outcome.contract is not None:  # what the gateway sees of a stream
+                self.driver.first_token(s.outcome.arrival.id, s.outcome.ttft, now)
             tenant = s.outcome.arrival.tenant
             self._backlog[tenant].append((now - step.decode_s - step.prefill_s, -1))
             counts = served.setdefault(tenant, [0, 0])

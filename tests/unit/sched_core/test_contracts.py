@@ -344,3 +344,28 @@ def test_weighted_median_against_brute_force_on_random_lists(seed: int) -> None:
     assert m in xs
     grid = [xs[0] + (xs[-1] - xs[0]) * k / 1000 for k in range(1001)]
     assert _mape(m, xs) <= min(_mape(c, xs) for c in xs + grid) + 1e-9
+
+
+def test_a_first_token_is_learnt_when_it_comes_and_judged_once() -> None:
+    cal = Contracts(BOUNDS, default_output=10)
+    c = cal.promise(raw("a"), req("a", out=0), 10, 0.0, 0.0)
+    cal.first_token("a", c.ttft_s * 2.0, 0.2)
+    assert [r[0] for r in cal.state()["ratios"]] == ["ttft"] * 3  # its cells, before any total
+    assert cal._adaptive("ttft", "cpu", 0.2) == cal.coverage  # inside its bound: no miss
+    acc = cal.observe("a", 99.0, c.ttft_s * 2.0 + 1.0, 10, 1.0)  # the total's ttft is ignored: seen already
+    assert acc is not None and acc.ttft_ape == pytest.approx(0.5) and acc.ttft_inside
+    ttft_cells = [r for r in cal.state()["ratios"] if r[0] == "ttft"]
+    assert all(len(r[4]) == 1 for r in ttft_cells)  # learnt once
+
+
+def test_a_first_token_bound_that_runs_out_is_a_miss_before_the_request_ends() -> None:
+    cal = Contracts(BOUNDS, default_output=10)
+    c = cal.promise(raw("late"), req("late", out=0), 10, 0.0, 0.0)
+    assert cal._adaptive("ttft", "cpu", 0.0) == cal.coverage
+    # nothing came by its bound; the next promise sees the miss and bounds more loosely
+    cal.promise(raw("next"), req("next", out=0), 10, 0.0, c.ttft_p99_s + 0.01)
+    assert cal._adaptive("ttft", "cpu", c.ttft_p99_s + 0.01) > cal.coverage
+    level = cal._adaptive("ttft", "cpu", c.ttft_p99_s + 0.01)
+    # its first token, late, does not count the miss twice
+    cal.first_token("late", c.ttft_p99_s * 2, c.ttft_p99_s + 0.01)
+    assert cal._adaptive("ttft", "cpu", c.ttft_p99_s + 0.01) == pytest.approx(level)
