@@ -1,7 +1,7 @@
 """Latency contracts against the live gateway with the real model, on a slice of the trace.
 
-    python -m bench.contracts [--requests 200] [--speed 0.3] [--busy] [--json]
-    python -m bench.contracts --overload [--requests 120] [--json]
+    python -m bench.contracts [--requests 200] [--speed 0.25] [--busy] [--json]
+    python -m bench.contracts --overload [--json]
 
 Replays rows of the Azure LLM code trace (``bench/traffic.py``) through ``tokengate gateway``
 and one ``hf`` CPU worker of 32 slots: arrivals at ``--speed`` times the trace's rate, prompts
@@ -37,7 +37,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
@@ -155,11 +155,11 @@ def run(base: str, keys: list[str], label: str, rows: list[Row], seed: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    parser.add_argument("--start", type=int, default=0, help="first trace row of the slice")
+    parser.add_argument("--start", type=int, default=3000, help="first trace row of the slice")
     parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--speed", type=float, default=0.3, help="arrival rate as a multiple of the trace's")
-    parser.add_argument("--length-scale", type=float, default=8.0, help="prompt lengths are divided by this")
-    parser.add_argument("--max-output", type=int, default=48)
+    parser.add_argument("--speed", type=float, default=0.25, help="arrival rate as a multiple of the trace's")
+    parser.add_argument("--length-scale", type=float, default=32.0, help="prompt lengths are divided by this")
+    parser.add_argument("--max-output", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--busy", action="store_true", help="replay again with one core kept busy")
@@ -212,9 +212,7 @@ def main() -> None:
     _table(runs)
     if samples:
         _plot([s for s in samples if s.ok])
-        (OUT / "contracts_samples.json").write_bytes(orjson.dumps([s.__dict__ if hasattr(s, "__dict__") else
-                                                                   {f: getattr(s, f) for f in s.__slots__}
-                                                                   for s in samples]))
+        (OUT / "contracts_samples.json").write_bytes(orjson.dumps([asdict(s) for s in samples]))
     print(orjson.dumps(summary).decode() if args.json else summary)
 
 

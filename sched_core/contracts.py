@@ -40,6 +40,7 @@ from sched_core.types import Contract, Request
 #: this (the model is the packaged profile's: measured, but not on this deployment's load).
 PRIOR_BOUND_FACTOR = 3.0
 MIN_POINT = 16  # outcomes a window needs before its median corrects the raw prediction
+POINT_WINDOW = 64  # the median is of a window's latest outcomes: the bias drifts with the load
 REFRESH = 8  # a window's factors are recomputed after this many new outcomes (and while small)
 MIN_CONFORMAL = 99  # outcomes a window needs before it bounds at a level past its resolution
 #: Adaptive conformal inference (Gibbs and Candès, 2021): after each outcome the level a
@@ -90,7 +91,8 @@ class Window:
     def _refresh(self) -> None:
         if self.stale and (self.stale >= REFRESH or len(self.values) < 8 * REFRESH):
             self.sorted = sorted(self.values)
-            self.point = weighted_median(self.sorted)
+            recent = self.ordered()[-POINT_WINDOW:]
+            self.point = weighted_median(sorted(recent))
             self.stale = 0
 
     def median(self) -> float:

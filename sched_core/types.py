@@ -257,7 +257,7 @@ class SchedulerConfig:
     fair_slack_tokens: float = 65536.0
     rate_window_s: float = 10.0
     ewma_alpha: float = 0.1
-    default_output_tokens: int = 64
+    default_output_tokens: int = 16
     fit_forgetting: float = 0.999
     prior_weight: float = 10.0
     prefill_queue_steps: float = 4.0

@@ -6,7 +6,7 @@ import pytest
 
 from sched_core import Contract, Dispatch, Reject
 from sched_core.driver import Driver
-from sched_core.types import HOLD_SLACK
+from sched_core.types import HOLD_SLACK, SchedulerConfig
 
 from .conftest import Factory
 from .support import req
@@ -105,7 +105,7 @@ def test_a_tenant_over_its_share_is_refused_once_the_workers_are_full(make: Fact
 def test_an_outcome_is_judged_and_calibrates(make: Factory) -> None:
     d = driver(make)
     c = d.arrive(req("a", out=0, max_tokens=64), 0.0)
-    assert isinstance(c, Contract) and c.output_tokens == 64  # the default, before any outcome
+    assert isinstance(c, Contract) and c.output_tokens == SchedulerConfig().default_output_tokens  # before any outcome
     (batch,) = d.tick(0.0)
     assert isinstance(batch, Dispatch)
     d.finished("a", 5, 1.0)
