@@ -33,8 +33,8 @@ from sched_core.types import HOLD_SLACK, PATHS, BatchTimings, Contract, Dispatch
 
 TICK_S = 0.002  # how often a policy is asked while requests wait and a slot is free
 #: A tenant over its fair share is refused (when it has an SLO) once its path's running and
-#: queued sequences reach this share of its slots.
-FULL_LOAD = 0.9
+#: queued sequences reach this share of its slots: no slot is left for it.
+FULL_LOAD = 1.0
 
 StepRecord = tuple[int, int, int, float]  # prefill tokens, decode sequences, KV tokens, seconds
 
