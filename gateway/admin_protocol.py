@@ -17,6 +17,7 @@ from gateway.openai_protocol import validation_error
 from gateway.tenants import (
     DEFAULT_MAX_QUEUE_DELAY_S,
     NAME_PATTERN,
+    SLO_MS_MIN,
     Limits,
     Tenant,
     default_burst,
@@ -29,8 +30,8 @@ Rate = Annotated[float, Field(gt=0.0, le=1e9, allow_inf_nan=False)]
 Burst = Annotated[int, Field(ge=1, le=10**12)]
 Priority = Annotated[int, Field(ge=0, le=9)]
 QueueDelay = Annotated[float, Field(ge=0.0, le=300.0, allow_inf_nan=False)]
-SloTtftMs = Annotated[float, Field(gt=0.0, le=600_000.0, allow_inf_nan=False)]
-SloTpotMs = Annotated[float, Field(gt=0.0, le=60_000.0, allow_inf_nan=False)]
+SloTtftMs = Annotated[float, Field(ge=SLO_MS_MIN, le=600_000.0, allow_inf_nan=False)]
+SloTpotMs = Annotated[float, Field(ge=SLO_MS_MIN, le=60_000.0, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=1, le=10**9)]
 Models = Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=64)]
 

@@ -42,7 +42,7 @@ from gateway.metrics import Metrics
 from gateway.prompts import PromptBuilder, PromptTooLong
 from gateway.settings import GatewaySettings
 from gateway.tenant_store import TenantStore
-from gateway.tenants import Tenant
+from gateway.tenants import SLO_MS_MIN, Tenant
 from gateway.web import ORJSONResponse, read_json
 from workers import protocol as p
 
@@ -215,8 +215,10 @@ def _slo_s(request: Request) -> tuple[float | None, float | None]:
             ms = float(raw)
         except ValueError:
             ms = -1.0
-        if not 0 < ms <= top:
-            raise InvalidRequest(f"The {name} header must be a number of milliseconds in (0, {top:.0f}].", param=name)
+        if not SLO_MS_MIN <= ms <= top:
+            raise InvalidRequest(
+                f"The {name} header must be a number of milliseconds in [{SLO_MS_MIN:g}, {top:.0f}].", param=name
+            )
         out.append(ms / 1000)
     return out[0], out[1]
 

@@ -27,6 +27,7 @@ from gateway import admin
 from gateway import admin_protocol as ap
 from gateway import openai_protocol as oai
 from gateway.settings import GatewaySettings
+from gateway.tenants import SLO_MS_MIN
 from workers.protocol import Heartbeat
 
 OPENAPI_PATH = "/openapi.json"
@@ -47,7 +48,8 @@ _FORBID = ConfigDict(extra="forbid")
 @with_config(_FORBID)
 class ErrorObject(TypedDict):
     """OpenAI's error object; ``budget_wait_s`` on a 429 over the token budget, ``estimate_ms``
-    on a 503 whose deadline cannot be met."""
+    on a 503 whose deadline or SLO cannot be met, and on the latter the best bounds the
+    gateway could promise (``best_ttft_p99_ms``, ``best_p99_ms``)."""
 
     message: str
     type: Literal["invalid_request_error", "server_error", "requests", "tokens"]
@@ -55,6 +57,8 @@ class ErrorObject(TypedDict):
     code: str | None
     budget_wait_s: NotRequired[float]
     estimate_ms: NotRequired[float]
+    best_ttft_p99_ms: NotRequired[float]
+    best_p99_ms: NotRequired[float]
 
 
 @with_config(_FORBID)
@@ -508,10 +512,10 @@ SLO_PARAMS = tuple(
         "name": name,
         "in": "header",
         "required": False,
-        "description": f"The client's SLO on its {what} in milliseconds (0 < N ≤ {top:,.0f}); without it, the "
-        "tenant's default SLO applies. A request whose calibrated p99 bound cannot meet it is refused at "
-        "once (503 `slo_unattainable`, with `Retry-After` and the best bounds).",
-        "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": top},
+        "description": f"The client's SLO on its {what} in milliseconds ({SLO_MS_MIN:g} ≤ N ≤ {top:,.0f}); "
+        "without it, the tenant's default SLO applies. A request whose calibrated p99 bound cannot meet it is "
+        "refused at once (503 `slo_unattainable`, with `Retry-After` and the best bounds).",
+        "schema": {"type": "number", "minimum": SLO_MS_MIN, "maximum": top},
     }
     for (name, top), what in zip(SLO_HEADERS.items(), ("first token", "time per output token"), strict=True)
 )

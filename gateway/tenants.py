@@ -18,6 +18,7 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9.-]{0,63}$"
 _ID = re.compile(r"tn_[0-9a-f]{16}")
 
 DEFAULT_MAX_QUEUE_DELAY_S = 2.0
+SLO_MS_MIN = 0.001  # the smallest SLO in ms, for headers and tenant defaults (a smaller one rounds to 0 s)
 #: seconds of the rate a new tenant may spend at once when no burst is given
 DEFAULT_BURST_SECONDS = 10.0
 

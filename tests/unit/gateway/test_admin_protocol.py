@@ -66,6 +66,7 @@ def test_a_document_stored_before_tenants_had_an_slo_still_loads() -> None:
         ({"name": "a", "rate": 1, "priority": 10}, "priority"),
         ({"name": "a", "rate": 1, "max_queue_delay_s": -1}, "max_queue_delay_s"),
         ({"name": "a", "rate": 1, "slo_ttft_ms": 0}, "slo_ttft_ms"),
+        ({"name": "a", "rate": 1, "slo_ttft_ms": 5e-324}, "slo_ttft_ms"),  # rounds to 0 s
         ({"name": "a", "rate": 1, "slo_ttft_ms": 600_001}, "slo_ttft_ms"),
         ({"name": "a", "rate": 1, "slo_ttft_ms": "500"}, "slo_ttft_ms"),
         ({"name": "a", "rate": 1, "slo_tpot_ms": -5}, "slo_tpot_ms"),
