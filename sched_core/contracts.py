@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from sched_core.types import Contract, Request
@@ -250,8 +250,8 @@ class Contracts:
         total = ttft + max(out - 1, 0) * tpot
         ttft_hi = wait + raw_ttft * b_ttft
         total_hi = max(wait + basis * b_total, ttft_hi, total)
-        c = replace(raw, ttft_s=ttft, total_s=total, tpot_s=tpot, p99_s=total_hi, ttft_p99_s=ttft_hi,
-                    tpot_p99_s=raw_tpot * b_tpot)
+        c = Contract(raw.request_id, raw.bucket, raw.path, ttft, total, total_hi, raw.tokens_ahead, wait, tpot, out,
+                     ttft_hi, raw_tpot * b_tpot)
         self._pending[raw.request_id] = _Pending(raw.path, level, raw.bucket, req.tenant, wait, raw_ttft,
                                                  raw_tpot, raw.total_s, basis, c)
         heapq.heappush(self._due, (now - wait + ttft_hi, raw.request_id))
