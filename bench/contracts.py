@@ -211,15 +211,32 @@ def main() -> None:
                     fig, samples = run(base, keys, f"{load:g}x capacity", scaled(rows, load * capacity),
                                        args.seed, slo)
                     runs.append(fig)
+                    print(f"refusals at {load:g}x capacity, by reason: {refusal_reasons(samples)}")
             summary = {"capacity_rps": capacity, "goodput_ratio_2x": runs[1].goodput_rps / runs[0].goodput_rps,
                        "within_both_2x": min(runs[1].within_ttft, runs[1].within_total),
                        "refusal_p100_ms": runs[1].refusal_p100_ms}
     summary["seconds"] = time.perf_counter() - started
+
     _table(runs)
     if samples:
         _plot([s for s in samples if s.ok])
         (OUT / "contracts_samples.json").write_bytes(orjson.dumps([asdict(s) for s in samples]))
     print(orjson.dumps(summary).decode() if args.json else summary)
+
+
+def refusal_reasons(samples: list[Sample]) -> dict[str, int]:
+    """The SLO refusals, by the rule that refused them (docs/scheduling.md §14)."""
+    reasons: dict[str, int] = {}
+    for s in samples:
+        if s.error == "slo_unattainable":
+            if "over its fair share and the workers are full" in s.message:
+                why = "over its share, no slot left"
+            elif "first token could be promised" in s.message:
+                why = "first-token bound" + (" (half the SLO: over its share)" if "half the SLO" in s.message else "")
+            else:
+                why = "token-time bound"
+            reasons[why] = reasons.get(why, 0) + 1
+    return reasons
 
 
 def set_slo(base: str, n: int, slo: tuple[float, float]) -> None:

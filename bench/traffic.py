@@ -92,6 +92,7 @@ class Sample:
     status: int = 0
     ok: bool = False
     error: str = ""
+    message: str = ""  # a refusal's reason
     answered_s: float = math.nan  # the response's headers
     ttft_s: float = math.nan
     e2e_s: float = math.nan
@@ -129,7 +130,9 @@ async def stream(http: httpx.AsyncClient, keys: list[str], i: int, prompt: list[
         sample.ttft_bound_s, sample.total_bound_s = _ms(h, "x-tokengate-ttft-p99-ms"), _ms(h, "x-tokengate-p99-ms")
         if r.status_code != 200:
             await r.aread()
-            sample.error = str(r.json().get("error", {}).get("code"))
+            error = r.json().get("error", {})
+            sample.error = str(error.get("code"))
+            sample.message = str(error.get("message", ""))
             return sample
         async for line in r.aiter_lines():
             if line.startswith("data: ") and math.isnan(sample.ttft_s) and line != "data: [DONE]":
