@@ -115,9 +115,14 @@ class Dispatcher:
             log.info("started from the saved step-time model and contract calibration")
 
     async def _save_model(self) -> None:
-        state = self.shell.model_state()
-        if state is not None:
-            await self.client.set(wire.model_key(self.settings.model_name), orjson.dumps(state))
+        try:
+            state = self.shell.model_state()
+            blob = orjson.dumps(state) if state is not None else None
+        except Exception:  # noqa: BLE001 - a state that cannot be saved must not stop the watch loop
+            log.exception("the fitted model could not be saved")
+            return
+        if blob is not None:
+            await self.client.set(wire.model_key(self.settings.model_name), blob)
 
     async def _supervised(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
         try:
