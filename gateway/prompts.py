@@ -15,12 +15,15 @@ The work per refused request is therefore bounded by the limit, not by the body 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
 from gateway.errors import InvalidRequest
 from gateway.openai_protocol import Generation
 
+TEMPLATE_CACHE_ENTRIES = 1024  # rendered conversations kept per gateway process
+TEMPLATE_CACHE_CHARS = 8192  # only conversations this short are kept: 8 MiB of text at most
 PREFIX_CHARS_PER_TOKEN = 8  # prose averages ~4 characters per token; code and digits fewer
 
 
@@ -45,6 +48,9 @@ class PromptBuilder:
         self.longest_token_chars = max(
             1, max(len(tokenizer.convert_tokens_to_string([t])) for t in tokenizer.get_vocab())
         )
+        # the same conversation is rendered once (a client's fixed system prompt and question,
+        # a benchmark's body): the Jinja template costs more than tokenizing its result
+        self._cached_render = functools.lru_cache(maxsize=TEMPLATE_CACHE_ENTRIES)(self._render)
 
     @classmethod
     def load(cls, model_dir: Path) -> PromptBuilder:
@@ -62,13 +68,18 @@ class PromptBuilder:
             return list(self._fast.encode_batch([text], add_special_tokens=False)[0].ids)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def _render(self, conversation: tuple[tuple[str, str], ...]) -> str:
+        messages = [{"role": role, "content": text} for role, text in conversation]
+        # the template already holds the special tokens; the Rust tokenizer encodes it
+        # directly (about half the cost of tokenize=True)
+        return str(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+
     def text(self, gen: Generation) -> str | None:
         """The text to tokenize (the chat template applied), or None for token ids."""
         if gen.kind == "chat":
-            messages = [{"role": role, "content": text} for role, text in gen.messages]
-            # the template already holds the special tokens; the Rust tokenizer encodes it
-            # directly (about half the cost of tokenize=True)
-            return str(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+            if self.chars(gen) <= TEMPLATE_CACHE_CHARS:
+                return self._cached_render(gen.messages)
+            return self._render(gen.messages)
         return gen.prompt if isinstance(gen.prompt, str) else None
 
     @staticmethod

@@ -55,3 +55,27 @@ def test_a_prompt_within_the_limit_gets_exactly_the_ids_of_the_whole_text(prompt
     with pytest.raises(PromptTooLong) as info:
         prompts.token_ids(_completion(text), len(ids) - 1)
     assert info.value.exact and info.value.tokens == len(ids)
+
+
+def test_a_conversation_is_rendered_once_and_a_long_one_is_not_kept(
+    prompts: PromptBuilder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway.prompts import TEMPLATE_CACHE_CHARS
+
+    calls: list[int] = []
+    render = prompts.tokenizer.apply_chat_template
+
+    def counting(messages, **kw):  # type: ignore[no-untyped-def]
+        calls.append(len(messages))
+        return render(messages, **kw)
+
+    monkeypatch.setattr(prompts.tokenizer, "apply_chat_template", counting)
+    chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "cache me, once"}]})
+    first = prompts.text(chat)
+    assert prompts.text(chat) == first and calls == [1]  # the second is the cached text
+    other = parse_chat({"model": "m", "messages": [{"role": "user", "content": "cache me, twice"}]})
+    assert prompts.text(other) != first and calls == [1, 1]
+    long = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x" * (TEMPLATE_CACHE_CHARS + 1)}]})
+    prompts.text(long)
+    prompts.text(long)
+    assert calls == [1, 1, 1, 1]  # too long to keep: rendered each time
