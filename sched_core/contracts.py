@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,19 +184,13 @@ class Contracts:
 
     # -- output lengths -----------------------------------------------------------------------
 
-    def _bucket(self, prompt: int) -> int:
-        for k, bound in enumerate(self.bounds):
-            if prompt <= bound:
-                return k
-        return len(self.bounds) - 1
-
     def output(self, req: Request) -> tuple[int, int]:
         """(estimate, upper bound) of the request's output length, within [1, max_tokens]."""
         cap = req.max_tokens
         if req.expected_output_tokens > 0:
             n = min(req.expected_output_tokens, cap)
             return n, n
-        k = self._bucket(req.prompt_tokens)
+        k = min(bisect_left(self.bounds, req.prompt_tokens), len(self.bounds) - 1)  # the core's bucket
         for key in ((req.tenant, k), ("", k)):
             w = self._outputs.get(key)
             if w is not None and len(w) >= MIN_POINT:
@@ -302,20 +297,22 @@ class Contracts:
         self._add("total", pend, max(total_s - pend.wait, 1e-6) / pend.basis)
         for key in ((pend.tenant, k), ("", k)):
             self._outputs.setdefault(key, Window(self.output_window)).add(float(tokens))
-        self._adapt("total", pend.path, total_s <= c.p99_s, now)
+        total_inside = total_s <= c.p99_s
+        ttft_inside = None if ttft_s is None else ttft_s <= c.ttft_p99_s
+        self._adapt("total", pend.path, total_inside, now)
         if ttft_s is not None:
             if pend.first is None:
                 self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft)
             if not pend.judged:
-                self._adapt("ttft", pend.path, ttft_s <= c.ttft_p99_s, now)
+                self._adapt("ttft", pend.path, bool(ttft_inside), now)
             if tokens > 1:
                 self._add("tpot", pend, max((total_s - ttft_s) / (tokens - 1), 1e-6) / pend.raw_tpot)
         return Accuracy(
             path=pend.path,
-            total_inside=total_s <= c.p99_s,
+            total_inside=total_inside,
             total_ape=abs(c.total_s - total_s) / total_s,
             raw_total_ape=abs(pend.raw_total - total_s) / total_s,
-            ttft_inside=None if ttft_s is None else ttft_s <= c.ttft_p99_s,
+            ttft_inside=ttft_inside,
             ttft_ape=None if ttft_s is None else abs(c.ttft_s - ttft_s) / ttft_s,
             raw_ttft_ape=None if ttft_s is None else abs(pend.raw_ttft + pend.wait - ttft_s) / ttft_s,
         )

@@ -15,9 +15,9 @@ The rules, in one place:
 * a policy that promises (the scheduler) has its raw contracts calibrated on outcomes
   (``sched_core.contracts``): the driver estimates each request's output length, turns the
   core's contract into the calibrated promise, and refuses at admission a request whose
-  SLO the promise cannot meet (``slo``; a tenant over its fair share is held to half its
-  TTFT SLO, since its requests wait for the others'); every request that got a promise
-  ends in ``outcome`` (what it took) or ``forget``.
+  SLO the promise cannot meet (``slo``; a tenant over its share of the admitted work,
+  ``Shares``, is held to half its TTFT SLO and refused while no slot is left for it); every
+  request that got a promise ends in ``outcome`` (what it took) or ``forget``.
 """
 
 from __future__ import annotations

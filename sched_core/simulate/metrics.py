@@ -25,8 +25,8 @@ Definitions (docs/scheduling.md §13 states them with the results):
   contract's ``ttft_p99_s``, whose e2e is within its ``p99_s``, and the mean absolute
   percentage error of the predicted TTFT (``ttft_s``) and total (``total_s``), calibrated
   and the raw model's (``sched_core.contracts``);
-* refusals: requests the driver refused at admission for their SLO, and the longest any of
-  them waited for the answer (admission is at arrival in the simulator: 0).
+* refusals: requests the driver refused at admission for their SLO (``refused_slo``;
+  admission is at arrival in the simulator, so a refusal takes no time).
 """
 
 from __future__ import annotations
