@@ -47,8 +47,10 @@ from bench.common import ADMIN_TOKEN, OUT, backend, gateway_process, pct, table
 from bench.traffic import (
     BUDGETS,
     DEFAULT_TRACE,
+    SLOTS,
     Row,
     Sample,
+    client,
     closed_loop,
     load_trace,
     make_tenants,
@@ -58,8 +60,6 @@ from bench.traffic import (
     stream,
 )
 from workers import model_store
-
-SLOTS = 32  # the worker's slots (the default of `tokengate worker`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +135,7 @@ def figures(label: str, samples: list[Sample], span_s: float, slo: tuple[float, 
 async def warm(base: str, keys: list[str], rows: list[Row], seed: int) -> None:
     """The warm-up rows one at a time: the gateway's first outcomes, on an idle worker."""
     bodies = prompts(rows, seed + 1)
-    async with httpx.AsyncClient(base_url=base, timeout=900) as http:
+    async with client(base) as http:
         for i, row in enumerate(rows):
             await stream(http, keys, i, bodies[i], row.output)
 
@@ -174,6 +174,8 @@ def main() -> None:
     parser.add_argument("--slo-tpot-ms", type=float, default=400.0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.overload and args.requests <= SLOTS:  # the closed loop needs completions between its start and drain
+        parser.error(f"--overload needs --requests above the worker's {SLOTS} slots to measure its capacity")
     model_store.offline()
     model_dir = str(model_store.resolve(None, model_store.default_cache_dir()).path)
     rows = load_trace(args.trace, args.start, args.requests + args.warmup, args.speed, args.length_scale,

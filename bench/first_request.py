@@ -13,11 +13,7 @@ within 2x of their promise (issue 12's target 3).
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +21,7 @@ from pathlib import Path
 import httpx
 import orjson
 
-from bench.common import table, wait_ready
+from bench.common import OUT, spawn, stop, table, wait_ready
 from gateway.embedded_redis import free_port
 
 PROMPT = "Say hello in five words."
@@ -35,11 +31,8 @@ def one(temperature: float | None) -> tuple[float, float, float, int, int]:
     """(promised s, p99 s, took s, tokens, tokens assumed) of a fresh serve's first request."""
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
-        log = Path(tmp) / "serve.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENGATE_DATA_DIR": str(Path(tmp) / "data")}
-        with open(log, "w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)],
-                                    stdout=out, stderr=subprocess.STDOUT, env=env)
+        log = OUT / "serve.log"
+        proc = spawn(["-m", "gateway.cli", "serve", "--port", str(port), "--data-dir", str(Path(tmp) / "data")], log)
         base = f"http://127.0.0.1:{port}"
         try:
             wait_ready(base, [proc])
@@ -63,8 +56,7 @@ def one(temperature: float | None) -> tuple[float, float, float, int, int]:
             return (float(h["x-tokengate-latency-ms"]) / 1000, float(h["x-tokengate-p99-ms"]) / 1000, took,
                     int(r.json()["usage"]["completion_tokens"]), int(h["x-tokengate-output-tokens"]))
         finally:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=60)
+            stop([proc])
 
 
 def main() -> None:

@@ -49,7 +49,18 @@ import redis
 
 from bench.common import OUT, backend, gateway_process, pct, table
 from bench.profile import nn_relative_fit
-from bench.traffic import BUDGETS, DEFAULT_TRACE, Row, Sample, closed_loop, load_trace, make_tenants, replay, scaled
+from bench.traffic import (
+    BUDGETS,
+    DEFAULT_TRACE,
+    SLOTS,
+    Row,
+    Sample,
+    closed_loop,
+    load_trace,
+    make_tenants,
+    replay,
+    scaled,
+)
 from sched_core.policies import make_policy
 from sched_core.simulate import experiment as ex
 from sched_core.simulate.engine import Pool, simulate
@@ -63,7 +74,6 @@ Figures = dict[str, float | str]  # one run's figures, as printed and as JSON
 Sims = dict[tuple[str, float], dict[str, float]]  # (policy, load) -> the simulator's figures
 
 GRID = tuple(f"fixed:batch={b},window_ms={w}" for b in (1, 4, 8) for w in (0, 10, 50))
-SLOTS = 32  # the worker's slots (the default of `tokengate worker`)
 
 
 @dataclass(slots=True)

@@ -26,6 +26,7 @@ from sched_core.simulate.workload import parse_trace
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_code_2023.csv"
 BUDGETS = (4000.0, 2000.0, 1000.0)  # tokens/s of the tenants, in turn
 MODEL = "SmolLM2-135M-Instruct"
+SLOTS = 32  # the worker's slots (the default of `tokengate worker`)
 T = TypeVar("T")
 
 
