@@ -188,38 +188,34 @@ class Gateway:
 # -- generation ------------------------------------------------------------------------
 
 
-def _deadline_s(request: Request) -> float | None:
-    raw = request.headers.get(DEADLINE_HEADER)
+def _header_s(request: Request, name: str, valid: Callable[[float], bool], rule: str) -> float | None:
+    """A header of milliseconds, in seconds; None if absent; a 400 naming it if not ``valid``."""
+    raw = request.headers.get(name)
     if raw is None:
         return None
     try:
         ms = float(raw)
     except ValueError:
-        ms = -1.0
-    if not 0 < ms < openapi.DEADLINE_MS_MAX:
-        raise InvalidRequest(
-            f"The {DEADLINE_HEADER} header must be a positive number of milliseconds.", param=DEADLINE_HEADER
-        )
+        ms = math.nan
+    if not valid(ms):
+        raise InvalidRequest(f"The {name} header must be {rule}.", param=name)
     return ms / 1000
+
+
+def _deadline_s(request: Request) -> float | None:
+    return _header_s(request, DEADLINE_HEADER, lambda ms: 0 < ms < openapi.DEADLINE_MS_MAX,
+                     "a positive number of milliseconds")
 
 
 def _slo_s(request: Request) -> tuple[float | None, float | None]:
     """The client's SLO headers (TTFT, TPOT) in seconds; None where absent."""
     out: list[float | None] = []
     for name, top in openapi.SLO_HEADERS.items():
-        raw = request.headers.get(name)
-        if raw is None:
-            out.append(None)
-            continue
-        try:
-            ms = float(raw)
-        except ValueError:
-            ms = -1.0
-        if not SLO_MS_MIN <= ms <= top:
-            raise InvalidRequest(
-                f"The {name} header must be a number of milliseconds in [{SLO_MS_MIN:g}, {top:.0f}].", param=name
-            )
-        out.append(ms / 1000)
+
+        def valid(ms: float, hi: float = top) -> bool:
+            return SLO_MS_MIN <= ms <= hi
+
+        out.append(_header_s(request, name, valid, f"a number of milliseconds in [{SLO_MS_MIN:g}, {top:.0f}]"))
     return out[0], out[1]
 
 
