@@ -114,6 +114,7 @@ class Driver:
         self.policy = policy
         self.tick_s = tick_s
         config = getattr(policy, "config", None)
+        self._promises = isinstance(config, SchedulerConfig)  # the baselines promise nothing
         if not isinstance(config, SchedulerConfig):
             config = SchedulerConfig()
         self.contracts = Contracts(config.bucket_bounds, config.default_output_tokens)
@@ -129,6 +130,8 @@ class Driver:
 
     def arrive(self, req: Request, now: float) -> Contract | Reject | None:
         """The policy's decision; a contract comes back calibrated, or as an ``slo`` refusal."""
+        if not self._promises:
+            return self.policy.arrive(req, now)
         cal = self.contracts
         out, out_hi = cal.output(req)
         if out != req.expected_output_tokens:  # (the constructor: replace() costs twice as much)
