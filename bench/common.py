@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,11 +27,50 @@ console = Console()
 # -- processes -----------------------------------------------------------------------------
 
 
-def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def spawn(
+    args: list[str],
+    log: Path,
+    cpus: Sequence[int] = (),
+    executable: str = sys.executable,
+    env: Mapping[str, str | None] | None = None,
+) -> subprocess.Popen[bytes]:
+    """``executable args`` (this Python by default) logging to ``log``; with ``cpus``, pinned
+    to those cores by ``taskset`` (which execs, so the pid is the program's own, and its
+    children inherit the pinning). ``env`` is laid over this environment; None unsets."""
+    merged: dict[str, str | None] = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {k: v for k, v in merged.items() if v is not None}
+    pin = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen([*pin, executable, *args], stdout=out, stderr=subprocess.STDOUT, env=full_env)
+
+
+def pin_threads(pid: int, cpus: Sequence[int]) -> None:
+    """Pin every thread of a running process (``sched_setaffinity`` acts on one thread)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), set(cpus))
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid`` and all its live descendants, from /proc."""
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
+        parent[int(entry.name)] = int(fields[1])
+        cpu[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        frontier = [child for child, ppid in parent.items() if ppid in frontier and child not in tree]
+        tree.update(frontier)
+    return sum(cpu.get(p, 0.0) for p in tree)
 
 
 def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
@@ -45,13 +84,15 @@ def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
             proc.kill()
 
 
-def wait_ready(base: str, procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 180) -> None:
+def wait_ready(
+    base: str, procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 180, path: str = "/readyz"
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
             raise RuntimeError("a benchmark process exited early; see bench/out/*.log")
         try:
-            if httpx.get(base + "/readyz", timeout=1).status_code == 200:
+            if httpx.get(base + path, timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -66,16 +107,21 @@ def backend(
     echo_tokens: int = 16,
     slots: int = 32,
     model_dir: str | None = None,
+    cpus: Sequence[int] = (),
 ) -> Iterator[tuple[str, list[subprocess.Popen[bytes]]]]:
-    """Redis + N workers, as separate processes; yields (redis_url, worker processes)."""
+    """Redis + N workers, as separate processes (pinned to ``cpus`` if given); yields
+    (redis_url, worker processes)."""
     OUT.mkdir(parents=True, exist_ok=True)
     with EmbeddedRedis() as redis:
+        if cpus and redis.proc is not None:
+            pin_threads(redis.proc.pid, cpus)
         model = ["--model", model_dir] if model_dir else []
         procs = [
             spawn(
                 ["-m", "workers", "--redis-url", redis.url, "--engine", engine, "--echo-tokens", str(echo_tokens),
                  "--slots", str(slots), "--worker-id", f"bench-{i}", *model],
                 OUT / f"worker-{i}.log",
+                cpus,
             )
             for i in range(workers)
         ]
@@ -86,23 +132,58 @@ def backend(
 
 
 @contextmanager
-def gateway_process(
+def gateway_server(
     redis_url: str,
     extra_gateway: Sequence[str] = (),
     model_dir: str | None = None,
     backend_procs: Sequence[subprocess.Popen[bytes]] = (),
-) -> Iterator[str]:
-    """One gateway process against ``redis_url``, ready (``/readyz``); yields its base URL."""
+    cpus: Sequence[int] = (),
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """One gateway process against ``redis_url``, ready (``/readyz``); yields its base URL and
+    the process (for its pid)."""
     port = free_port()
     model = ["--model", model_dir] if model_dir else []
     proc = spawn(
         ["-m", "gateway.cli", "--log-level", "WARNING", "gateway", "--redis-url", redis_url,
          "--port", str(port), "--admin-token", ADMIN_TOKEN, *model, *extra_gateway],
         OUT / "gateway.log",
+        cpus,
     )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, [proc, *backend_procs])
+        yield base, proc
+    finally:
+        stop([proc])
+
+
+@contextmanager
+def gateway_process(
+    redis_url: str,
+    extra_gateway: Sequence[str] = (),
+    model_dir: str | None = None,
+    backend_procs: Sequence[subprocess.Popen[bytes]] = (),
+    cpus: Sequence[int] = (),
+) -> Iterator[str]:
+    """One gateway process against ``redis_url``, ready (``/readyz``); yields its base URL."""
+    with gateway_server(redis_url, extra_gateway, model_dir, backend_procs, cpus) as (base, _proc):
+        yield base
+
+
+@contextmanager
+def floor_server(cpus: Sequence[int] = ()) -> Iterator[str]:
+    """``bench.floor_app`` (a zero-cost OpenAI chat endpoint) on uvicorn+httptools+uvloop,
+    answering; yields its base URL."""
+    port = free_port()
+    proc = spawn(
+        ["-m", "uvicorn", "bench.floor_app:app", "--port", str(port), "--http", "httptools", "--loop", "uvloop",
+         "--log-level", "warning", "--no-access-log"],
+        OUT / "floor.log",
+        cpus,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, [proc], timeout_s=60, path="/healthz")
         yield base
     finally:
         stop([proc])
@@ -165,6 +246,19 @@ class RawClient:
         return result
 
     async def _post(
+        self,
+        conn: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        path: str,
+        body: bytes,
+        headers: dict[str, str] | None,
+    ) -> tuple[int, bytes] | None:
+        try:
+            return await self._exchange(conn, path, body, headers)
+        except BaseException:  # an error or a cancellation (a time-out) mid-exchange: the connection is spent
+            conn[1].close()
+            raise
+
+    async def _exchange(
         self,
         conn: tuple[asyncio.StreamReader, asyncio.StreamWriter],
         path: str,

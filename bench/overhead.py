@@ -22,8 +22,7 @@ from urllib.parse import urlparse
 import orjson
 import redis.asyncio as aioredis
 
-from bench.common import OUT, RawClient, auth, open_loop, pct, spawn, stack, stop, table
-from gateway.embedded_redis import free_port
+from bench.common import OUT, RawClient, auth, floor_server, open_loop, pct, stack, table
 from workers import protocol as p
 from workers import wire
 from workers.engine import EchoEngine
@@ -53,28 +52,15 @@ async def _measure(send: object, rates: list[float], duration: float) -> list[tu
 
 
 async def http_floor(rates: list[float], duration: float) -> list[tuple[float, list[float], int, float]]:
-    port = free_port()
-    proc = spawn(
-        ["-m", "uvicorn", "bench.floor_app:app", "--port", str(port), "--http", "httptools", "--loop", "uvloop",
-         "--log-level", "warning", "--no-access-log"],
-        OUT / "floor.log",
-    )
-    try:
-        client = RawClient("127.0.0.1", port)
-        for _ in range(100):
-            try:
-                await client.post("/v1/chat/completions", CHAT)
-                break
-            except OSError:
-                await asyncio.sleep(0.1)
+    with floor_server() as base:
+        url = urlparse(base)
+        client = RawClient(url.hostname or "127.0.0.1", url.port or 80)
 
         async def send() -> bool:
             status, _ = await client.post("/v1/chat/completions", CHAT)
             return status == 200
 
         return await _measure(send, rates, duration)
-    finally:
-        stop([proc])
 
 
 async def redis_floor(
