@@ -16,7 +16,6 @@ import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
-from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Mount, Route
@@ -40,6 +39,7 @@ from gateway.lifecycle import CANCEL_DRAIN_S, RequestLife
 from gateway.meter import Meter
 from gateway.metrics import Metrics
 from gateway.prompts import PromptBuilder, PromptTooLong
+from gateway.redis_batch import AutoPipeline
 from gateway.settings import GatewaySettings
 from gateway.tenant_store import TenantStore
 from gateway.tenants import SLO_MS_MIN, Tenant
@@ -79,10 +79,12 @@ class Gateway:
         self.prompts = prompts
         self.client = client
         self.metrics = Metrics()
-        self.dispatcher = Dispatcher(settings, client, on_workers=self._count_workers, config=settings.scheduler)
+        self.batch = AutoPipeline(client)  # admissions, settlements and jobs of one loop turn: one round trip
+        self.dispatcher = Dispatcher(settings, client, on_workers=self._count_workers, config=settings.scheduler,
+                                     batch=self.batch)
         self.tenants = TenantStore(client)
         self.auth = Authenticator(self.tenants, settings.auth_cache_s)
-        self.budget = Budget(client, settings)
+        self.budget = Budget(client, settings, self.batch)
         self.started = int(time.time())
         self.in_flight = 0  # requests between admission and their end (RequestLife)
         self._tasks: set[asyncio.Future[Any]] = set()
@@ -104,7 +106,7 @@ class Gateway:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def tokenize(self, gen: oai.Generation, tenant: Tenant) -> list[int]:
+    async def tokenize(self, gen: oai.Generation, tenant: Tenant) -> tuple[int, ...]:
         """The prompt's token ids, bounded (``gateway.prompts``). A long prompt is tokenized on
         a thread of its own, at most ``LARGE_PROMPTS_PER_TENANT`` per tenant at once, so one
         sender of huge prompts slows only itself."""
@@ -182,6 +184,7 @@ class Gateway:
         """Waits for settlements still in flight (at shutdown)."""
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=CANCEL_DRAIN_S + 1)
+        await self.batch.close()
         self._tokenizer.shutdown(wait=False, cancel_futures=True)
 
 
@@ -231,27 +234,40 @@ def _held(gw: Gateway, tenant: Tenant) -> RateLimited | None:
     )
 
 
-class OversizeGate:
-    """Raw ASGI before routing: a held tenant's generation request is refused from its
-    headers alone, the cheapest refusal there is (the handler checks again for keys not in
-    the auth cache)."""
+class GenerationRoute:
+    """Raw ASGI for the two generation routes (``POST /v1/chat/completions`` and
+    ``/v1/completions``), ahead of the admin guard and Starlette's router, middleware and
+    exception handlers: the hot path pays none of them, and gives the same validation,
+    errors and headers (Starlette's routes for them stay, for the OpenAPI document and the
+    405 of other methods). A held tenant's request is refused from its headers alone, the
+    cheapest refusal there is (the handler checks again for keys not in the auth cache)."""
 
     def __init__(self, app: ASGIApp, gw: Gateway) -> None:
         self.app = app
         self.gw = gw
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in _GENERATION_PATHS:
-            tenant = self.gw.auth.cached(Headers(scope=scope))
+        parse = _PARSERS.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if parse is None:
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            tenant = self.gw.auth.cached(request.headers)
             refusal = _held(self.gw, tenant) if tenant is not None else None
             if refusal is not None:
-                await error_response(refusal)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+                raise refusal
+            response = await _generate(self.gw, request, parse)
+        except GatewayError as exc:
+            response = error_response(exc)
+        except RedisError as exc:
+            response = _redis_unavailable(request, exc)
+        except Exception:
+            response = _internal_error(request)
+        await response(scope, receive, send)
 
 
-async def _generate(request: Request, parse: Any) -> Response:
-    gw: Gateway = request.app.state.gateway
+async def _generate(gw: Gateway, request: Request, parse: Callable[[Any], oai.Generation]) -> Response:
     caller = await gw.auth.caller(request.headers)
     tenant = caller.tenant
     refusal = _held(gw, tenant)
@@ -293,11 +309,17 @@ async def _disconnected(request: Request) -> None:
 
 
 async def chat_completions(request: Request) -> Response:
-    return await _generate(request, oai.parse_chat)
+    return await _generate(request.app.state.gateway, request, oai.parse_chat)
 
 
 async def completions(request: Request) -> Response:
-    return await _generate(request, oai.parse_completion)
+    return await _generate(request.app.state.gateway, request, oai.parse_completion)
+
+
+_PARSERS: dict[str, Callable[[Any], oai.Generation]] = {
+    "/v1/chat/completions": oai.parse_chat,
+    "/v1/completions": oai.parse_completion,
+}
 
 
 async def models(request: Request) -> Response:
@@ -349,16 +371,25 @@ async def _gateway_error(request: Request, exc: Exception) -> Response:
     return error_response(exc)
 
 
-async def _redis_error(request: Request, exc: Exception) -> Response:
+def _redis_unavailable(request: Request, exc: Exception) -> Response:
     log.warning("Redis failed on %s: %r", request.url.path, exc)
     return error_response(
         Unavailable("The gateway's store (Redis) is not answering; retry shortly.", code="redis_unavailable")
     )
 
 
-async def _unexpected(request: Request, exc: Exception) -> Response:
+def _internal_error(request: Request) -> Response:
+    """A 500 for an exception nothing expected (logged with its traceback)."""
     log.exception("unhandled error on %s", request.url.path)
     return error_response(GatewayError("The server had an error while processing your request."))
+
+
+async def _redis_error(request: Request, exc: Exception) -> Response:
+    return _redis_unavailable(request, exc)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    return _internal_error(request)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -400,7 +431,6 @@ class Instrument:
 
 
 _ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models"}
-_GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 def _route_label(path: str) -> str:
@@ -446,4 +476,4 @@ def create_app(gw: Gateway) -> ASGIApp:
         lifespan=lifespan,
     )
     app.state.gateway = gw
-    return Instrument(OversizeGate(AdminGuard(app, gw.settings.admin_token), gw), gw.metrics)
+    return Instrument(GenerationRoute(AdminGuard(app, gw.settings.admin_token), gw), gw.metrics)

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
 from gateway import gcra
 from gateway.errors import GatewayError, RateLimited, TokensRateLimited, Unauthorized
 from gateway.keys import KeyRef
 from gateway.limits import over_burst
+from gateway.redis_batch import AutoPipeline
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant
 from workers import wire
@@ -228,11 +232,22 @@ def _verdict(reply: list[bytes | int]) -> gcra.Verdict:
 
 
 class Budget:
-    def __init__(self, client: aioredis.Redis, settings: GatewaySettings) -> None:
+    """Both scripts go out through the gateway's ``AutoPipeline``: the admissions and
+    settlements of requests arriving together share one round trip."""
+
+    def __init__(self, client: aioredis.Redis, settings: GatewaySettings, batch: AutoPipeline | None = None) -> None:
         self.settings = settings
         self.client = client
+        self.batch = batch or AutoPipeline(client)
         self._admit = client.register_script(ADMIT)
         self._settle = client.register_script(SETTLE)
+
+    async def _run(self, script: AsyncScript, keys: list[str], args: list[str]) -> Any:
+        try:
+            return await self.batch.call("EVALSHA", script.sha, len(keys), *keys, *args)
+        except NoScriptError:  # a fresh (or flushed) Redis: load it, once, and again
+            await self.client.script_load(script.script)
+            return await self.batch.call("EVALSHA", script.sha, len(keys), *keys, *args)
 
     async def reserve(
         self,
@@ -250,9 +265,10 @@ class Budget:
         the script first checks that the key is still live (``revoked`` otherwise)."""
         s = self.settings
         lease_s = max_wait + s.request_timeout_s + 30.0
-        reply = await self._admit(
-            keys=[*self._keys(tenant.id, rid, wall), wire.api_key(key.prefix if key else "")],
-            args=_args(
+        reply = await self._run(
+            self._admit,
+            [*self._keys(tenant.id, rid, wall), wire.api_key(key.prefix if key else "")],
+            _args(
                 tenant.rate,
                 tenant.burst,
                 cost,
@@ -325,9 +341,10 @@ class Budget:
         record: dict[str, float] | None = None,
     ) -> bool:
         pairs = [x for item in (record or {}).items() for x in item]
-        reply = await self._settle(
-            keys=self._keys(tenant.id, rid, wall),
-            args=_args(
+        reply = await self._run(
+            self._settle,
+            self._keys(tenant.id, rid, wall),
+            _args(
                 tenant.rate,
                 rid,
                 delta,

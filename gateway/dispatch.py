@@ -33,6 +33,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.liveness import Liveness
+from gateway.redis_batch import AutoPipeline
 from gateway.scheduling import Origin, SchedulerShell, Send
 from gateway.settings import GatewaySettings
 from sched_core import Contract, Reject, SchedulerConfig
@@ -65,9 +66,11 @@ class Dispatcher:
         on_workers: Callable[[dict[str, p.Heartbeat]], None] | None = None,
         config: SchedulerConfig | None = None,
         on_fatal: Callable[[str], None] | None = None,
+        batch: AutoPipeline | None = None,
     ) -> None:
         self.settings = settings
         self.client = client
+        self.batch = batch or AutoPipeline(client)
         self.replies = wire.replies_stream(settings.gateway_id)
         self.shell = SchedulerShell(
             settings.gateway_id, self.replies, config, settings.handoff_min_prompt,
@@ -244,10 +247,11 @@ class Dispatcher:
                 await self._send(sends)
 
     async def _send(self, sends: list[Send]) -> None:
-        """XADD the batches in one round trip. A batch that cannot be encoded or queued fails
-        its requests with a clear error and gives its slots back at once."""
-        pipe = self.client.pipeline(transaction=False)
+        """XADD the batches, in the same round trip as whatever else this loop turn sends
+        (``AutoPipeline``). A batch that cannot be encoded or queued fails its requests with
+        a clear error and gives its slots back at once."""
         queued: list[Send] = []
+        replies: list[asyncio.Future[object]] = []
         for send in sends:
             try:
                 fields = p.encode_job(send.job)
@@ -255,14 +259,12 @@ class Dispatcher:
                 log.error("batch %s cannot be encoded: %r", send.job.batch_id, exc)
                 self._lost(send, "unencodable", f"The request could not be queued: {exc}")
                 continue
-            pipe.xadd(wire.jobs_stream(send.pool), fields)  # type: ignore[arg-type]
+            replies.append(self.batch.call("XADD", wire.jobs_stream(send.pool), "*",
+                                           *(x for item in fields.items() for x in item)))
             queued.append(send)
         if not queued:
             return
-        try:
-            results = await pipe.execute(raise_on_error=False)
-        except RedisError as exc:
-            results = [exc] * len(queued)
+        results = await asyncio.gather(*replies, return_exceptions=True)
         for send, result in zip(queued, results, strict=True):
             if isinstance(result, Exception):
                 log.warning("queueing batch %s failed: %s", send.job.batch_id, result)

@@ -49,33 +49,28 @@ def test_a_long_text_is_refused_after_tokenizing_a_prefix_only(prompts: PromptBu
 def test_a_prompt_within_the_limit_gets_exactly_the_ids_of_the_whole_text(prompts: PromptBuilder, spy: Spy) -> None:
     text = "hello world " * 50
     ids = prompts.token_ids(_completion(text), 1000)
-    assert ids == spy._encode(text)
+    assert list(ids) == spy._encode(text)
     chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
-    assert prompts.token_ids(chat, 1000) == spy._encode(str(prompts.text(chat)))
+    assert list(prompts.token_ids(chat, 1000)) == spy._encode(str(prompts.text(chat)))
     with pytest.raises(PromptTooLong) as info:
         prompts.token_ids(_completion(text), len(ids) - 1)
     assert info.value.exact and info.value.tokens == len(ids)
 
 
-def test_a_conversation_is_rendered_once_and_a_long_one_is_not_kept(
-    prompts: PromptBuilder, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from gateway.prompts import TEMPLATE_CACHE_CHARS
+def test_a_prompt_is_tokenized_once_and_a_long_one_is_not_kept(prompts: PromptBuilder, spy: Spy) -> None:
+    from gateway.prompts import PROMPT_CACHE_CHARS
 
-    calls: list[int] = []
-    render = prompts.tokenizer.apply_chat_template
-
-    def counting(messages, **kw):  # type: ignore[no-untyped-def]
-        calls.append(len(messages))
-        return render(messages, **kw)
-
-    monkeypatch.setattr(prompts.tokenizer, "apply_chat_template", counting)
     chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "cache me, once"}]})
-    first = prompts.text(chat)
-    assert prompts.text(chat) == first and calls == [1]  # the second is the cached text
+    first = prompts.token_ids(chat, 1000)
+    assert prompts.token_ids(chat, 1000) == first and len(spy.lengths) == 1  # the second is the cached ids
     other = parse_chat({"model": "m", "messages": [{"role": "user", "content": "cache me, twice"}]})
-    assert prompts.text(other) != first and calls == [1, 1]
-    long = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x" * (TEMPLATE_CACHE_CHARS + 1)}]})
-    prompts.text(long)
-    prompts.text(long)
-    assert calls == [1, 1, 1, 1]  # too long to keep: rendered each time
+    assert prompts.token_ids(other, 1000) != first and len(spy.lengths) == 2
+    text = _completion("cache me, once")  # a completion's text is kept apart from the conversation
+    assert prompts.token_ids(text, 1000) != first and len(spy.lengths) == 3
+    with pytest.raises(PromptTooLong):  # a cached prompt is still held to each request's limit
+        prompts.token_ids(chat, len(first) - 1)
+    assert len(spy.lengths) == 3
+    long = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x " * (PROMPT_CACHE_CHARS // 2 + 1)}]})
+    prompts.token_ids(long, 100_000)
+    prompts.token_ids(long, 100_000)
+    assert len(spy.lengths) == 5  # too long to keep: tokenized each time
