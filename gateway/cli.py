@@ -106,6 +106,13 @@ def _add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         "longer; scale it with your prompts' lengths")
 
 
+def _processes(text: str) -> int:
+    n = int(text)
+    if not 1 <= n <= 256:
+        raise argparse.ArgumentTypeError(f"expected 1 to 256 processes, got {n}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokengate", description="Multi-tenant token-budget LLM gateway")
     parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
@@ -123,12 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="everysec: a crash of the private redis-server may lose its last second of writes; "
                        "always: none is lost (budget refunds stay exact through a crash), an fsync per write batch")
     _add_gateway_args(serve)
+    serve.add_argument("--gateways", type=_processes, default=env_default("gateways", 1),
+                       help="gateway processes sharing the port, one per core you give it (docs/operations.md)")
     worker_cli.add_model_args(serve)
     worker_cli.add_worker_args(serve)
 
     gateway = sub.add_parser("gateway", help="the HTTP gateway alone, against a shared Redis")
     gateway.add_argument("--redis-url", default=env_default("redis_url"), required=env_default("redis_url") is None)
     _add_gateway_args(gateway)
+    gateway.add_argument("--workers", type=_processes, default=env_default("workers", 1),
+                         help="gateway processes sharing the port (SO_REUSEPORT), one per core you give it; "
+                         "this process supervises them (docs/operations.md)")
+    gateway.add_argument("--reuse-port", action="store_true",
+                         help="bind with SO_REUSEPORT, so that other gateway processes can share the port")
     worker_cli.add_model_args(gateway)
 
     worker = sub.add_parser("worker", help="one pool worker, against a shared Redis (any host)")

@@ -58,9 +58,13 @@ def die_with_parent() -> None:
         pass
 
 
-def spawn(argv: Sequence[str], stdout: int | IO[bytes] | None = None) -> subprocess.Popen[bytes]:
+def spawn(
+    argv: Sequence[str], stdout: int | IO[bytes] | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """``env``: variables added to this process's environment."""
     return subprocess.Popen(
         list(argv),
+        env={**os.environ, **env} if env else None,
         start_new_session=True,
         preexec_fn=die_with_parent,
         stdout=stdout,

@@ -17,6 +17,7 @@ import contextlib
 import faulthandler
 import logging
 import secrets
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -25,12 +26,12 @@ from typing import TYPE_CHECKING
 
 import uvloop
 
-from gateway.cli import SETTING_FLAGS
+from gateway.cli import GATEWAY_FLAGS, SETTING_FLAGS
 from gateway.embedded_redis import EmbeddedRedis, default_data_dir
 from gateway.scheduling import scheduler_config
 from gateway.settings import GatewaySettings
 from gateway.shutdown import FORCED_EXIT_S, Interrupted, StopSignals, exit_within
-from gateway.supervisor import Supervisor, worker_child
+from gateway.supervisor import Supervisor, gateway_child, worker_child
 from workers import model_store
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ DEMO_TENANT = "demo"
 CHILD_STOP_S = 15.0  # `serve`: workers drain this long before they are killed
 SHUTDOWN_SLACK_S = 10.0  # lifespan shutdown (settling, deregistering) after the grace time
 DRAIN_SLACK_S = 2  # uvicorn's own cancellation waits this long after ``Drain`` has ended requests
+LISTEN_BACKLOG = 2048  # uvicorn's default
 
 
 def settings_from_args(args: argparse.Namespace, redis_url: str, model_name: str, nofile: int) -> GatewaySettings:
@@ -73,15 +75,33 @@ def _model(args: argparse.Namespace) -> model_store.ModelSpec:
     return spec
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening socket that other gateway processes bind too (SO_REUSEPORT): the kernel
+    spreads new connections over them. A port held by anything else is a clear error."""
+    try:
+        family, kind, proto, _name, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(addr)
+    except OSError as exc:
+        raise RuntimeError(f"cannot listen on {host}:{port}: {exc}") from None
+    sock.listen(LISTEN_BACKLOG)
+    return sock
+
+
 async def _run_gateway(
     settings: GatewaySettings,
     model_dir: Path,
     signals: StopSignals,
     ready: Callable[[], None] | None = None,
     supervisor: Supervisor | None = None,
+    reuse_port: bool = False,
 ) -> None:
     """Serves until a signal (or, under `serve`, until every worker died before the first
-    became ready); ``supervisor`` keeps the children alive from the moment it is ready."""
+    became ready); ``supervisor`` keeps the children alive from the moment it is ready.
+    ``reuse_port``: share the port with other gateway processes (``--workers``)."""
     import uvicorn
 
     from gateway.app import Gateway, create_app, redis_client
@@ -100,6 +120,8 @@ async def _run_gateway(
         port=settings.port,
         loop="uvloop",
         http=protocol_class(limits),
+        backlog=LISTEN_BACKLOG,
+        proxy_headers=False,  # nothing reads the client's address; X-Forwarded-For is not parsed
         ws="none",  # no route speaks websocket: an Upgrade request is served as plain HTTP
         lifespan="on",
         log_level="warning",
@@ -116,7 +138,7 @@ async def _run_gateway(
 
     gw.dispatcher.on_fatal = fatal
     signals.serving(server, drain)
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve([listen_socket(settings.host, settings.port)] if reuse_port else None))
     background = [
         asyncio.create_task(_arm_watchdog(server, settings.shutdown_grace_s)),
         asyncio.create_task(expire_after_grace(server, drain, settings.shutdown_grace_s)),
@@ -168,6 +190,9 @@ def _stoppable(signals: StopSignals) -> Iterator[None]:
 def run_gateway(args: argparse.Namespace) -> None:
     from gateway.http_protocol import raise_nofile_limit
 
+    if args.workers > 1:
+        run_gateway_group(args)
+        return
     signals = StopSignals().install()
     with _stoppable(signals):
         spec = _model(args)
@@ -175,8 +200,52 @@ def run_gateway(args: argparse.Namespace) -> None:
         log.info("gateway %s on http://%s:%d", settings.gateway_id, settings.host, settings.port)
         if settings.admin_token is None:
             log.warning("no --admin-token: the admin API under /admin is disabled")
-        uvloop.run(_run_gateway(settings, spec.path, signals))
+        uvloop.run(_run_gateway(settings, spec.path, signals, reuse_port=args.reuse_port))
     faulthandler.cancel_dump_traceback_later()
+
+
+def gateway_argv(args: argparse.Namespace, redis_url: str, model: str | None, model_name: str | None) -> list[str]:
+    """The command of one more gateway process like this one, sharing its port: every
+    gateway flag as given (the admin token travels in the environment, not the command
+    line; ``gateway_env``)."""
+    cmd = [sys.executable, "-m", "gateway.cli", "--log-level", args.log_level, "gateway",
+           "--redis-url", redis_url, "--reuse-port"]
+    for flag, name, _help in GATEWAY_FLAGS:
+        value = getattr(args, name)
+        if value is not None and name != "admin_token":
+            cmd += [f"--{flag}", str(value)]
+    cmd += ["--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms),
+            "--aging-tokens", str(args.aging_tokens)]
+    for flag, value in (("--cost-priors", args.cost_priors), ("--model", model), ("--model-name", model_name),
+                        ("--cache-dir", args.cache_dir)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    return cmd
+
+
+def gateway_env(args: argparse.Namespace) -> dict[str, str]:
+    return {"TOKENGATE_ADMIN_TOKEN": args.admin_token} if args.admin_token is not None else {}
+
+
+def run_gateway_group(args: argparse.Namespace) -> None:
+    """`tokengate gateway --workers N`: N gateway processes on one port (SO_REUSEPORT), one
+    per core, supervised here: one that dies is started again; SIGINT/SIGTERM stops them
+    all, each draining as a single gateway does. Each is a gateway of its own (its own id,
+    reply stream and scheduler), sharing the workers' capacity like replicas on several
+    hosts do."""
+    listen_socket(args.host, args.port).close()  # the port is free (or shared): fail here, not N times
+    argv = gateway_argv(args, args.redis_url, args.model, args.model_name)
+    supervisor = Supervisor([], gateways=[gateway_child(i, argv, gateway_env(args)) for i in range(args.workers)])
+    signals = StopSignals().install()
+    try:
+        with _stoppable(signals):
+            supervisor.start()
+            log.info("%d gateway processes on http://%s:%d", args.workers, args.host, args.port)
+            uvloop.run(supervisor.run())
+    finally:
+        exit_within(FORCED_EXIT_S if signals.forced else args.shutdown_grace_s + CHILD_STOP_S + SHUTDOWN_SLACK_S)
+        supervisor.stop(args.shutdown_grace_s + CHILD_STOP_S, hurry=lambda: signals.forced)
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _pools(choice: str) -> list[str]:
@@ -279,14 +348,17 @@ def serve(args: argparse.Namespace) -> None:
                 worker_child(pool, _worker_argv(pool, redis_url, args, spec.path, spec.name, args.log_level))
                 for pool in pools
             ]
-            supervisor = Supervisor(workers, embedded)
+            gateways = [gateway_child(i, gateway_argv(args, redis_url, str(spec.path), spec.name), gateway_env(args))
+                        for i in range(1, args.gateways)]  # this process is the first
+            supervisor = Supervisor(workers, embedded, gateways=gateways)
             supervisor.start()
             key = uvloop.run(_demo_key(redis_url))
 
             def banner() -> None:
                 print(_banner(settings, pools, key), flush=True)
 
-            uvloop.run(_run_gateway(settings, spec.path, signals, ready=banner, supervisor=supervisor))
+            uvloop.run(_run_gateway(settings, spec.path, signals, ready=banner, supervisor=supervisor,
+                                    reuse_port=args.gateways > 1))
     finally:
         exit_within(FORCED_EXIT_S if signals.forced else CHILD_STOP_S + SHUTDOWN_SLACK_S)
         if supervisor is not None:

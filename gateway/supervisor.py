@@ -68,9 +68,14 @@ def _status(code: int) -> str:
     return f"signal {-code}" if code < 0 else f"status {code}"
 
 
+def gateway_child(index: int, argv: Sequence[str], env: dict[str, str]) -> Child:
+    return Child(f"gateway process {index}", lambda: processes.spawn(argv, env=env))
+
+
 class Supervisor:
-    """Starts the workers, restarts any child (worker or the private redis-server) that exits
-    while ``run`` is active, and stops them in order: the workers drain, then Redis."""
+    """Starts its children, restarts any (gateway process, worker or the private
+    redis-server) that exits while ``run`` is active, and stops them in order: gateway
+    processes and workers drain, then Redis."""
 
     def __init__(
         self,
@@ -78,10 +83,12 @@ class Supervisor:
         redis: EmbeddedRedis | None = None,
         policy: RestartPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
+        gateways: Sequence[Child] = (),
     ) -> None:
+        self.gateways = list(gateways)
         self.workers = list(workers)
         self.redis = redis
-        self.children = self.workers + ([redis_child(redis)] if redis is not None else [])
+        self.children = self.gateways + self.workers + ([redis_child(redis)] if redis is not None else [])
         self.policy = policy or RestartPolicy()
         self.clock = clock
 
@@ -126,8 +133,9 @@ class Supervisor:
             await asyncio.sleep(POLL_S)
 
     def stop(self, timeout_s: float, hurry: Callable[[], bool] = lambda: False) -> None:
-        """Workers first (SIGTERM: they drain; ``hurry`` cuts that short), then redis-server
-        (SIGTERM: it writes its AOF), then its temporary files. Call it with ``run`` stopped."""
-        processes.stop([c.proc for c in self.workers if c.proc is not None], timeout_s, hurry)
+        """Gateway processes and workers first (SIGTERM: they drain; ``hurry`` cuts that
+        short), then redis-server (SIGTERM: it writes its AOF), then its temporary files. Call
+        it with ``run`` stopped."""
+        processes.stop([c.proc for c in self.gateways + self.workers if c.proc is not None], timeout_s, hurry)
         if self.redis is not None:
             self.redis.stop()
