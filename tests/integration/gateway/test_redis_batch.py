@@ -1,0 +1,139 @@
+"""``AutoPipeline`` on a real redis-server: one loop turn's commands go out as one batch, each
+future gets its own reply or its own error, an unreachable Redis fails every future instead
+of hanging, and ``close`` sends what is queued. On both loops the gateway may run on."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+
+from gateway.embedded_redis import free_port
+from gateway.redis_batch import AutoPipeline
+
+pytestmark = [pytest.mark.redis, pytest.mark.anyio]
+
+UNKNOWN_SHA = "0" * 40
+PATIENCE_S = 10.0  # a future not settled by then counts as hanging
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, bool]]:
+    """The plain asyncio loop (tests) and uvloop (what `tokengate gateway` runs on)."""
+    return "asyncio", {"use_uvloop": request.param == "uvloop"}
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    c = aioredis.Redis.from_url(redis_url)
+    yield c
+    await c.aclose()
+
+
+async def _settled(futures: list[asyncio.Future[Any]]) -> list[Any]:
+    """Each future's reply or exception; a future that never settles fails the test."""
+    try:
+        async with asyncio.timeout(PATIENCE_S):
+            return await asyncio.gather(*futures, return_exceptions=True)
+    except TimeoutError:
+        pending = sum(not f.done() for f in futures)
+        raise AssertionError(f"{pending} of {len(futures)} futures still pending after {PATIENCE_S} s") from None
+
+
+async def _close(batch: AutoPipeline) -> None:
+    try:
+        async with asyncio.timeout(PATIENCE_S):
+            await batch.close()
+    except TimeoutError:
+        raise AssertionError(f"close() still waiting after {PATIENCE_S} s") from None
+
+
+async def test_one_turn_is_one_batch_and_each_command_gets_its_own_reply_in_order(
+    client: aioredis.Redis,
+) -> None:
+    batch = AutoPipeline(client)
+    futures = [batch.call("INCR", "counter") for _ in range(200)]  # no await between: one turn
+    futures.append(batch.call("RPUSH", "list", "a"))
+    futures.append(batch.call("RPUSH", "list", "b"))
+    futures.append(batch.call("LRANGE", "list", 0, -1))
+    futures.append(batch.call("GET", "counter"))
+
+    replies = await _settled(futures)
+
+    assert replies == [*range(1, 201), 1, 2, [b"a", b"b"], b"200"]
+    assert (batch.batches, batch.commands) == (1, 204)
+    await _close(batch)
+
+
+async def test_an_error_reply_fails_only_its_own_future(client: aioredis.Redis, redis_client: redis.Redis) -> None:
+    redis_client.set("text", "not a number")
+    batch = AutoPipeline(client)
+    futures = [
+        batch.call("INCR", "ok"),
+        batch.call("INCR", "text"),  # ERR value is not an integer
+        batch.call("EVALSHA", UNKNOWN_SHA, 0),  # NOSCRIPT
+        batch.call("LPUSH", "text", "x"),  # WRONGTYPE
+        batch.call("INCR", "ok"),
+        batch.call("GET", "text"),
+    ]
+
+    first, not_integer, no_script, wrong_type, second, text = await _settled(futures)
+
+    assert (first, second, text) == (1, 2, b"not a number")
+    assert isinstance(not_integer, ResponseError) and not isinstance(not_integer, NoScriptError)
+    assert "not an integer" in str(not_integer)
+    assert isinstance(no_script, NoScriptError)  # what Budget catches to load its script
+    assert isinstance(wrong_type, ResponseError) and "WRONGTYPE" in str(wrong_type)
+    assert batch.batches == 1
+    assert redis_client.get("ok") == b"2"
+    await _close(batch)
+
+
+async def test_an_unreachable_redis_fails_every_queued_future() -> None:
+    nobody = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=2, socket_connect_timeout=2)
+    batch = AutoPipeline(nobody)
+    try:
+        for _attempt in range(2):  # and again: a failed connection leaves nothing stuck behind
+            replies = await _settled([batch.call("PING"), batch.call("INCR", "x"), batch.call("GET", "x")])
+            assert len(replies) == 3
+            for reply in replies:
+                assert isinstance(reply, RedisError), reply
+        await _close(batch)
+    finally:
+        await nobody.aclose()
+
+
+async def test_commands_of_different_turns_are_different_batches(client: aioredis.Redis) -> None:
+    batch = AutoPipeline(client)
+    assert await batch.call("PING") in (b"PONG", True)  # the connection is up: the next batches go out at once
+    before = batch.batches
+
+    first = batch.call("INCR", "a")
+    await asyncio.sleep(0)  # the loop turns: the first batch is flushed
+    second = batch.call("INCR", "b")
+    third = batch.call("INCR", "b")  # same turn as the second
+
+    assert await _settled([first, second, third]) == [1, 1, 2]
+    assert batch.batches - before == 2
+    assert (await batch.call("INCR", "a"), batch.batches - before) == (2, 3)
+    await _close(batch)
+
+
+async def test_close_sends_what_is_queued_and_waits_for_the_replies(
+    client: aioredis.Redis, redis_client: redis.Redis
+) -> None:
+    batch = AutoPipeline(client)
+    futures = [batch.call("SET", f"key:{i}", str(i)) for i in range(5)]
+    futures.append(batch.call("INCR", "closing"))
+
+    await _close(batch)  # in the same turn: nothing was flushed before
+
+    assert all(f.done() for f in futures)
+    assert futures[-1].result() == 1
+    assert batch.batches == 1
+    assert redis_client.mget([f"key:{i}" for i in range(5)]) == [str(i).encode() for i in range(5)]
