@@ -47,6 +47,7 @@ log = logging.getLogger("tokengate.dispatch")
 CANCEL_TTL_S = 600
 WATCH_S = 0.5  # how often workers and peers are re-read (and slot leases checked)
 MODEL_SAVE_S = 10.0  # how often the fitted model and calibration are saved for the next start
+READ_BLOCK_MS = 1000  # the reply loop's blocking read returns at least this often
 BACKOFF = backoff_policy(base_s=0.05, cap_s=2.0)  # after the n-th Redis failure in a row of one loop
 
 
@@ -71,6 +72,8 @@ class Dispatcher:
         self.settings = settings
         self.client = client
         self.batch = batch or AutoPipeline(client)
+        # the blocking read of replies and telemetry has a connection of its own
+        self._reads = AutoPipeline(client, timeout_s=settings.redis_timeout_s + READ_BLOCK_MS / 1000)
         self.replies = wire.replies_stream(settings.gateway_id)
         self.shell = SchedulerShell(
             settings.gateway_id, self.replies, config, settings.handoff_min_prompt,
@@ -154,6 +157,7 @@ class Dispatcher:
             for task in stuck:
                 log.error("the %s loop did not stop within 5 s", task.get_name())
         self.fail_all("shutdown", "The gateway is shutting down; retry on another replica.")
+        await self._reads.close()
         with contextlib.suppress(RedisError):
             await self._save_model()
             await self.liveness.leave(self.replies)
@@ -289,9 +293,9 @@ class Dispatcher:
         while not self._closing:
             started = time.monotonic()
             try:
-                reply: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self.client.xread(
-                    last, count=1000, block=1000  # type: ignore[arg-type]
-                )  # type: ignore[assignment]
+                reply: list[tuple[bytes, list[tuple[bytes, list[bytes]]]]] | None = await self._reads.call(
+                    "XREAD", "COUNT", 1000, "BLOCK", READ_BLOCK_MS, "STREAMS", *last, *last.values()
+                )
             except RedisError as exc:
                 failures += 1
                 self._outage.failed(exc)
@@ -301,7 +305,8 @@ class Dispatcher:
             self._outage.recovered(started)
             for stream, entries in reply or []:
                 telemetry = wire.text(stream) == wire.TELEMETRY_STREAM
-                for entry_id, fields in entries:
+                for entry_id, flat in entries:
+                    fields = dict(zip(flat[::2], flat[1::2], strict=True))
                     if telemetry:
                         last[wire.TELEMETRY_STREAM] = entry_id
                         self._observe(fields)
