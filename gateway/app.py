@@ -287,19 +287,27 @@ async def _generate(gw: Gateway, request: Request, parse: Callable[[Any], oai.Ge
         return StreamingResponse(
             life.chunks(), media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"}
         )
-    body = asyncio.ensure_future(life.body())
+    # the body is awaited in the request's own task; a client that goes away cancels it
+    me = asyncio.current_task()
+    assert me is not None
+
+    def client_left(_: asyncio.Future[None]) -> None:
+        me.cancel()
+
     gone = asyncio.ensure_future(_disconnected(request))
+    gone.add_done_callback(client_left)
     try:
-        await asyncio.wait((body, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not body.done():  # the client went away (or the server is stopping): cancel its work
-            body.cancel()
-            life.end()
-    await asyncio.wait((body,))  # a cancellation lands in the next loop iteration
-    if body.cancelled():
+        body = await life.body()
+    except asyncio.CancelledError:
+        life.end()  # the client went away, or the server is stopping: cancel its work
+        if not gone.done() or gone.cancelled():
+            raise  # the server is stopping (``Drain``): not ours to swallow
+        me.uncancel()
         return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
-    return ORJSONResponse(body.result(), headers=headers)  # raises the request's error, if any
+    finally:
+        gone.remove_done_callback(client_left)
+        gone.cancel()
+    return ORJSONResponse(body, headers=headers)
 
 
 async def _disconnected(request: Request) -> None:
@@ -408,6 +416,8 @@ class Instrument:
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
+        self._requests: dict[tuple[str, int], Any] = {}
+        self._latency: dict[str, Any] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -426,8 +436,14 @@ class Instrument:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            self.metrics.requests.labels(route, str(status)).inc()
-            self.metrics.latency.labels(route).observe(time.perf_counter() - start)
+            requests = self._requests.get((route, status))
+            if requests is None:  # a labelled child is looked up once per route and status
+                requests = self._requests[route, status] = self.metrics.requests.labels(route, str(status))
+            requests.inc()
+            latency = self._latency.get(route)
+            if latency is None:
+                latency = self._latency[route] = self.metrics.latency.labels(route)
+            latency.observe(time.perf_counter() - start)
 
 
 _ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models"}
