@@ -72,20 +72,28 @@ def spawn(
     )
 
 
+def signal_all(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to each that still runs."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+
 def stop(
     procs: Sequence[subprocess.Popen[bytes]],
     timeout_s: float,
     hurry: Callable[[], bool] = lambda: False,
     hurry_s: float = 2.0,
+    signalled: Sequence[subprocess.Popen[bytes]] = (),
 ) -> None:
-    """SIGTERM to each, then wait up to ``timeout_s`` for all; SIGKILL whatever is left.
+    """SIGTERM to each, then wait up to ``timeout_s`` for all (and for ``signalled``, told
+    already); SIGKILL whatever is left.
 
     ``hurry`` is polled while waiting: once it says yes (a second Ctrl-C), each child gets
     one more SIGTERM (a worker's "exit now") and at most ``hurry_s`` more seconds.
     """
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+    signal_all(procs)
+    procs = [*procs, *signalled]
     deadline = time.monotonic() + timeout_s
     hurried = False
     while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:

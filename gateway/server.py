@@ -140,7 +140,7 @@ async def _run_gateway(
     signals.serving(server, drain)
     task = asyncio.create_task(server.serve([listen_socket(settings.host, settings.port)] if reuse_port else None))
     background = [
-        asyncio.create_task(_arm_watchdog(server, settings.shutdown_grace_s)),
+        asyncio.create_task(_arm_watchdog(server, settings.shutdown_grace_s, supervisor)),
         asyncio.create_task(expire_after_grace(server, drain, settings.shutdown_grace_s)),
     ]
     try:
@@ -165,7 +165,7 @@ async def _run_gateway(
         raise RuntimeError(f"stopped because {lost[0]}")  # `tokengate` exits with status 2
 
 
-async def _arm_watchdog(server: uvicorn.Server, grace_s: float) -> None:
+async def _arm_watchdog(server: uvicorn.Server, grace_s: float, supervisor: Supervisor | None) -> None:
     """Once shutdown begins, a C-level timer guarantees the process ends: if it is still alive
     ``SHUTDOWN_SLACK_S`` after the grace time (a stuck connection, a task that ignores its
     cancellation, a thread that never joins), every thread's stack goes to stderr and the
@@ -173,6 +173,8 @@ async def _arm_watchdog(server: uvicorn.Server, grace_s: float) -> None:
     while not server.should_exit:
         await asyncio.sleep(0.1)
     exit_within(grace_s + SHUTDOWN_SLACK_S)
+    if supervisor is not None:
+        supervisor.stop_gateways()  # `serve --gateways`: the others stop admitting now too
 
 
 @contextlib.contextmanager
@@ -209,7 +211,7 @@ def gateway_argv(args: argparse.Namespace, redis_url: str, model: str | None, mo
     gateway flag as given (the admin token travels in the environment, not the command
     line; ``gateway_env``)."""
     cmd = [sys.executable, "-m", "gateway.cli", "--log-level", args.log_level, "gateway",
-           "--redis-url", redis_url, "--reuse-port"]
+           "--redis-url", redis_url, "--reuse-port", "--workers", "1"]  # never TOKENGATE_WORKERS' group
     for flag, name, _help in GATEWAY_FLAGS:
         value = getattr(args, name)
         if value is not None and name != "admin_token":
@@ -233,16 +235,22 @@ def run_gateway_group(args: argparse.Namespace) -> None:
     all, each draining as a single gateway does. Each is a gateway of its own (its own id,
     reply stream and scheduler), sharing the workers' capacity like replicas on several
     hosts do."""
-    listen_socket(args.host, args.port).close()  # the port is free (or shared): fail here, not N times
+    from gateway.http_protocol import raise_nofile_limit
+
+    # a bad flag or a port held by another program stops the group here, not N processes in a loop
+    settings_from_args(args, args.redis_url, args.model_name or "checked", raise_nofile_limit())
+    listen_socket(args.host, args.port).close()
     argv = gateway_argv(args, args.redis_url, args.model, args.model_name)
     supervisor = Supervisor([], gateways=[gateway_child(i, argv, gateway_env(args)) for i in range(args.workers)])
     signals = StopSignals().install()
     try:
-        with _stoppable(signals):
-            supervisor.start()
-            log.info("%d gateway processes on http://%s:%d", args.workers, args.host, args.port)
-            uvloop.run(supervisor.run())
+        supervisor.start()
+        log.info("%d gateway processes on http://%s:%d", args.workers, args.host, args.port)
+        uvloop.run(supervisor.run())
+    except Interrupted as exc:
+        log.info("%s: stopping the gateway processes", exc)
     finally:
+        signals.stopping()
         exit_within(FORCED_EXIT_S if signals.forced else args.shutdown_grace_s + CHILD_STOP_S + SHUTDOWN_SLACK_S)
         supervisor.stop(args.shutdown_grace_s + CHILD_STOP_S, hurry=lambda: signals.forced)
         faulthandler.cancel_dump_traceback_later()

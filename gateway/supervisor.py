@@ -86,6 +86,7 @@ class Supervisor:
         gateways: Sequence[Child] = (),
     ) -> None:
         self.gateways = list(gateways)
+        self._gateways_told = False
         self.workers = list(workers)
         self.redis = redis
         self.children = self.gateways + self.workers + ([redis_child(redis)] if redis is not None else [])
@@ -109,6 +110,8 @@ class Supervisor:
         """One round: note children that exited, start those whose wait is over."""
         now = self.clock()
         for child in self.children:
+            if self._gateways_told and child in self.gateways:
+                continue  # stopping: a gateway process that exits stays stopped
             if child.restart_at is None and child.proc is not None:
                 code = child.proc.poll()
                 if code is None:
@@ -132,10 +135,19 @@ class Supervisor:
             self.check()
             await asyncio.sleep(POLL_S)
 
+    def stop_gateways(self) -> None:
+        """SIGTERM to the gateway processes, once: they stop admitting and drain (``stop``
+        then waits for them). A second SIGTERM would tell them to hurry."""
+        if not self._gateways_told:
+            self._gateways_told = True
+            processes.signal_all([c.proc for c in self.gateways if c.proc is not None])
+
     def stop(self, timeout_s: float, hurry: Callable[[], bool] = lambda: False) -> None:
         """Gateway processes and workers first (SIGTERM: they drain; ``hurry`` cuts that
         short), then redis-server (SIGTERM: it writes its AOF), then its temporary files. Call
         it with ``run`` stopped."""
-        processes.stop([c.proc for c in self.gateways + self.workers if c.proc is not None], timeout_s, hurry)
+        self.stop_gateways()
+        processes.stop([c.proc for c in self.workers if c.proc is not None], timeout_s, hurry,
+                       signalled=[c.proc for c in self.gateways if c.proc is not None])
         if self.redis is not None:
             self.redis.stop()

@@ -123,8 +123,6 @@ def test_serve_builds_the_same_command_for_its_extra_gateway_processes() -> None
         "/srv/models/tiny", "tiny-chat", None, 1)
 
 
-@pytest.mark.xfail(strict=True, reason="gateway_argv does not pin --workers 1: a gateway process reads "
-                   "TOKENGATE_WORKERS from the environment it inherits and supervises a group of its own")
 def test_a_gateway_process_supervises_nothing_even_when_the_environment_says_workers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
