@@ -210,16 +210,17 @@ def _deadline_s(request: Request) -> float | None:
                      "a positive number of milliseconds")
 
 
+def _slo_rule(top: float) -> tuple[Callable[[float], bool], str]:
+    return (lambda ms: SLO_MS_MIN <= ms <= top), f"a number of milliseconds in [{SLO_MS_MIN:g}, {top:.0f}]"
+
+
+_SLO_RULES = [(name, *_slo_rule(top)) for name, top in openapi.SLO_HEADERS.items()]  # (TTFT, TPOT), built once
+
+
 def _slo_s(request: Request) -> tuple[float | None, float | None]:
     """The client's SLO headers (TTFT, TPOT) in seconds; None where absent."""
-    out: list[float | None] = []
-    for name, top in openapi.SLO_HEADERS.items():
-
-        def valid(ms: float, hi: float = top) -> bool:
-            return SLO_MS_MIN <= ms <= hi
-
-        out.append(_header_s(request, name, valid, f"a number of milliseconds in [{SLO_MS_MIN:g}, {top:.0f}]"))
-    return out[0], out[1]
+    (ttft, ttft_ok, ttft_rule), (tpot, tpot_ok, tpot_rule) = _SLO_RULES
+    return _header_s(request, ttft, ttft_ok, ttft_rule), _header_s(request, tpot, tpot_ok, tpot_rule)
 
 
 def _held(gw: Gateway, tenant: Tenant) -> RateLimited | None:
