@@ -197,11 +197,13 @@ def stack(
     slots: int = 32,
     extra_gateway: Sequence[str] = (),
     model_dir: str | None = None,
+    gateway_cpus: Sequence[int] = (),
+    backend_cpus: Sequence[int] = (),
 ) -> Iterator[tuple[str, str, str]]:
-    """Redis + N workers + one gateway, as separate processes; yields (base_url, redis_url,
-    API key of a tenant whose budget never binds)."""
-    with backend(engine, workers, echo_tokens, slots, model_dir) as (redis_url, procs):
-        with gateway_process(redis_url, extra_gateway, model_dir, procs) as base:
+    """Redis + N workers + one gateway, as separate processes (each group pinned to its cpus
+    if given); yields (base_url, redis_url, API key of a tenant whose budget never binds)."""
+    with backend(engine, workers, echo_tokens, slots, model_dir, cpus=backend_cpus) as (redis_url, procs):
+        with gateway_process(redis_url, extra_gateway, model_dir, procs, cpus=gateway_cpus) as base:
             yield base, redis_url, bench_key(base)
 
 

@@ -1,4 +1,6 @@
 """The gateway's own cost, against a model-free echo engine, with its floors measured in the same run.
+The HTTP floor and the gateway run alone on core 0; the load generator, Redis and the echo
+worker on core 1 (``taskset``).
 
     python -m bench.overhead [--rates 100,200,500,1000] [--duration 10] [--json]
 
@@ -14,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
+import os
 import time
 from urllib.parse import urlparse
 
@@ -27,6 +29,7 @@ from workers import protocol as p
 from workers import wire
 from workers.engine import EchoEngine
 
+GATEWAY_CPUS, REST_CPUS = (0,), (1,)  # the floor and the gateway alone on core 0; the rest on core 1
 CHAT = orjson.dumps(
     {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}
 )
@@ -52,7 +55,7 @@ async def _measure(send: object, rates: list[float], duration: float) -> list[tu
 
 
 async def http_floor(rates: list[float], duration: float) -> list[tuple[float, list[float], int, float]]:
-    with floor_server() as base:
+    with floor_server(GATEWAY_CPUS) as base:
         url = urlparse(base)
         client = RawClient(url.hostname or "127.0.0.1", url.port or 80)
 
@@ -68,7 +71,7 @@ async def redis_floor(
 ) -> list[tuple[float, list[float], int, float]]:
     client = aioredis.Redis.from_url(redis_url)
     stream = wire.replies_stream("bench-floor")
-    waiting: dict[str, asyncio.Future[None]] = {}
+    waiting: dict[str, asyncio.Future[bool]] = {}
     ids = itertools.count()
 
     async def reader() -> None:
@@ -78,9 +81,10 @@ async def redis_floor(
                 for entry_id, fields in entries:
                     last = entry_id
                     for ev in p.decode_events(fields):
-                        fut = waiting.pop(getattr(ev, "rid", ""), None)
-                        if fut is not None and isinstance(ev, p.Finished):
-                            fut.set_result(None)
+                        if isinstance(ev, p.Finished | p.Failed):  # a Delta first must not drop the waiter
+                            fut = waiting.pop(ev.rid, None)
+                            if fut is not None:
+                                fut.set_result(isinstance(ev, p.Finished))
 
     task = asyncio.create_task(reader())
 
@@ -90,15 +94,20 @@ async def redis_floor(
         waiting[rid] = fut
         job = p.BatchJob(rid, stream, 0, (p.SeqJob(rid, tuple(range(30)), p.SamplingParams(16)),))
         await client.xadd(wire.jobs_stream("cpu"), p.encode_job(job))
-        await fut
-        return True
+        try:
+            async with asyncio.timeout(10.0):  # a reply that never comes is an error, not a hang
+                return await fut
+        except TimeoutError:
+            waiting.pop(rid, None)
+            return False
 
     try:
         return await _measure(send, rates, duration)
     finally:
+        # a cancel that lands as the blocking XREAD's own timeout is swallowed by redis-py
+        # (see gateway.dispatch.Dispatcher.close): do not wait on the reader for ever
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await asyncio.wait({task}, timeout=2.0)
         await client.aclose()
 
 
@@ -123,9 +132,10 @@ def main() -> None:
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     own = echo_own_time_s()
+    os.sched_setaffinity(0, set(REST_CPUS))  # this load generator, with Redis and the worker
     results: dict[str, list[tuple[float, list[float], int, float]]] = {}
     results["http-floor"] = asyncio.run(http_floor(rates, args.duration))
-    with stack(engine="echo") as (base, redis_url, key):
+    with stack(engine="echo", gateway_cpus=GATEWAY_CPUS, backend_cpus=REST_CPUS) as (base, redis_url, key):
         results["redis-floor"] = asyncio.run(redis_floor(redis_url, rates, args.duration))
         results["gateway"] = asyncio.run(gateway(base, key, rates, args.duration))
     rows = []

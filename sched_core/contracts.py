@@ -296,7 +296,10 @@ class Contracts:
         k = pend.bucket
         self._add("total", pend, max(total_s - pend.wait, 1e-6) / pend.basis)
         for key in ((pend.tenant, k), ("", k)):
-            self._outputs.setdefault(key, Window(self.output_window)).add(float(tokens))
+            window = self._outputs.get(key)
+            if window is None:  # not setdefault: that builds a window on every call
+                window = self._outputs[key] = Window(self.output_window)
+            window.add(float(tokens))
         total_inside = total_s <= c.p99_s
         ttft_inside = None if ttft_s is None else ttft_s <= c.ttft_p99_s
         self._adapt("total", pend.path, total_inside, now)
