@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -350,6 +351,15 @@ async def open_loop(
 
 def pct(values: Sequence[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
+
+
+def save_plot(fig: Any, name: str, dpi: int = 120) -> Path:
+    """Lay out a matplotlib figure and write it to ``bench/out/<name>``; returns the path."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    path = OUT / name
+    fig.savefig(path, dpi=dpi)
+    return path
 
 
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:

@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 import orjson
 
-from bench.common import ADMIN_TOKEN, OUT, backend, gateway_process, pct, table
+from bench.common import ADMIN_TOKEN, OUT, backend, gateway_process, pct, save_plot, table
 from bench.traffic import (
     BUDGETS,
     DEFAULT_TRACE,
@@ -283,10 +283,7 @@ def _plot(ok: list[Sample]) -> None:
         ax.set_ylabel("actual (s)")
         ax.set_title(f"latency contracts: {name}")
         ax.legend()
-    fig.tight_layout()
-    OUT.mkdir(parents=True, exist_ok=True)
-    fig.savefig(OUT / "contracts.png", dpi=110)
-    print(f"plot: {OUT / 'contracts.png'}")
+    print(f"plot: {save_plot(fig, 'contracts.png', dpi=110)}")
 
 
 if __name__ == "__main__":

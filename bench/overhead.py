@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 import orjson
 import redis.asyncio as aioredis
 
-from bench.common import OUT, RawClient, auth, floor_server, open_loop, pct, stack, table
+from bench.common import RawClient, auth, floor_server, open_loop, pct, save_plot, stack, table
 from workers import protocol as p
 from workers import wire
 from workers.engine import EchoEngine
@@ -190,10 +190,7 @@ def _plot(rows: list[dict[str, object]]) -> None:
     ax.set_yscale("log")
     ax.legend(fontsize=7)
     ax.set_title("tokengate gateway overhead vs floors (echo engine)")
-    OUT.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(OUT / "overhead.png", dpi=120)
-    print(f"plot: {OUT / 'overhead.png'}")
+    print(f"plot: {save_plot(fig, 'overhead.png')}")
 
 
 if __name__ == "__main__":

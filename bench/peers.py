@@ -64,6 +64,7 @@ from bench.common import (
     gateway_server,
     open_loop,
     pct,
+    save_plot,
     spawn,
     stop,
     table,
@@ -516,10 +517,7 @@ def plot(all_rows: list[Row], rates: Sequence[float]) -> Path:
     ax.set_yscale("log")
     ax.legend(fontsize=7)
     ax.set_title("gateway added latency on a zero-cost backend (mean of 2 rounds)")
-    OUT.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    path = OUT / "peers.png"
-    fig.savefig(path, dpi=120)
+    path = save_plot(fig, "peers.png")
     plt.close(fig)
     return path
 
