@@ -47,6 +47,7 @@ log = logging.getLogger("tokengate.dispatch")
 CANCEL_TTL_S = 600
 WATCH_S = 0.5  # how often workers and peers are re-read (and slot leases checked)
 MODEL_SAVE_S = 10.0  # how often the fitted model and calibration are saved for the next start
+TELEMETRY_BACKLOG = 16  # telemetry entries a starting gateway observes (the workers' warm-ups)
 READ_BLOCK_MS = 1000  # the reply loop's blocking read returns at least this often
 BACKOFF = backoff_policy(base_s=0.05, cap_s=2.0)  # after the n-th Redis failure in a row of one loop
 
@@ -319,11 +320,18 @@ class Dispatcher:
                     await self.client.xtrim(self.replies, minid=last[self.replies], approximate=True)
 
     async def _telemetry_start(self) -> bytes:
+        """Where the telemetry read starts: after the newest entry, once the latest
+        ``TELEMETRY_BACKLOG`` entries are observed (oldest first), so that a worker's warm-up
+        steps, published before this gateway started, shape its first contracts."""
         try:
-            newest = await self.client.xrevrange(wire.TELEMETRY_STREAM, count=1)
+            recent: list[tuple[bytes, dict[bytes, bytes]]] = await self.client.xrevrange(  # type: ignore[assignment]
+                wire.TELEMETRY_STREAM, count=TELEMETRY_BACKLOG
+            )
         except RedisError:
             return b"0-0"  # Redis is not there yet: read what the stream holds (at most its cap)
-        entry_id = newest[0][0] if newest else None
+        for _entry_id, fields in reversed(recent):
+            self._observe(fields)
+        entry_id = recent[0][0] if recent else None
         return entry_id if isinstance(entry_id, bytes) else b"0-0"
 
     def _observe(self, fields: dict[bytes, bytes]) -> None:

@@ -48,6 +48,7 @@ from workers.trim import trim_jobs_stream
 log = logging.getLogger("tokengate.worker")
 
 SUSPECT_TTL_S = 3600  # a suspect mark outlives any redelivery cycle of its entry
+WARM_UP_PROMPT = tuple(range(100, 132))  # 32 token ids, valid in any vocabulary of a real model
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
@@ -75,6 +76,7 @@ class WorkerSettings:
     retry_cap_s: float = 2.0  # at most this
     trim_every_s: float = 5.0  # how often the heartbeat thread trims the jobs stream
     telemetry_every_s: float = 0.25  # step records go out at least this often while busy
+    warm_up_tokens: int = 16  # a greedy sequence of this many tokens runs before the first heartbeat (0: none)
 
     def __post_init__(self) -> None:
         if self.pool not in p.POOLS:
@@ -178,7 +180,22 @@ class Worker:
         else:
             log.info("second signal: exiting now; unacked entries go to peers")
 
+    def warm_up(self) -> None:
+        """One short greedy sequence before the first heartbeat: the engine's first-call
+        costs are paid here, not by a client, and its steps go out as telemetry at once, so
+        that a gateway's first contracts price this machine as it runs now, not only the
+        packaged profile."""
+        tokens = self.settings.warm_up_tokens
+        if tokens <= 0:
+            return
+        self.engine.add(p.SeqJob("warm-up", WARM_UP_PROMPT, p.SamplingParams(tokens, 0.0, ignore_eos=True)))
+        while self.engine.busy:
+            self._steps.append(self.engine.step().record())
+        self.engine.reset()
+        self._publish_telemetry()
+
     def run(self) -> None:
+        self.warm_up()
         threads = [
             threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True),
             threading.Thread(target=self._cancel_loop, name="cancels", daemon=True),

@@ -165,11 +165,28 @@ def test_one_read_takes_as_many_jobs_as_free_slots(redis_client: redis.Redis, re
     assert redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 3
 
 
+def test_a_worker_warms_up_at_start_and_publishes_the_steps_as_telemetry(
+    redis_client: redis.Redis, redis_url: str
+) -> None:
+    from workers.worker import WARM_UP_PROMPT
+
+    with running_worker(redis_url, EchoEngine(slots=8, step_s=0.01), worker_id="w-warm", warm_up_tokens=5):
+        _wait_for(lambda: redis_client.xlen(wire.TELEMETRY_STREAM) > 0, what="the warm-up's telemetry")
+        ((_first, fields),) = redis_client.xrange(wire.TELEMETRY_STREAM, count=1)
+        warm = p.decode_telemetry(fields)
+        _wait_for(lambda: redis_client.zscore(wire.WORKERS_ZSET, "w-warm") is not None, what="the first heartbeat")
+    assert warm.worker == "w-warm" and (warm.running, warm.free) == (0, 8)  # nothing left running
+    assert sum(s.prefill_tokens for s in warm.steps) == len(WARM_UP_PROMPT)
+    assert sum(s.decode_seqs for s in warm.steps) == 5 - 1  # the first token comes with the prefill
+    assert all(s.ms >= 10 for s in warm.steps if s.decode_seqs)
+
+
 def test_a_busy_worker_publishes_step_telemetry_every_quarter_second_and_after_each_prefill(
     redis_client: redis.Redis, redis_url: str
 ) -> None:
     tokens, n = 120, 6
-    with running_worker(redis_url, EchoEngine(tokens=tokens, slots=8, step_s=0.01), worker_id="w-tel"):
+    with running_worker(redis_url, EchoEngine(tokens=tokens, slots=8, step_s=0.01), worker_id="w-tel",
+                        warm_up_tokens=0):  # its entry would come long before the jobs (tested below)
         for i in range(n):
             send(redis_client, _job(f"b{i}", [f"r{i}"], max_tokens=tokens))
         collect(redis_client, REPLIES, until_batches=n)
