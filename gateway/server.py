@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING
 
 import uvloop
 
+from gateway import processes
 from gateway.cli import GATEWAY_FLAGS, SETTING_FLAGS
 from gateway.embedded_redis import EmbeddedRedis, default_data_dir
 from gateway.scheduling import scheduler_config
 from gateway.settings import GatewaySettings
 from gateway.shutdown import FORCED_EXIT_S, Interrupted, StopSignals, exit_within
-from gateway.supervisor import Supervisor, gateway_child, worker_child
+from gateway.supervisor import POLL_S, Supervisor, gateway_child, worker_child
 from workers import model_store
 
 if TYPE_CHECKING:
@@ -246,7 +247,9 @@ def run_gateway_group(args: argparse.Namespace) -> None:
     try:
         supervisor.start()
         log.info("%d gateway processes on http://%s:%d", args.workers, args.host, args.port)
-        uvloop.run(supervisor.run())
+        while True:  # no event loop: a stop signal raised inside one can leave it running
+            supervisor.check()
+            time.sleep(POLL_S)
     except Interrupted as exc:
         log.info("%s: stopping the gateway processes", exc)
     finally:
@@ -300,7 +303,8 @@ async def _demo_key(redis_url: str) -> str:
     from gateway.tenant_store import TenantStore
     from gateway.tenants import Tenant, new_id
 
-    client = aioredis.Redis.from_url(redis_url)
+    # bounded: it runs with stop signals deferred
+    client = aioredis.Redis.from_url(redis_url, socket_timeout=10.0, socket_connect_timeout=10.0)
     try:
         store = TenantStore(client)
         try:
@@ -360,7 +364,8 @@ def serve(args: argparse.Namespace) -> None:
                         for i in range(1, args.gateways)]  # this process is the first
             supervisor = Supervisor(workers, embedded, gateways=gateways)
             supervisor.start()
-            key = uvloop.run(_demo_key(redis_url))
+            with processes.signals_deferred():  # a stop signal raised inside the loop could leave it running
+                key = uvloop.run(_demo_key(redis_url))
 
             def banner() -> None:
                 print(_banner(settings, pools, key), flush=True)
