@@ -205,9 +205,12 @@ def _header_s(request: Request, name: str, valid: Callable[[float], bool], rule:
     return ms / 1000
 
 
+def _deadline_ok(ms: float) -> bool:
+    return 0 < ms < openapi.DEADLINE_MS_MAX
+
+
 def _deadline_s(request: Request) -> float | None:
-    return _header_s(request, DEADLINE_HEADER, lambda ms: 0 < ms < openapi.DEADLINE_MS_MAX,
-                     "a positive number of milliseconds")
+    return _header_s(request, DEADLINE_HEADER, _deadline_ok, "a positive number of milliseconds")
 
 
 def _slo_rule(top: float) -> tuple[Callable[[float], bool], str]:

@@ -105,9 +105,10 @@ class PromptBuilder:
                     f"Token id {bad} is outside the vocabulary (0..{self.vocab_size - 1}).", param="prompt"
                 )
         else:
-            if self.chars(gen) > limit * self.longest_token_chars:  # cannot fit, however it tokenizes
-                raise PromptTooLong(self.chars(gen) // self.longest_token_chars)
-            if self.chars(gen) <= PROMPT_CACHE_CHARS:
+            chars = self.chars(gen)
+            if chars > limit * self.longest_token_chars:  # cannot fit, however it tokenizes
+                raise PromptTooLong(chars // self.longest_token_chars)
+            if chars <= PROMPT_CACHE_CHARS:
                 ids = self._cached_ids(gen.messages if gen.kind == "chat" else gen.prompt)
             else:
                 ids = self._bounded(str(self.text(gen)), limit)
