@@ -166,7 +166,12 @@ class Dispatcher:
     # -- requests -------------------------------------------------------------------------
 
     def alive_pools(self) -> set[str]:
-        return {hb.pool for hb in self.workers.values()}
+        """Pools with a worker that takes jobs (alive, and not down)."""
+        return {hb.pool for hb in self.workers.values() if not hb.down}
+
+    def down_reasons(self) -> list[str]:
+        """Why the workers that are alive but take no job say they are down."""
+        return sorted({hb.down for hb in self.workers.values() if hb.down})
 
     def submit(self, seq: p.SeqJob, who: Origin) -> Pending | Reject:
         """Hand a request to the scheduler: its contract (and a place to wait for its

@@ -151,8 +151,12 @@ class RequestLife:
                 self.gen, len(ids), gw.prompts.context_tokens, gw.settings.default_max_tokens, tenant
             )
             if not gw.dispatcher.alive_pools():
-                raise Unavailable("No worker is alive to serve this request; try again shortly.", code="no_worker")
-            seq = p.SeqJob(gw.new_rid(), tuple(ids), self.gen.sampling(max_tokens), self.gen.stream)
+                down = gw.dispatcher.down_reasons()
+                why = f" (workers are down: {'; '.join(down)})" if down else ""
+                raise Unavailable(f"No worker is alive to serve this request{why}; try again shortly.",
+                                  code="no_worker")
+            seq = p.SeqJob(gw.new_rid(), tuple(ids), self.gen.sampling(max_tokens), self.gen.stream,
+                           **self.gen.source())
             self.rid = seq.rid
             self.meter.prompt_tokens = len(ids)
             # a budget wait past the first-token SLO would miss it: refused now, not after the wait

@@ -160,6 +160,13 @@ class Generation:
     def sampling(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens, self.temperature, self.top_p, self.seed, self.stop, self.ignore_eos)
 
+    def source(self) -> dict[str, Any]:
+        """The prompt as sent, for the job (``SeqJob.messages``/``text``): an upstream
+        engine forwards it in its own form (a completion of token ids needs none)."""
+        if self.kind == "chat":
+            return {"messages": self.messages}
+        return {"text": self.prompt} if isinstance(self.prompt, str) else {}
+
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "function-after"})
 

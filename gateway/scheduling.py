@@ -94,7 +94,8 @@ def scheduler_config(priors_path: str | None, **fields: Any) -> SchedulerConfig:
 
 def capacity_share(workers: dict[str, p.Heartbeat], gateways: int) -> dict[str, tuple[int, int]]:
     """Slots and workers per pool this gateway may fill: the pool's live slots split over
-    live gateways, and as many workers as carry that share (at least one).
+    live gateways, and as many workers as carry that share (at least one). A worker that
+    says it is down counts for nothing.
 
     Every gateway runs its own scheduler; each gets an equal share (rounded up, so a small
     pool is never shared down to nothing). Workers queue any excess internally.
@@ -102,6 +103,8 @@ def capacity_share(workers: dict[str, p.Heartbeat], gateways: int) -> dict[str, 
     slots: dict[str, int] = {pool: 0 for pool in p.POOLS}
     count: dict[str, int] = {pool: 0 for pool in p.POOLS}
     for hb in workers.values():
+        if hb.down:  # alive, but its upstream does not answer: it takes no job
+            continue
         slots[hb.pool] = slots.get(hb.pool, 0) + hb.slots
         count[hb.pool] = count.get(hb.pool, 0) + 1
     n = max(1, gateways)

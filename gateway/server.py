@@ -259,13 +259,17 @@ def run_gateway_group(args: argparse.Namespace) -> None:
         faulthandler.cancel_dump_traceback_later()
 
 
-def _pools(choice: str) -> list[str]:
+def _pools(choice: str, upstream: bool = False) -> list[str]:
+    """``auto``: cpu, plus gpu where CUDA is present; with an upstream server the workers run
+    no model here, so auto is the cpu pool alone."""
     if choice != "auto":
         pools = [x.strip() for x in choice.split(",") if x.strip()]
         bad = [x for x in pools if x not in ("cpu", "gpu")]
         if bad or not pools:
             raise ValueError(f"--pools: expected auto or a list of cpu/gpu, got {choice!r}")
         return pools
+    if upstream:
+        return ["cpu"]
     import torch
 
     return ["cpu", "gpu"] if torch.cuda.is_available() else ["cpu"]
@@ -292,6 +296,10 @@ def _worker_argv(pool: str, redis_url: str, args: argparse.Namespace, model_dir:
     ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.upstream_url:
+        cmd += ["--upstream-url", args.upstream_url, "--upstream-timeout", str(args.upstream_timeout)]
+        if args.upstream_model:
+            cmd += ["--upstream-model", args.upstream_model]
     return cmd
 
 
@@ -355,7 +363,7 @@ def serve(args: argparse.Namespace) -> None:
                 redis_url = embedded.url
                 log.info("private redis-server (%s) at %s", embedded.binary, redis_url)
             settings = settings_from_args(args, redis_url, spec.name, raise_nofile_limit())
-            pools = _pools(args.pools)
+            pools = _pools(args.pools, upstream=bool(args.upstream_url))
             workers = [
                 worker_child(pool, _worker_argv(pool, redis_url, args, spec.path, spec.name, args.log_level))
                 for pool in pools

@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from workers.worker import WorkerSettings
+from workers.worker import ENGINES, WorkerSettings
 
 log = logging.getLogger("tokengate.worker")
 
@@ -51,10 +51,19 @@ def _flag(parser: argparse.ArgumentParser, flag: str, default: Any, **kw: Any) -
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "--pool", setting_default("pool"), choices=("cpu", "gpu"))
-    _flag(parser, "--engine", setting_default("engine"), choices=("hf", "echo"),
-          help="hf: the transformers model; echo: a model-free engine for benchmarks")
+    _flag(parser, "--engine", setting_default("engine"), choices=ENGINES,
+          help="hf: the transformers model; echo: a model-free engine for benchmarks; "
+               "upstream: an OpenAI-compatible server (--upstream-url), docs/operations.md")
+    _flag(parser, "--upstream-url", setting_default("upstream_url"),
+          help="the OpenAI-compatible server an upstream worker fronts, e.g. http://127.0.0.1:8000 "
+               "(implies --engine upstream)")
+    _flag(parser, "--upstream-model", setting_default("upstream_model"),
+          help="the model name sent upstream (default: the first of its /v1/models)")
+    _flag(parser, "--upstream-timeout", setting_default("upstream_timeout_s"), type=float,
+          help="seconds to wait for the upstream's next chunk before it counts as down")
     _flag(parser, "--slots", setting_default("slots"), type=int,
-          help="sequences decoded together (continuous batching)")
+          help="sequences decoded together (continuous batching); upstream: concurrent upstream "
+               "streams, the upstream's own parallelism")
     _flag(parser, "--step-tokens", setting_default("step_tokens"), type=int,
           help="tokens one engine step may run: the running sequences' decode tokens plus "
                "prefill, a long prompt in chunks (0: prompts prefilled whole)")
@@ -76,10 +85,14 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
+    upstream = args.upstream_url or None
     return WorkerSettings(
         redis_url=args.redis_url,
         pool=args.pool,
-        engine=args.engine,
+        engine="upstream" if upstream else args.engine,
+        upstream_url=upstream,
+        upstream_model=args.upstream_model or None,
+        upstream_timeout_s=args.upstream_timeout,
         model=args.model,
         model_name=args.model_name,
         cache_dir=args.cache_dir,
@@ -106,6 +119,14 @@ def run(settings: WorkerSettings) -> None:
     if settings.engine == "echo":
         engine = EchoEngine(tokens=settings.echo_tokens, slots=settings.slots, step_s=settings.echo_step_s)
         model_name = settings.model_name or "echo"
+    elif settings.engine == "upstream":
+        from workers.upstream import UpstreamEngine
+
+        assert settings.upstream_url is not None  # WorkerSettings checks it
+        upstream = UpstreamEngine(settings.upstream_url, settings.upstream_model, settings.slots,
+                                  settings.upstream_timeout_s)
+        engine = upstream
+        model_name = settings.model_name or upstream.model or "upstream"
     else:
         import torch
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from workers.protocol import Delta, Finished, SeqJob, StepRecord
+from workers.protocol import Delta, Failed, Finished, SeqJob, StepRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +33,7 @@ class Handoff:
 
 @dataclass(slots=True)
 class StepResult:
-    events: list[Delta | Finished] = field(default_factory=list)
+    events: list[Delta | Finished | Failed] = field(default_factory=list)  # Failed: the request's own fault
     prefills: list[Prefill] = field(default_factory=list)
     decode_rids: tuple[str, ...] = ()  # sequences advanced by this step's decode pass
     decode_s: float = 0.0
@@ -49,9 +49,15 @@ class StepResult:
     decode_seqs: int = 0  # sequences that decoded one token
     kv_tokens: int = 0  # KV-cache tokens held by the running sequences when the step began
     step_s: float = 0.0  # the step's wall time
+    # the step records this result stands for: None, it is one engine step (``record``); an
+    # engine that cannot see its steps (an upstream server) infers them, any number per call
+    observed: list[StepRecord] | None = None
 
     def record(self) -> StepRecord:
         return StepRecord(self.prefill_tokens, self.decode_seqs, self.kv_tokens, self.step_s * 1000)
+
+    def records(self) -> list[StepRecord]:
+        return [self.record()] if self.observed is None else self.observed
 
 
 class Engine(Protocol):
@@ -61,6 +67,7 @@ class Engine(Protocol):
     dtype: str
     choice: str  # why this device and dtype
     step_tokens: int  # per-step token budget: decode tokens plus prefill (0: none, whole prompts)
+    down: str  # why the engine takes no work now (an upstream that does not answer); "" if it does
 
     def add(self, seq: SeqJob, kv: dict[str, Any] | None = None) -> None:
         """Queue a sequence; with ``kv`` (a handed-over prefill) it skips prefill."""
@@ -106,6 +113,7 @@ class EchoEngine:
     choice = "echo engine: no model"
     piece = " echo"
     step_tokens = 0
+    down = ""
 
     def __init__(self, tokens: int = 16, slots: int = 256, step_s: float = 0.0) -> None:
         self.tokens = tokens

@@ -64,14 +64,15 @@ end
 return cancelled
 """
 
-# Reset the idle time of entries this consumer still owns (a long batch is not stolen).
-# KEYS: 1 jobs stream; ARGV: 1 group, 2 consumer, 3.. entry ids
+# Set the idle time of entries this consumer still owns: 0 keeps a long batch from being
+# stolen (touch); the claim idle time hands an abandoned one to the next XAUTOCLAIM (release).
+# KEYS: 1 jobs stream; ARGV: 1 group, 2 consumer, 3 idle ms, 4.. entry ids
 _TOUCH = """
 local kept = 0
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
   if p[1] ~= nil and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
     kept = kept + 1
   end
 end
@@ -170,10 +171,17 @@ class Fence:
         args += check_cancel
         self._publish(keys=keys, args=args, client=pipe)
 
-    def touch(self, entry_ids: list[bytes]) -> int:
+    def touch(self, entry_ids: list[bytes], idle_ms: int = 0) -> int:
+        """Mark entries this worker still owns as idle for ``idle_ms`` (0: busy now); how many
+        it still owns."""
         if not entry_ids:
             return 0
-        return int(self._touch(keys=[self.stream], args=[wire.GROUP, self.consumer, *entry_ids]))
+        return int(self._touch(keys=[self.stream], args=[wire.GROUP, self.consumer, idle_ms, *entry_ids]))
+
+    def release(self, entry_ids: list[bytes], claim_idle_ms: int) -> int:
+        """Hand abandoned entries to the next XAUTOCLAIM (a peer's, or this worker's) now,
+        instead of after the claim idle time; their delivery count is not changed."""
+        return self.touch(entry_ids, claim_idle_ms)
 
     def dead_letter(
         self,

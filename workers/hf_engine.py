@@ -58,6 +58,7 @@ class _Seq:
 
 class HFEngine:
     name = "transformers"
+    down = ""
 
     def __init__(
         self,

@@ -50,6 +50,10 @@ class SeqJob:
     resume_chars: int = 0
     handoff: str | None = None  # run prefill only, then hand the KV cache to this pool
     kv_key: str | None = None  # where a handed-over KV cache waits (Redis string)
+    # the prompt as the client sent it, for an engine that fronts another server
+    # (workers/upstream.py): a chat's messages (role, text), or a completion's text
+    messages: tuple[tuple[str, str], ...] = ()
+    text: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +137,8 @@ class Heartbeat:
     # in-flight work, so gateways can reconcile their slot bookkeeping
     running: int = 0  # sequences in the engine (waiting or decoding)
     batches: tuple[str, ...] = ()  # ids of the batches this worker holds, at most HEARTBEAT_MAX_BATCHES
+    down: str = ""  # why the worker takes no jobs now (its upstream does not answer); "" if it does
+    upstream: dict[str, float] = dataclasses.field(default_factory=dict)  # the upstream's own gauges (vLLM)
 
 
 TELEMETRY_MAX_STEPS = 64  # a telemetry entry carries at most this many step records
@@ -204,6 +210,10 @@ def _encode_seq(s: SeqJob) -> dict[str, Any]:
         doc["handoff"] = s.handoff
     if s.kv_key:
         doc["kv_key"] = s.kv_key
+    if s.messages:
+        doc["messages"] = [list(m) for m in s.messages]
+    if s.text is not None:
+        doc["text"] = s.text
     return doc
 
 
@@ -242,6 +252,8 @@ def decode_job(fields: dict[bytes, bytes]) -> BatchJob:
                     resume_chars=int(s.get("resume_chars", 0)),
                     handoff=s.get("handoff"),
                     kv_key=s.get("kv_key"),
+                    messages=tuple((str(role), str(text)) for role, text in s.get("messages", ())),
+                    text=None if s.get("text") is None else str(s["text"]),
                 )
                 for s in doc["seqs"]
             ),
@@ -303,8 +315,10 @@ def decode_heartbeat(raw: bytes) -> Heartbeat:
     try:
         if "batches" in known:
             known["batches"] = tuple(str(b) for b in known["batches"])
+        if "upstream" in known:
+            known["upstream"] = {str(k): float(v) for k, v in known["upstream"].items()}
         return Heartbeat(**known)
-    except TypeError as exc:
+    except (TypeError, ValueError, AttributeError) as exc:
         raise ProtocolError(f"malformed heartbeat: {exc!r}") from exc
 
 

@@ -49,13 +49,17 @@ log = logging.getLogger("tokengate.worker")
 
 SUSPECT_TTL_S = 3600  # a suspect mark outlives any redelivery cycle of its entry
 WARM_UP_PROMPT = tuple(range(100, 132))  # 32 token ids, valid in any vocabulary of a real model
+WARM_UP_TEXT = "Count from one to twenty in words: one, two, three,"  # the same, for an upstream engine
+
+ENGINES = ("hf", "echo", "upstream")
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
     redis_url: str
     pool: str = "cpu"
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-    engine: str = "hf"  # "hf" | "echo"
+    engine: str = "hf"  # "hf" | "echo" | "upstream"
     model: str | None = None
     model_name: str | None = None
     cache_dir: Path | None = None
@@ -77,12 +81,19 @@ class WorkerSettings:
     trim_every_s: float = 5.0  # how often the heartbeat thread trims the jobs stream
     telemetry_every_s: float = 0.25  # step records go out at least this often while busy
     warm_up_tokens: int = 16  # a greedy sequence of this many tokens runs before the first heartbeat (0: none)
+    upstream_url: str | None = None  # engine "upstream": the OpenAI-compatible server it fronts
+    upstream_model: str | None = None  # the model name sent upstream (default: the first of its /v1/models)
+    upstream_timeout_s: float = 60.0  # longest wait for the upstream's next chunk before it counts as down
 
     def __post_init__(self) -> None:
         if self.pool not in p.POOLS:
             raise ValueError(f"pool must be one of {p.POOLS}, not {self.pool!r}")
-        if self.engine not in ("hf", "echo"):
-            raise ValueError(f"engine must be 'hf' or 'echo', not {self.engine!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, not {self.engine!r}")
+        if (self.engine == "upstream") != (self.upstream_url is not None):
+            raise ValueError("the upstream engine needs an upstream URL, and only it takes one")
+        if self.upstream_timeout_s <= 0:
+            raise ValueError("the upstream timeout must be positive")
         if self.slots < 1:
             raise ValueError("slots must be at least 1")
         if self.step_tokens < 0:
@@ -160,6 +171,7 @@ class Worker:
         self._tokens = 0
         self._started = time.time()
         self._clock = clock
+        self._sleep = sleep
         self._next_claim = 0.0
         self._group_ready = False
         self._backoff = backoff_policy(settings.retry_base_s, settings.retry_cap_s)
@@ -188,9 +200,10 @@ class Worker:
         tokens = self.settings.warm_up_tokens
         if tokens <= 0:
             return
-        self.engine.add(p.SeqJob("warm-up", WARM_UP_PROMPT, p.SamplingParams(tokens, 0.0, ignore_eos=True)))
+        params = p.SamplingParams(tokens, 0.0, ignore_eos=True)
+        self.engine.add(p.SeqJob("warm-up", WARM_UP_PROMPT, params, text=WARM_UP_TEXT))
         while self.engine.busy:
-            self._steps.append(self.engine.step().record())
+            self._steps.extend(self.engine.step().records())
         self.engine.reset()
         self._publish_telemetry()
 
@@ -229,7 +242,9 @@ class Worker:
         try:
             if not self._group_ready:
                 self._ensure_group()
-            if self._signals == 0:
+            if self._signals == 0 and self.engine.down and not self.engine.busy:
+                self._sleep(self.settings.block_ms / 1000)  # no job is read while the engine is down
+            elif self._signals == 0:
                 self._reclaim()
                 if self._isolated or self._alone is not None:
                     self._run_alone()
@@ -453,12 +468,13 @@ class Worker:
             pipe.execute()
             return
         if result.failed:
-            log.error("prefill of %s failed; abandoning their batches to redelivery", ", ".join(result.failed))
-            self._abandon(result.failed)
-        self._steps.append(result.record())
-        if len(self._steps) > p.TELEMETRY_MAX_STEPS:
-            self._steps.popleft()
-            self._dropped += 1
+            log.error("%s failed in the engine; their batches go back for redelivery", ", ".join(result.failed))
+            self.fence.release(self._abandon(result.failed), int(self.settings.claim_idle_s * 1000))
+        for record in result.records():
+            self._steps.append(record)
+            if len(self._steps) > p.TELEMETRY_MAX_STEPS:
+                self._steps.popleft()
+                self._dropped += 1
         try:
             self._publish(result)
         except redis.RedisError as exc:
@@ -469,15 +485,21 @@ class Worker:
             self._abandon(list(self._batch_of))
             raise  # the main loop backs off (or creates a lost group again)
 
-    def _abandon(self, rids: list[str]) -> None:
+    def _abandon(self, rids: list[str]) -> list[bytes]:
         """Forget batches without acking them: after the claim idle time a peer (or this
-        worker) takes them over, and their delivery count moves them toward dead letter."""
+        worker) takes them over, and their delivery count moves them toward dead letter.
+        Their entry ids, for ``Fence.release`` to hand them over at once."""
+        entries: list[bytes] = []
         for bid in {self._batch_of.pop(r) for r in rids if r in self._batch_of}:
             with self._lock:
                 batch = self._batches.pop(bid, None)
-            for rid in batch.pending if batch else ():
+            if batch is None:
+                continue
+            entries.append(batch.entry_id)
+            for rid in batch.pending:
                 self._batch_of.pop(rid, None)
                 self.engine.cancel(rid)
+        return entries
 
     def _publish(self, result: StepResult) -> None:
         self._account(result)
@@ -498,7 +520,7 @@ class Worker:
         order: list[tuple[_Batch, bool]] = []
         for bid, evs in events.items():
             b = self._batches[bid]
-            finished = [ev.rid for ev in evs if isinstance(ev, p.Finished)]
+            finished = [ev.rid for ev in evs if isinstance(ev, p.Finished | p.Failed)]
             moved = handoffs.get(bid, [])
             b.pending.difference_update(finished)
             b.pending.difference_update(h.rid for h in moved)
@@ -630,6 +652,8 @@ class Worker:
             choice=self.engine.choice,
             running=sum(len(b.pending) for b in held),
             batches=tuple(b.job.batch_id for b in held[: p.HEARTBEAT_MAX_BATCHES]),
+            down=self.engine.down,
+            upstream=dict(getattr(self.engine, "metrics", {})),
         )
 
     def _heartbeat_loop(self) -> None:

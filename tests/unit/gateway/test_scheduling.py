@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
@@ -35,6 +36,12 @@ def test_capacity_is_split_over_live_gateways_rounding_up() -> None:
     assert capacity_share(workers, 1) == {"cpu": (64, 2), "gpu": (5, 1)}
     assert capacity_share(workers, 3) == {"cpu": (22, 1), "gpu": (2, 1)}
     assert capacity_share({}, 0) == {"cpu": (0, 1), "gpu": (0, 1)}
+
+
+def test_a_worker_that_says_it_is_down_adds_no_capacity() -> None:
+    down = replace(_hb("b", "cpu", 32), down="upstream http://h:1 does not answer")
+    assert capacity_share({"a": _hb("a", "cpu", 8), "b": down}, 1)["cpu"] == (8, 1)
+    assert capacity_share({"b": down}, 1)["cpu"] == (0, 1)
 
 
 def test_admitted_requests_leave_as_stream_jobs_in_dispatch_order() -> None:

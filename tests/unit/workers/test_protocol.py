@@ -35,6 +35,14 @@ def test_optional_sequence_fields_round_trip_and_stay_off_the_wire_when_unset() 
     assert job.handoff_pool("r") == "gpu"
     plain = p.encode_job(_job())["m"]
     assert b"handoff" not in plain and b"resume_ids" not in plain
+    assert b"messages" not in plain and b"text" not in plain
+
+
+def test_the_prompt_as_sent_travels_for_an_upstream_engine() -> None:
+    chat = p.SeqJob("c", (1, 2), p.SamplingParams(4), messages=(("system", "be brief"), ("user", "hi")))
+    text = p.SeqJob("t", (3,), p.SamplingParams(4), text="Once upon")
+    job = p.BatchJob("b", "tg:replies:g", 0, (chat, text))
+    assert p.decode_job(_wire(p.encode_job(job))) == job
 
 
 def test_events_round_trip() -> None:
@@ -85,7 +93,17 @@ def test_heartbeat_without_the_later_fields_still_decodes() -> None:
     old = {"v": p.VERSION, "worker": "w1", "pool": "cpu", "device": "cpu", "dtype": "float32", "engine": "echo",
            "model": "m", "slots": 32, "free": 32, "tokens_per_s": 0.0, "started": 1.0}
     hb = p.decode_heartbeat(orjson.dumps(old))
-    assert (hb.choice, hb.running, hb.batches) == ("", 0, ())
+    assert (hb.choice, hb.running, hb.batches, hb.down, hb.upstream) == ("", 0, (), "", {})
+
+
+def test_heartbeat_says_why_a_worker_is_down_and_carries_its_upstream_gauges() -> None:
+    hb = p.Heartbeat("w1", "cpu", "remote", "upstream", "upstream", "m", 8, 0, 0.0, 1.0,
+                     down="upstream http://h:1 does not answer: ConnectError", upstream={"running": 3.0})
+    assert p.decode_heartbeat(p.encode_heartbeat(hb)) == hb
+    doc = orjson.loads(p.encode_heartbeat(hb))
+    doc["upstream"] = {"running": "many"}
+    with pytest.raises(p.ProtocolError, match="malformed"):
+        p.decode_heartbeat(orjson.dumps(doc))
 
 
 def test_heartbeat_fields_a_newer_worker_adds_are_ignored() -> None:

@@ -1,0 +1,399 @@
+"""An engine that fronts an OpenAI-compatible server: llama.cpp's, vLLM, TGI, SGLang, Ollama.
+
+The worker stays what it is (jobs from its pool's stream, fenced replies, re-delivery); only
+the engine changes. Each sequence becomes one streaming request to the upstream, run by an
+asyncio loop in a thread of its own with one ``httpx`` connection pool of ``slots``
+connections; ``step`` collects what the streams delivered since the last call and turns it
+into tokengate's events:
+
+- a chat request goes to ``/v1/chat/completions`` with its messages, so the upstream applies
+  its own chat template and answers exactly as it would a direct call; a completion goes to
+  ``/v1/completions`` with its text (or its token ids);
+- every upstream chunk that carries text is one token (llama.cpp and vLLM send one per
+  token); the usage the upstream reports, when it does, replaces the counts at the end;
+- a sequence resumed after a peer died (``resume_chars``) is asked again from the start and
+  its first ``resume_chars`` characters are not sent twice: exact for greedy or seeded
+  sampling on an upstream that honours the seed;
+- cancelling closes the upstream stream (the connection), which stops its generation.
+
+Failures. A 4xx answer (other than 408/429) is the request's fault: it ends with an error
+event. A transport error, a time-out or a 5xx/408/429 answer is the upstream's: the
+sequence is reported ``failed`` and its batch goes back to the stream for re-delivery
+(``Worker._abandon``), and a transport error or time-out marks the upstream down. While it is
+down the engine has no free slot (the worker reads no job), ``down`` says why (heartbeat,
+``/admin/workers``), and a probe of ``/v1/models`` every ``probe_s`` brings it back.
+
+Telemetry. The upstream is a black box, so its steps are inferred from what the streams
+show: a sequence's first token closes a prefill step (its prompt tokens, the sequences
+decoding beside it, the time from request to first token), and each ``step`` call in which
+tokens arrived is one decode step (the sequences decoding, their KV tokens, the mean gap
+between consecutive tokens of a sequence). Where the upstream exports Prometheus metrics
+(vLLM's ``/metrics``), running and waiting requests and KV-cache use go into the heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+
+from workers.engine import Prefill, StepResult
+from workers.protocol import Delta, Failed, Finished, SeqJob, StepRecord
+
+log = logging.getLogger("tokengate.upstream")
+logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO: a probe a second
+
+POLL_S = 0.002  # a step waits this long for tokens while a job could still be read
+FULL_WAIT_S = 0.05  # and this long when no slot is free (no job to read meanwhile)
+PROBE_S = 1.0  # how often the upstream is probed (``/v1/models``, and ``/metrics`` where served)
+CONNECT_TIMEOUT_S = 5.0
+_RETRY_STATUS = frozenset({408, 429})  # the upstream is busy or slow: another try may succeed
+
+# vLLM's Prometheus names (both the older and the newer KV-cache gauge); other upstreams
+# export none of them and the heartbeat then carries no upstream figures
+VLLM_METRICS = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:gpu_cache_usage_perc": "kv_cache_usage",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage",
+}
+
+
+class UpstreamError(Exception):
+    """The upstream failed a sequence; ``retry``: its fault (re-deliver), else the request's."""
+
+    def __init__(self, message: str, retry: bool, down: bool = False) -> None:
+        super().__init__(message)
+        self.retry = retry
+        self.down = down
+
+
+@dataclass(slots=True)
+class _Seq:
+    job: SeqJob
+    sent_at: float
+    future: concurrent.futures.Future[None] | None = None
+    first_at: float | None = None
+    last_at: float = 0.0
+    tokens: int = 0  # chunks with text so far (a replay counts its skipped ones too)
+    chars: int = 0  # characters received so far
+    sent: int = 0  # characters delivered to the client (resume_chars at first)
+    text: list[str] = field(default_factory=list)  # a non-streaming sequence's completion
+
+
+def request_body(seq: SeqJob, model: str) -> tuple[str, dict[str, Any]]:
+    """The upstream path and JSON body that run ``seq``: its own chat or completion form."""
+    params = seq.params
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "stream": True,
+    }
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if params.ignore_eos:
+        body["ignore_eos"] = True  # vLLM's and llama.cpp's extension; other upstreams ignore it
+    if seq.messages:
+        body["messages"] = [{"role": role, "content": text} for role, text in seq.messages]
+        return "/v1/chat/completions", body
+    body["prompt"] = seq.text if seq.text is not None else list(seq.prompt_ids)
+    return "/v1/completions", body
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """vLLM's gauges from a Prometheus exposition, summed over label sets (one per model)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = VLLM_METRICS.get(sample.name)
+            if name is not None:
+                out[name] = out.get(name, 0.0) + float(sample.value)
+    return out
+
+
+class UpstreamEngine:
+    name = "upstream"
+    device = "remote"
+    dtype = "upstream"
+    step_tokens = 0
+
+    def __init__(self, url: str, model: str | None = None, slots: int = 32, timeout_s: float = 60.0,
+                 probe_s: float = PROBE_S) -> None:
+        self.url = url.rstrip("/")
+        self.slots = slots
+        self.model = model or ""
+        self.timeout_s = timeout_s
+        self.probe_s = probe_s
+        self.metrics: dict[str, float] = {}  # the upstream's own gauges (vLLM), if it exports them
+        self._has_metrics: bool | None = None  # unknown until /metrics answers once
+        self.down = "not probed yet"  # why no job should come here now; empty while the upstream answers
+        self.choice = f"upstream {self.url}"
+        self._seqs: dict[str, _Seq] = {}
+        self._cancelled: list[_Seq] = []
+        self._inbox: queue.SimpleQueue[tuple[str, str, Any, float]] = queue.SimpleQueue()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="upstream", daemon=True)
+        self._thread.start()
+        self._client: httpx.AsyncClient = self._call(self._make_client())
+        self._probe_task = asyncio.run_coroutine_threadsafe(self._probe_loop(), self._loop)
+        self.probe()
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _make_client(self) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=self.slots, max_keepalive_connections=self.slots)
+        timeout = httpx.Timeout(self.timeout_s, connect=CONNECT_TIMEOUT_S)
+        return httpx.AsyncClient(base_url=self.url, limits=limits, timeout=timeout)
+
+    def close(self) -> None:
+        self.reset()
+        self._probe_task.cancel()
+        self._call(self._client.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    # -- health -----------------------------------------------------------------------------
+
+    def probe(self) -> str:
+        """Probe the upstream once, now (also done every ``probe_s`` in the background)."""
+        self._call(self._probe())
+        return self.down
+
+    async def _probe(self) -> None:
+        try:
+            reply = await self._client.get("/v1/models", timeout=min(self.timeout_s, 2.0))
+            reply.raise_for_status()
+            models = [m.get("id") for m in reply.json().get("data", []) if isinstance(m, dict)]
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            self._mark_down(f"upstream {self.url} does not answer: {_describe(exc)}")
+            return
+        if not self.model and models:
+            self.model = str(models[0])
+        self.choice = f"upstream {self.url} (model {self.model or 'unknown'})"
+        if self.down:
+            log.info("upstream %s is up (model %s)", self.url, self.model or "unknown")
+        self.down = ""
+        if self._has_metrics is False:
+            return
+        try:
+            reply = await self._client.get("/metrics", timeout=min(self.timeout_s, 2.0))
+            self._has_metrics = reply.status_code == 200
+            self.metrics = parse_metrics(reply.text) if self._has_metrics else {}
+        except (httpx.HTTPError, ValueError):
+            self.metrics = {}
+
+    def _mark_down(self, why: str) -> None:
+        if self.down != why:
+            log.warning("%s: taking no jobs until it answers again", why)
+        self.down = why
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_s)
+            await self._probe()
+
+    # -- the engine interface -----------------------------------------------------------------
+
+    def add(self, seq: SeqJob, kv: dict[str, Any] | None = None) -> None:
+        """Start the sequence's upstream request. A handed-over KV cache cannot travel to an
+        upstream: the prompt is prefilled there again (same answer), and a handoff asked of
+        this sequence is not made (it decodes here)."""
+        s = _Seq(seq, time.monotonic(), sent=seq.resume_chars)
+        self._seqs[seq.rid] = s
+        s.future = asyncio.run_coroutine_threadsafe(self._run(s), self._loop)
+
+    def cancel(self, rid: str) -> bool:
+        s = self._seqs.pop(rid, None)
+        if s is None:
+            return False
+        if s.future is not None:
+            s.future.cancel()  # the task is cancelled in the loop: its stream and connection close
+        self._cancelled.append(s)
+        return True
+
+    def reset(self) -> None:
+        for s in self._seqs.values():
+            if s.future is not None:
+                s.future.cancel()
+        self._seqs.clear()
+        self._cancelled.clear()
+        while not self._inbox.empty():
+            self._inbox.get_nowait()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._seqs or self._cancelled)
+
+    @property
+    def free_slots(self) -> int:
+        return 0 if self.down else max(0, self.slots - len(self._seqs))
+
+    @property
+    def running(self) -> int:
+        return sum(1 for s in self._seqs.values() if s.first_at is not None)
+
+    @property
+    def queued_prefill(self) -> int:
+        return sum(len(s.job.prompt_ids) for s in self._seqs.values() if s.first_at is None)
+
+    def _kv(self) -> int:
+        return sum(len(s.job.prompt_ids) + s.tokens for s in self._seqs.values() if s.first_at is not None)
+
+    def step(self) -> StepResult:
+        started = time.perf_counter()
+        observed: list[StepRecord] = []
+        result = StepResult(observed=observed)
+        for gone in self._cancelled:
+            result.events.append(Finished(gone.job.rid, "", "cancelled", len(gone.job.prompt_ids), gone.tokens))
+        self._cancelled.clear()
+        items = self._collect(0.0 if result.events else POLL_S if self.free_slots else FULL_WAIT_S)
+        decoding, kv = self.running, self._kv()
+        gaps: list[float] = []
+        decoded: set[str] = set()
+        for kind, rid, payload, at in items:
+            s = self._seqs.get(rid)
+            if s is None:  # cancelled or reset meanwhile
+                continue
+            if kind == "piece":
+                self._piece(s, payload, at, result, observed, gaps, decoded, decoding, kv)
+            elif kind == "end":
+                del self._seqs[rid]
+                self._end(s, payload, result)
+            else:  # "error"
+                del self._seqs[rid]
+                if payload.retry:
+                    result.failed.append(rid)
+                else:
+                    result.events.append(Failed(rid, "upstream_rejected", str(payload)))
+        if gaps:
+            mean_gap = sum(gaps) / len(gaps)
+            observed.append(StepRecord(0, decoding, kv, mean_gap * 1000))
+            result.decode_rids = tuple(decoded)
+            result.decode_s = mean_gap
+            result.decode_seqs = decoding
+            result.kv_tokens = kv
+        for rid, live in self._seqs.items():
+            if live.job.stream and live.first_at is not None:
+                result.progress[rid] = (tuple(range(live.tokens)), live.sent)
+        result.step_s = time.perf_counter() - started
+        return result
+
+    def _collect(self, wait_s: float) -> list[tuple[str, str, Any, float]]:
+        items: list[tuple[str, str, Any, float]] = []
+        if self._seqs and wait_s > 0:
+            try:
+                items.append(self._inbox.get(timeout=wait_s))
+            except queue.Empty:
+                return items
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _piece(self, s: _Seq, text: str, at: float, result: StepResult, observed: list[StepRecord],
+               gaps: list[float], decoded: set[str], decoding: int, kv: int) -> None:
+        rid, prompt = s.job.rid, len(s.job.prompt_ids)
+        if s.first_at is None:
+            s.first_at = at
+            ttft = at - s.sent_at
+            result.prefills.append(Prefill((rid,), prompt, ttft))
+            result.prefill_tokens += prompt
+            observed.append(StepRecord(prompt, decoding, kv, ttft * 1000))
+        else:
+            gaps.append(at - s.last_at)
+            decoded.add(rid)
+        s.last_at = at
+        s.tokens += 1
+        start = s.chars
+        s.chars += len(text)
+        if s.chars <= s.sent:  # a replay: the client has these characters already
+            return
+        fresh = text[max(0, s.sent - start):]
+        s.sent = s.chars
+        if s.job.stream:
+            result.events.append(Delta(rid, fresh, s.tokens))
+        else:
+            s.text.append(fresh)
+
+    def _end(self, s: _Seq, payload: tuple[str, dict[str, Any] | None], result: StepResult) -> None:
+        reason, usage = payload
+        prompt = len(s.job.prompt_ids)
+        tokens = s.tokens
+        if usage:  # the upstream's own counts, where it reports them
+            prompt = int(usage.get("prompt_tokens", prompt))
+            tokens = int(usage.get("completion_tokens", tokens))
+        text = "" if s.job.stream else "".join(s.text)
+        result.events.append(Finished(s.job.rid, text, reason if reason in ("stop", "length") else "stop",
+                                      prompt, tokens))
+
+    # -- the upstream requests (in the loop's thread) ------------------------------------------
+
+    async def _run(self, s: _Seq) -> None:
+        rid = s.job.rid
+        try:
+            reason, usage = await self._stream(s)
+        except asyncio.CancelledError:
+            raise
+        except UpstreamError as exc:
+            if exc.down:
+                self._mark_down(str(exc))
+            self._inbox.put(("error", rid, exc, time.monotonic()))
+            return
+        except Exception as exc:  # a bug here must still end the sequence, not hang it
+            log.exception("upstream request of %s failed", rid)
+            self._inbox.put(("error", rid, UpstreamError(_describe(exc), retry=True), time.monotonic()))
+            return
+        self._inbox.put(("end", rid, (reason, usage), time.monotonic()))
+
+    async def _stream(self, s: _Seq) -> tuple[str, dict[str, Any] | None]:
+        path, body = request_body(s.job, self.model)
+        chat = "messages" in body
+        reason, usage = "stop", None
+        try:
+            async with self._client.stream("POST", path, json=body) as reply:
+                if reply.status_code != 200:
+                    detail = (await reply.aread()).decode(errors="replace")[:500]
+                    retry = reply.status_code >= 500 or reply.status_code in _RETRY_STATUS
+                    raise UpstreamError(f"upstream answered {reply.status_code}: {detail}", retry=retry)
+                async for line in reply.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = orjson.loads(data)
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for choice in chunk.get("choices") or ():
+                        text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                        if text:
+                            self._inbox.put(("piece", s.job.rid, text, time.monotonic()))
+                        if choice.get("finish_reason"):
+                            reason = choice["finish_reason"]
+        except httpx.TimeoutException as exc:
+            raise UpstreamError(f"upstream {self.url} timed out: {_describe(exc)}", retry=True, down=True) from exc
+        except httpx.TransportError as exc:
+            raise UpstreamError(f"upstream {self.url} failed: {_describe(exc)}", retry=True, down=True) from exc
+        except orjson.JSONDecodeError as exc:
+            raise UpstreamError(f"upstream sent an unreadable chunk: {exc}", retry=True) from exc
+        return reason, usage
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
