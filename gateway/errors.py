@@ -127,6 +127,13 @@ class WorkerFailed(GatewayError):
     code = "worker_error"
 
 
+class UpstreamFailed(WorkerFailed):
+    """The server an upstream worker fronts failed this request (docs/operations.md)."""
+
+    status = 502
+    code = "upstream_error"
+
+
 def error_body(exc: GatewayError) -> dict[str, Any]:
     body: dict[str, Any] = {
         "message": exc.message,

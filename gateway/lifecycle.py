@@ -39,6 +39,7 @@ from gateway.errors import (
     Overloaded,
     Timeout,
     Unavailable,
+    UpstreamFailed,
     WorkerFailed,
     error_body,
 )
@@ -88,6 +89,10 @@ def failure(ev: p.Failed) -> GatewayError:
         return Unavailable(f"Request {ev.rid} cannot finish before its deadline: {ev.message}", code="deadline_unmet")
     if ev.code == "unencodable":
         return InvalidRequest(f"Request {ev.rid}: {ev.message}", code="invalid_request")
+    if ev.code == "upstream_rejected":  # the upstream server refused the request itself (a 4xx)
+        return InvalidRequest(f"Request {ev.rid}: {ev.message}", code=ev.code)
+    if ev.code == "upstream_error":
+        return UpstreamFailed(f"Request {ev.rid} failed upstream: {ev.message}")
     return WorkerFailed(f"Request {ev.rid} failed: {ev.message}", code=ev.code)
 
 

@@ -16,10 +16,13 @@ into tokengate's events:
   sampling on an upstream that honours the seed;
 - cancelling closes the upstream stream (the connection), which stops its generation.
 
-Failures. A 4xx answer (other than 408/429) is the request's fault: it ends with an error
-event. A transport error, a time-out or a 5xx/408/429 answer is the upstream's: the
-sequence is reported ``failed`` and its batch goes back to the stream for re-delivery
-(``Worker._abandon``), and a transport error or time-out marks the upstream down. While it is
+Failures. A 400, 413 or 422 answer is the request's fault: an ``upstream_rejected`` error
+event (the client gets a 400). A transport error, a time-out or a 408/429/502/503/504 answer
+passes: the sequence is reported ``failed`` and its batch goes back to the stream for
+re-delivery (``Worker._abandon``, ``Fence.release``), and a transport error or time-out marks
+the upstream down. Any other answer (a 500: llama-cpp-python's answer to a body it cannot
+read), an unreadable chunk or a stream that ends with no finish reason is an
+``upstream_error`` event (a 502): the upstream answered, and would answer the same again. While it is
 down the engine has no free slot (the worker reads no job), ``down`` says why (heartbeat,
 ``/admin/workers``), and a probe of ``/v1/models`` every ``probe_s`` brings it back.
 
@@ -55,7 +58,8 @@ POLL_S = 0.002  # a step waits this long for tokens while a job could still be r
 FULL_WAIT_S = 0.05  # and this long when no slot is free (no job to read meanwhile)
 PROBE_S = 1.0  # how often the upstream is probed (``/v1/models``, and ``/metrics`` where served)
 CONNECT_TIMEOUT_S = 5.0
-_RETRY_STATUS = frozenset({408, 429})  # the upstream is busy or slow: another try may succeed
+_RETRY_STATUS = frozenset({408, 429, 502, 503, 504})  # busy, slow or restarting: another try may succeed
+_REJECT_STATUS = frozenset({400, 413, 422})  # the request's own fault: the client gets a 400
 
 # vLLM's Prometheus names (both the older and the newer KV-cache gauge); other upstreams
 # export none of them and the heartbeat then carries no upstream figures
@@ -68,12 +72,18 @@ VLLM_METRICS = {
 
 
 class UpstreamError(Exception):
-    """The upstream failed a sequence; ``retry``: its fault (re-deliver), else the request's."""
+    """The upstream failed a sequence. ``retry``: a passing fault (re-deliver it); else the
+    error event's ``code``: ``upstream_rejected`` (the request's fault) or ``upstream_error``."""
 
-    def __init__(self, message: str, retry: bool, down: bool = False) -> None:
+    def __init__(self, message: str, retry: bool, down: bool = False, code: str = "upstream_error") -> None:
         super().__init__(message)
         self.retry = retry
         self.down = down
+        self.code = code
+
+
+class _Stale(Exception):
+    """The request failed before the upstream answered it, on a connection it had closed."""
 
 
 @dataclass(slots=True)
@@ -279,7 +289,7 @@ class UpstreamEngine:
                 if payload.retry:
                     result.failed.append(rid)
                 else:
-                    result.events.append(Failed(rid, "upstream_rejected", str(payload)))
+                    result.events.append(Failed(rid, payload.code, str(payload)))
         if gaps:
             mean_gap = sum(gaps) / len(gaps)
             observed.append(StepRecord(0, decoding, kv, mean_gap * 1000))
@@ -347,7 +357,12 @@ class UpstreamEngine:
     async def _run(self, s: _Seq) -> None:
         rid = s.job.rid
         try:
-            reason, usage = await self._stream(s)
+            try:
+                reason, usage = await self._stream(s, retry_stale=True)
+            except _Stale:
+                # a kept-alive connection the upstream had closed (after an error answer or a
+                # cancelled stream): nothing was answered, so once more on a fresh one
+                reason, usage = await self._stream(s, retry_stale=False)
         except asyncio.CancelledError:
             raise
         except UpstreamError as exc:
@@ -361,16 +376,20 @@ class UpstreamEngine:
             return
         self._inbox.put(("end", rid, (reason, usage), time.monotonic()))
 
-    async def _stream(self, s: _Seq) -> tuple[str, dict[str, Any] | None]:
+    async def _stream(self, s: _Seq, retry_stale: bool) -> tuple[str, dict[str, Any] | None]:
         path, body = request_body(s.job, self.model)
         chat = "messages" in body
-        reason, usage = "stop", None
+        reason: str | None = None
+        usage = None
+        answered = False
         try:
             async with self._client.stream("POST", path, json=body) as reply:
+                answered = True
                 if reply.status_code != 200:
                     detail = (await reply.aread()).decode(errors="replace")[:500]
-                    retry = reply.status_code >= 500 or reply.status_code in _RETRY_STATUS
-                    raise UpstreamError(f"upstream answered {reply.status_code}: {detail}", retry=retry)
+                    code = "upstream_rejected" if reply.status_code in _REJECT_STATUS else "upstream_error"
+                    raise UpstreamError(f"upstream answered {reply.status_code}: {detail}",
+                                        retry=reply.status_code in _RETRY_STATUS, code=code)
                 async for line in reply.aiter_lines():
                     if not line.startswith("data:"):
                         continue
@@ -388,10 +407,16 @@ class UpstreamEngine:
                             reason = choice["finish_reason"]
         except httpx.TimeoutException as exc:
             raise UpstreamError(f"upstream {self.url} timed out: {_describe(exc)}", retry=True, down=True) from exc
+        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
+            if retry_stale and not answered:
+                raise _Stale from exc
+            raise UpstreamError(f"upstream {self.url} failed: {_describe(exc)}", retry=True, down=True) from exc
         except httpx.TransportError as exc:
             raise UpstreamError(f"upstream {self.url} failed: {_describe(exc)}", retry=True, down=True) from exc
         except orjson.JSONDecodeError as exc:
-            raise UpstreamError(f"upstream sent an unreadable chunk: {exc}", retry=True) from exc
+            raise UpstreamError(f"upstream sent an unreadable chunk: {exc}", retry=False) from exc
+        if reason is None:  # llama-cpp-python's answer to a prompt over its context, among others
+            raise UpstreamError("the upstream ended its stream without a finish reason", retry=False)
         return reason, usage
 
 
