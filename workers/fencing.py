@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -101,6 +102,12 @@ return 1
 
 
 @dataclass(frozen=True, slots=True)
+class Publish:
+    keys: list[str]
+    args: list[bytes | str | int]
+
+
+@dataclass(frozen=True, slots=True)
 class HandoffWrite:
     rid: str
     kv_key: str
@@ -142,7 +149,6 @@ class Fence:
 
     def publish(
         self,
-        pipe: redis.client.Pipeline,
         entry_id: bytes,
         reply_to: str,
         events: list[p.Event],
@@ -152,9 +158,9 @@ class Fence:
         handoffs: list[HandoffWrite],
         check_cancel: list[str],
         maxlen: int,
-    ) -> None:
-        """Queue one fenced publish on ``pipe``; its result is -1 (no longer ours) or the
-        list of ``check_cancel`` ids that have a cancel request."""
+    ) -> Publish:
+        """One fenced publish, for ``run``; its result is -1 (no longer ours) or the list of
+        ``check_cancel`` ids that have a cancel request."""
         payload = p.encode_events(events)["m"] if events else b""
         writes = list(progress.items())
         keys = [self.stream, reply_to]
@@ -169,7 +175,24 @@ class Fence:
             args += [pack_ids(ids), chars]
         args += [h.kv for h in handoffs] + [h.job for h in handoffs]
         args += check_cancel
-        self._publish(keys=keys, args=args, client=pipe)
+        return Publish(keys, args)
+
+    def run(self, publishes: list[Publish]) -> list[Any]:
+        """Run publishes in one pipeline of EVALSHA, their results in order. (redis-py's
+        ``Script`` in a pipeline sends SCRIPT EXISTS first: a round trip more on every reply.)
+        A Redis that lost its scripts (restarted) answers NOSCRIPT and ran none of them: the
+        script is loaded and the same publishes run again."""
+        for attempt in (1, 2):
+            pipe = self.client.pipeline(transaction=False)
+            for call in publishes:
+                pipe.evalsha(self._publish.sha, len(call.keys), *call.keys, *call.args)
+            try:
+                return list(pipe.execute())
+            except redis.exceptions.NoScriptError:
+                if attempt == 2:
+                    raise
+                self.client.script_load(_PUBLISH)
+        raise AssertionError("unreachable")
 
     def touch(self, entry_ids: list[bytes], idle_ms: int = 0) -> int:
         """Mark entries this worker still owns as idle for ``idle_ms`` (0: busy now); how many

@@ -59,6 +59,7 @@ FULL_WAIT_S = 0.05  # and this long when no slot is free (no job to read meanwhi
 PROBE_S = 1.0  # how often the upstream is probed (``/v1/models``, and ``/metrics`` where served)
 CONNECT_TIMEOUT_S = 5.0
 _RETRY_STATUS = frozenset({408, 429, 502, 503, 504})  # busy, slow or restarting: another try may succeed
+_JSON = {"content-type": "application/json"}
 _REJECT_STATUS = frozenset({400, 413, 422})  # the request's own fault: the client gets a 400
 
 # vLLM's Prometheus names (both the older and the newer KV-cache gauge); other upstreams
@@ -186,7 +187,9 @@ class UpstreamEngine:
 
     async def _probe(self) -> None:
         try:
-            reply = await self._client.get("/v1/models", timeout=min(self.timeout_s, 2.0))
+            # as patient as with a stream: a server that runs one sequence at a time can be slow to
+            # answer while it generates, and a dead one refuses the connection at once
+            reply = await self._client.get("/v1/models")
             reply.raise_for_status()
             models = [m.get("id") for m in reply.json().get("data", []) if isinstance(m, dict)]
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
@@ -201,7 +204,7 @@ class UpstreamEngine:
         if self._has_metrics is False:
             return
         try:
-            reply = await self._client.get("/metrics", timeout=min(self.timeout_s, 2.0))
+            reply = await self._client.get("/metrics")
             self._has_metrics = reply.status_code == 200
             self.metrics = parse_metrics(reply.text) if self._has_metrics else {}
         except (httpx.HTTPError, ValueError):
@@ -383,7 +386,7 @@ class UpstreamEngine:
         usage = None
         answered = False
         try:
-            async with self._client.stream("POST", path, json=body) as reply:
+            async with self._client.stream("POST", path, content=orjson.dumps(body), headers=_JSON) as reply:
                 answered = True
                 if reply.status_code != 200:
                     detail = (await reply.aread()).decode(errors="replace")[:500]

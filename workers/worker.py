@@ -41,7 +41,7 @@ from redis.retry import Retry
 from workers import protocol as p
 from workers import wire
 from workers.engine import Engine, Handoff, StepResult
-from workers.fencing import Fence, HandoffWrite, Progress
+from workers.fencing import Fence, HandoffWrite, Progress, Publish
 from workers.retry import Outage, Retrier, backoff_policy, is_nogroup
 from workers.trim import trim_jobs_stream
 
@@ -516,7 +516,7 @@ class Worker:
                 events.setdefault(bid, [])
         if not events:
             return
-        pipe = self.client.pipeline(transaction=False)
+        publishes: list[Publish] = []
         order: list[tuple[_Batch, bool]] = []
         for bid, evs in events.items():
             b = self._batches[bid]
@@ -530,12 +530,12 @@ class Worker:
             streamed = {ev.rid for ev in evs if isinstance(ev, p.Delta)}
             progress = {rid: result.progress[rid] for rid in streamed if rid in result.progress}
             delete = [wire.progress_key(r) for r in finished] + [wire.kv_key(r) for r in finished]
-            self.fence.publish(
-                pipe, b.entry_id, b.job.reply_to, evs, done, progress, delete, moved,
+            publishes.append(self.fence.publish(
+                b.entry_id, b.job.reply_to, evs, done, progress, delete, moved,
                 check_cancel=list(b.pending), maxlen=self.settings.reply_maxlen,
-            )
+            ))
             order.append((b, done))
-        for (b, done), outcome in zip(order, pipe.execute(), strict=True):
+        for (b, done), outcome in zip(order, self.fence.run(publishes), strict=True):
             if outcome == -1:
                 log.warning("batch %s now belongs to a peer: dropping this worker's copy", b.job.batch_id)
                 self._abandon(list(b.pending) or [s.rid for s in b.job.seqs])

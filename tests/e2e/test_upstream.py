@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
+from bench.llamacpp import LlamaServer
 from tests.e2e.conftest import ADMIN_TOKEN, Served, banner_key, start
-from tests.e2e.upstream_server import LlamaServer
 
 pytest.importorskip("llama_cpp.server", reason="the llamacpp extra (make install-llamacpp)")
 

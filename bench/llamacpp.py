@@ -39,6 +39,7 @@ class LlamaServer:
         argv = llamacpp_argv(self.port)
         if self.cpus:
             argv = ["taskset", "-c", self.cpus, *argv]
+        self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout_s

@@ -1,0 +1,297 @@
+"""tokengate in front of llama.cpp's OpenAI-compatible server, against the server directly.
+
+    python -m bench.upstream [--concurrency 1,8,32] [--requests 16,32,64] [--max-tokens 48]
+                             [--kill-s 30] [--no-plot]
+
+One run, the same workload both ways: closed loops of streaming greedy chats (a few prompts
+in turn), at each concurrency a fixed number of requests, direct to the server and through
+``tokengate`` (a gateway and one ``--engine upstream`` worker with ``--slots 1``: the server
+runs one sequence at a time). The server is pinned to core 1, everything else (Redis, the
+gateway, the worker and this load generator) to core 0, so tokengate's overhead does not slow
+the server down. It prints, per concurrency, completion tokens per second and TTFT both ways
+with their ratios, and the contracts' accuracy: the share of requests that ended within the
+``x-tokengate-p99-ms`` the gateway promised, and the measured over promised latency.
+
+Then, with ``--kill-s`` > 0, a fault run through tokengate: 8 clients for that many seconds;
+a third of the way in the server is SIGKILLed, and started again 2 s later. Every request
+must end in a result or a clear error before its client's 60 s timeout (a hang is counted),
+and the time from the server answering again to the first token a client receives is
+reported. Writes ``bench/out/upstream.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import orjson
+
+from bench.common import (
+    ADMIN_TOKEN,
+    OUT,
+    auth,
+    bench_key,
+    console,
+    gateway_process,
+    pct,
+    pin_threads,
+    save_plot,
+    spawn,
+    stop,
+    table,
+)
+from bench.llamacpp import LlamaServer
+from gateway.embedded_redis import EmbeddedRedis
+
+GATEWAY_CPUS = (0,)
+SERVER_CPUS = "1"
+CLIENT_TIMEOUT_S = 60.0
+PROMPTS = (
+    "Tell me a story about a dragon and a knight.",
+    "Explain how a bicycle works.",
+    "Write a poem about the autumn rain.",
+    "What should I pack for a week of hiking?",
+)
+
+
+@dataclass
+class Outcome:
+    sent: float
+    ttft_s: float | None = None
+    total_s: float | None = None
+    tokens: int = 0
+    status: int = 0
+    error: str = ""
+    promised_s: float | None = None  # x-tokengate-latency-ms
+    p99_s: float | None = None  # x-tokengate-p99-ms
+    first_at: float | None = None  # monotonic time of the first token
+
+
+async def one(client: httpx.AsyncClient, url: str, headers: dict[str, str], model: str, prompt: str,
+              max_tokens: int) -> Outcome:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
+    out = Outcome(time.monotonic())
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers,
+                                 timeout=CLIENT_TIMEOUT_S) as reply:
+            out.status = reply.status_code
+            if "x-tokengate-p99-ms" in reply.headers:
+                out.p99_s = float(reply.headers["x-tokengate-p99-ms"]) / 1000
+                out.promised_s = float(reply.headers["x-tokengate-latency-ms"]) / 1000
+            if reply.status_code != 200:
+                out.error = (await reply.aread()).decode(errors="replace")[:200]
+                return out
+            async for line in reply.aiter_lines():
+                if not line.startswith("data:") or line.endswith("[DONE]"):
+                    continue
+                chunk = orjson.loads(line[5:])
+                if "error" in chunk:
+                    out.error = str(chunk["error"].get("message", chunk["error"]))[:200]
+                    return out
+                for choice in chunk.get("choices") or ():
+                    if (choice.get("delta") or {}).get("content"):
+                        if out.ttft_s is None:
+                            out.first_at = time.monotonic()
+                            out.ttft_s = out.first_at - out.sent
+                        out.tokens += 1
+        out.total_s = time.monotonic() - out.sent
+    except httpx.TimeoutException:
+        out.error = "hang: no end within the client's timeout"
+    except httpx.HTTPError as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+async def closed_loop(url: str, headers: dict[str, str], model: str, clients: int, requests: int,
+                      max_tokens: int, until: float | None = None) -> tuple[list[Outcome], float]:
+    """``clients`` loops sending one request after another: ``requests`` in all, or until
+    ``until`` (monotonic); the outcomes and the wall time."""
+    prompts = itertools.cycle(PROMPTS)
+    left = itertools.count()
+    outcomes: list[Outcome] = []
+    limits = httpx.Limits(max_connections=clients + 2, max_keepalive_connections=clients + 2)
+    async with httpx.AsyncClient(limits=limits) as client:
+
+        async def loop() -> None:
+            while (until is None and next(left) < requests) or (until is not None and time.monotonic() < until):
+                outcomes.append(await one(client, url, headers, model, next(prompts), max_tokens))
+
+        started = time.monotonic()
+        await asyncio.gather(*(loop() for _ in range(clients)))
+    return outcomes, time.monotonic() - started
+
+
+@contextmanager
+def fronted(server: LlamaServer) -> Iterator[tuple[str, str, list[object]]]:
+    """Redis, an upstream worker and a gateway, all on core 0; yields (base, key, worker procs)."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    with EmbeddedRedis() as redis:
+        if redis.proc is not None:
+            pin_threads(redis.proc.pid, GATEWAY_CPUS)
+        worker = spawn(["-m", "workers", "--redis-url", redis.url, "--upstream-url", server.url, "--slots", "1",
+                        "--worker-id", "bench-upstream", "--upstream-timeout", "20"],
+                       OUT / "upstream-worker.log", GATEWAY_CPUS)
+        try:
+            with gateway_process(redis.url, backend_procs=[worker], cpus=GATEWAY_CPUS) as base:
+                yield base, bench_key(base), [worker]
+        finally:
+            stop([worker])
+
+
+def _summary(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, float]:
+    ok = [o for o in outcomes if o.total_s is not None and not o.error]
+    ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
+    for o in outcomes:
+        if o.error:
+            console.print(f"[red]failed[/red] ({len(outcomes) - len(ok)} of {len(outcomes)}), e.g. {o.status}: {o.error}")
+            break
+    return {
+        "ok": len(ok),
+        "failed": len(outcomes) - len(ok),
+        "tokens_per_s": sum(o.tokens for o in ok) / wall_s,
+        "ttft_p50_ms": pct(ttfts, 50) * 1000,
+        "ttft_p90_ms": pct(ttfts, 90) * 1000,
+    }
+
+
+def _accuracy(outcomes: Sequence[Outcome]) -> tuple[int, int, float]:
+    """(requests with a p99 promise, of which ended within it, median measured/promised)."""
+    kept = [o for o in outcomes if o.total_s is not None and o.p99_s is not None and not o.error]
+    inside = sum(1 for o in kept if o.total_s is not None and o.p99_s is not None and o.total_s <= o.p99_s)
+    ratios = [o.total_s / o.promised_s for o in kept if o.total_s and o.promised_s]
+    return len(kept), inside, pct(ratios, 50)
+
+
+async def _workers_down(base: str) -> bool:
+    async with httpx.AsyncClient() as client:
+        reply = await client.get(base + "/admin/workers", headers=auth(ADMIN_TOKEN))
+        return any(w.get("down") for w in reply.json()["data"])
+
+
+async def fault_run(server: LlamaServer, base: str, headers: dict[str, str], model: str, seconds: float,
+                    max_tokens: int) -> dict[str, object]:
+    started = time.monotonic()
+    load = asyncio.create_task(closed_loop(base, headers, model, 8, 0, max_tokens, until=started + seconds))
+    await asyncio.sleep(seconds / 3)
+    killed_at = time.monotonic()
+    await asyncio.to_thread(server.kill)
+    await asyncio.sleep(2.0)
+    await asyncio.to_thread(server.start)
+    back_at = time.monotonic()
+    up_again: float | None = None
+    while up_again is None and time.monotonic() - back_at < 30:
+        if not await _workers_down(base):
+            up_again = time.monotonic() - back_at
+        await asyncio.sleep(0.05)
+    outcomes, _wall = await load
+    firsts = [o.first_at for o in outcomes if o.first_at is not None and o.first_at > back_at]
+    errors: dict[str, int] = {}
+    for o in outcomes:
+        if o.error:
+            key = "hang" if o.error.startswith("hang") else f"{o.status or 'stream'}: {o.error[:70]}"
+            errors[key] = errors.get(key, 0) + 1
+    return {
+        "requests": len(outcomes),
+        "ok": sum(1 for o in outcomes if not o.error),
+        "hangs": errors.get("hang", 0),
+        "errors": errors,
+        "killed_after_s": killed_at - started,
+        "worker_up_after_s": up_again,
+        "first_token_after_s": min(firsts) - back_at if firsts else None,
+    }
+
+
+def _plot(rows: dict[int, dict[str, dict[str, float]]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    conc = sorted(rows)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for side, style in (("direct", "o-"), ("tokengate", "s--")):
+        left.plot(conc, [rows[c][side]["tokens_per_s"] for c in conc], style, label=side)
+        right.plot(conc, [rows[c][side]["ttft_p50_ms"] for c in conc], style, label=side)
+    left.set(xscale="log", xlabel="concurrent clients", ylabel="completion tokens/s", title="throughput")
+    right.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="TTFT p50 (ms)", title="first token")
+    for ax in (left, right):
+        ax.set_xticks(conc, [str(c) for c in conc])
+        ax.legend()
+        ax.grid(alpha=0.3)
+    console.print(f"plot: {save_plot(fig, 'upstream.png')}")
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    concurrency = [int(x) for x in args.concurrency.split(",")]
+    requests = [int(x) for x in args.requests.split(",")]
+    if len(requests) != len(concurrency):
+        raise SystemExit("--requests needs one count per --concurrency")
+    server = LlamaServer(OUT / "llamacpp.log", cpus=SERVER_CPUS).start()
+    try:
+        with fronted(server) as (base, key, _procs):
+            model = httpx.get(base + "/v1/models", headers=auth(key)).json()["data"][0]["id"]
+            sides = {"direct": (server.url, {}, "any"), "tokengate": (base, auth(key), model)}
+            for url, headers, name in sides.values():  # warm both (and the worker's telemetry)
+                await closed_loop(url, headers, name, 2, 6, args.max_tokens)
+            rows: dict[int, dict[str, dict[str, float]]] = {}
+            accuracy: list[tuple[int, int, int, float]] = []
+            for c, n in zip(concurrency, requests, strict=True):
+                rows[c] = {}
+                for side, (url, headers, name) in sides.items():
+                    outcomes, wall = await closed_loop(url, headers, name, c, n, args.max_tokens)
+                    rows[c][side] = _summary(outcomes, wall)
+                    if side == "tokengate":
+                        accuracy.append((c, *_accuracy(outcomes)))
+            fault = None
+            if args.kill_s > 0:
+                fault = await fault_run(server, base, auth(key), model, args.kill_s, args.max_tokens)
+    finally:
+        server.stop()
+
+    table(
+        f"llama.cpp's server direct vs through tokengate (streaming greedy chats, {args.max_tokens} tokens max)",
+        ["clients", "direct tok/s", "tokengate tok/s", "ratio", "direct TTFT p50 ms", "tokengate TTFT p50 ms",
+         "added p50 ms", "direct TTFT p90 ms", "tokengate TTFT p90 ms", "failed"],
+        [
+            (c, r["direct"]["tokens_per_s"], r["tokengate"]["tokens_per_s"],
+             r["tokengate"]["tokens_per_s"] / r["direct"]["tokens_per_s"], r["direct"]["ttft_p50_ms"],
+             r["tokengate"]["ttft_p50_ms"], r["tokengate"]["ttft_p50_ms"] - r["direct"]["ttft_p50_ms"],
+             r["direct"]["ttft_p90_ms"], r["tokengate"]["ttft_p90_ms"],
+             int(r["direct"]["failed"] + r["tokengate"]["failed"]))
+            for c, r in rows.items()
+        ],
+    )
+    table(
+        "contracts of the upstream worker (x-tokengate-p99-ms against the measured latency)",
+        ["clients", "requests", "inside p99 bound", "share", "measured / promised (p50)"],
+        [(c, kept, inside, f"{inside / kept:.1%}" if kept else "-", ratio) for c, kept, inside, ratio in accuracy],
+    )
+    kept = sum(a[1] for a in accuracy)
+    inside = sum(a[2] for a in accuracy)
+    console.print(f"all concurrencies: {inside}/{kept} inside the p99 bound ({inside / max(kept, 1):.1%})")
+    if fault is not None:
+        console.print(f"fault run ({args.kill_s:.0f} s, 8 clients, server SIGKILLed after "
+                      f"{fault['killed_after_s']:.1f} s, started again 2 s later): {fault}")
+    if not args.no_plot:
+        _plot(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--requests", default="16,32,64", help="requests per concurrency, in the same order")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--kill-s", type=float, default=30.0, help="the fault run's length (0: none)")
+    parser.add_argument("--no-plot", action="store_true")
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
