@@ -71,6 +71,8 @@ class Outcome:
     promised_s: float | None = None  # x-tokengate-latency-ms
     p99_s: float | None = None  # x-tokengate-p99-ms
     first_at: float | None = None  # monotonic time of the first token
+    retry_after_s: float = 0.0  # a 429/503's Retry-After
+    ended: float = 0.0  # monotonic time it ended (a result or an error)
 
 
 async def one(client: httpx.AsyncClient, url: str, headers: dict[str, str], model: str, prompt: str,
@@ -87,6 +89,7 @@ async def one(client: httpx.AsyncClient, url: str, headers: dict[str, str], mode
                 out.promised_s = float(reply.headers["x-tokengate-latency-ms"]) / 1000
             if reply.status_code != 200:
                 out.error = (await reply.aread()).decode(errors="replace")[:200]
+                out.retry_after_s = float(reply.headers.get("retry-after", 0))
                 return out
             async for line in reply.aiter_lines():
                 if not line.startswith("data:") or line.endswith("[DONE]"):
@@ -106,6 +109,8 @@ async def one(client: httpx.AsyncClient, url: str, headers: dict[str, str], mode
         out.error = "hang: no end within the client's timeout"
     except httpx.HTTPError as exc:
         out.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        out.ended = time.monotonic()
     return out
 
 
@@ -121,7 +126,10 @@ async def closed_loop(url: str, headers: dict[str, str], model: str, clients: in
 
         async def loop() -> None:
             while (until is None and next(left) < requests) or (until is not None and time.monotonic() < until):
-                outcomes.append(await one(client, url, headers, model, next(prompts), max_tokens))
+                outcome = await one(client, url, headers, model, next(prompts), max_tokens)
+                outcomes.append(outcome)
+                if outcome.retry_after_s:  # as the openai client does, at most a second here
+                    await asyncio.sleep(min(outcome.retry_after_s, 1.0))
 
         started = time.monotonic()
         await asyncio.gather(*(loop() for _ in range(clients)))
@@ -136,7 +144,7 @@ def fronted(server: LlamaServer) -> Iterator[tuple[str, str, list[object]]]:
         if redis.proc is not None:
             pin_threads(redis.proc.pid, GATEWAY_CPUS)
         worker = spawn(["-m", "workers", "--redis-url", redis.url, "--upstream-url", server.url, "--slots", "1",
-                        "--worker-id", "bench-upstream", "--upstream-timeout", "20"],
+                        "--worker-id", "bench-upstream"],
                        OUT / "upstream-worker.log", GATEWAY_CPUS)
         try:
             with gateway_process(redis.url, backend_procs=[worker], cpus=GATEWAY_CPUS) as base:
@@ -150,7 +158,8 @@ def _summary(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, float]:
     ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
     for o in outcomes:
         if o.error:
-            console.print(f"[red]failed[/red] ({len(outcomes) - len(ok)} of {len(outcomes)}), e.g. {o.status}: {o.error}")
+            failed = len(outcomes) - len(ok)
+            console.print(f"[red]failed[/red] ({failed} of {len(outcomes)}), e.g. {o.status}: {o.error}")
             break
     return {
         "ok": len(ok),
@@ -195,11 +204,14 @@ async def fault_run(server: LlamaServer, base: str, headers: dict[str, str], mod
     errors: dict[str, int] = {}
     for o in outcomes:
         if o.error:
-            key = "hang" if o.error.startswith("hang") else f"{o.status or 'stream'}: {o.error[:70]}"
+            key = "hang" if o.error.startswith("hang") else f"{o.status or 'stream'}: {o.error[:60]}"
             errors[key] = errors.get(key, 0) + 1
+    hit = [o for o in outcomes if o.sent < killed_at < o.ended]
     return {
         "requests": len(outcomes),
         "ok": sum(1 for o in outcomes if not o.error),
+        "in_flight_at_kill": len(hit),
+        "of_which_ok": sum(1 for o in hit if not o.error),
         "hangs": errors.get("hang", 0),
         "errors": errors,
         "killed_after_s": killed_at - started,

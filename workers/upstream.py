@@ -109,6 +109,7 @@ def request_body(seq: SeqJob, model: str) -> tuple[str, dict[str, Any]]:
         "temperature": params.temperature,
         "top_p": params.top_p,
         "stream": True,
+        "stream_options": {"include_usage": True},  # the upstream's own counts, where it gives them
     }
     if params.seed is not None:
         body["seed"] = params.seed
@@ -151,6 +152,8 @@ class UpstreamEngine:
         self.probe_s = probe_s
         self.metrics: dict[str, float] = {}  # the upstream's own gauges (vLLM), if it exports them
         self._has_metrics: bool | None = None  # unknown until /metrics answers once
+        self._streams = 0  # upstream requests in flight (the loop's thread)
+        self._alive_at = 0.0  # when one was last sent or last received a chunk
         self.down = "not probed yet"  # why no job should come here now; empty while the upstream answers
         self.choice = f"upstream {self.url}"
         self._seqs: dict[str, _Seq] = {}
@@ -216,9 +219,15 @@ class UpstreamEngine:
         self.down = why
 
     async def _probe_loop(self) -> None:
+        """Probe while down (to see it back) or idle (to see it go before a job is sent);
+        not while a stream has shown life within the time-out: a server that runs one
+        sequence at a time answers ``/v1/models`` only after the sequences queued before it
+        (llama-cpp-python's takes its model lock), so a probe then says nothing a stream
+        does not."""
         while True:
             await asyncio.sleep(self.probe_s)
-            await self._probe()
+            if self.down or not self._streams or time.monotonic() - self._alive_at > self.timeout_s:
+                await self._probe()
 
     # -- the engine interface -----------------------------------------------------------------
 
@@ -358,6 +367,15 @@ class UpstreamEngine:
     # -- the upstream requests (in the loop's thread) ------------------------------------------
 
     async def _run(self, s: _Seq) -> None:
+        self._streams += 1
+        self._alive_at = time.monotonic()
+        try:
+            self._inbox.put(await self._outcome(s))
+        finally:
+            self._streams -= 1
+
+    async def _outcome(self, s: _Seq) -> tuple[str, str, Any, float]:
+        """The sequence's last inbox item: its end, or its error."""
         rid = s.job.rid
         try:
             try:
@@ -366,18 +384,14 @@ class UpstreamEngine:
                 # a kept-alive connection the upstream had closed (after an error answer or a
                 # cancelled stream): nothing was answered, so once more on a fresh one
                 reason, usage = await self._stream(s, retry_stale=False)
-        except asyncio.CancelledError:
-            raise
         except UpstreamError as exc:
             if exc.down:
                 self._mark_down(str(exc))
-            self._inbox.put(("error", rid, exc, time.monotonic()))
-            return
-        except Exception as exc:  # a bug here must still end the sequence, not hang it
+            return ("error", rid, exc, time.monotonic())
+        except Exception as exc:  # a bug here must still end the sequence, not hang it (a cancel passes)
             log.exception("upstream request of %s failed", rid)
-            self._inbox.put(("error", rid, UpstreamError(_describe(exc), retry=True), time.monotonic()))
-            return
-        self._inbox.put(("end", rid, (reason, usage), time.monotonic()))
+            return ("error", rid, UpstreamError(_describe(exc), retry=True), time.monotonic())
+        return ("end", rid, (reason, usage), time.monotonic())
 
     async def _stream(self, s: _Seq, retry_stale: bool) -> tuple[str, dict[str, Any] | None]:
         path, body = request_body(s.job, self.model)
@@ -388,6 +402,7 @@ class UpstreamEngine:
         try:
             async with self._client.stream("POST", path, content=orjson.dumps(body), headers=_JSON) as reply:
                 answered = True
+                self._alive_at = time.monotonic()
                 if reply.status_code != 200:
                     detail = (await reply.aread()).decode(errors="replace")[:500]
                     code = "upstream_rejected" if reply.status_code in _REJECT_STATUS else "upstream_error"
@@ -405,7 +420,8 @@ class UpstreamEngine:
                     for choice in chunk.get("choices") or ():
                         text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                         if text:
-                            self._inbox.put(("piece", s.job.rid, text, time.monotonic()))
+                            self._alive_at = time.monotonic()
+                            self._inbox.put(("piece", s.job.rid, text, self._alive_at))
                         if choice.get("finish_reason"):
                             reason = choice["finish_reason"]
         except httpx.TimeoutException as exc:

@@ -16,6 +16,7 @@ def test_a_chat_goes_to_chat_completions_with_its_messages_and_sampling() -> Non
     assert body["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert (body["model"], body["max_tokens"], body["temperature"], body["top_p"]) == ("smollm", 20, 0.7, 0.9)
     assert (body["seed"], body["stop"], body["stream"]) == (5, ["\n"], True)  # streamed upstream even so
+    assert body["stream_options"] == {"include_usage": True}
     assert "prompt" not in body and "ignore_eos" not in body
 
 
