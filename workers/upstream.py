@@ -2,7 +2,7 @@
 
 The worker stays what it is (jobs from its pool's stream, fenced replies, re-delivery); only
 the engine changes. Each sequence becomes one streaming request to the upstream, run by an
-asyncio loop in a thread of its own with one ``httpx`` connection pool of ``slots``
+asyncio loop in a thread of its own with one ``aiohttp`` connection pool of ``slots``
 connections; ``step`` collects what the streams delivered since the last call and turns it
 into tokengate's events:
 
@@ -45,14 +45,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 
 from workers.engine import Prefill, StepResult
 from workers.protocol import Delta, Failed, Finished, SeqJob, StepRecord
 
 log = logging.getLogger("tokengate.upstream")
-logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO: a probe a second
 
 POLL_S = 0.002  # a step waits this long for tokens while a job could still be read
 FULL_WAIT_S = 0.05  # and this long when no slot is free (no job to read meanwhile)
@@ -145,7 +144,7 @@ class UpstreamEngine:
 
     def __init__(self, url: str, model: str | None = None, slots: int = 32, timeout_s: float = 60.0,
                  probe_s: float = PROBE_S) -> None:
-        self.url = url.rstrip("/")
+        self.url = url.rstrip("/").removesuffix("/v1")  # the server root; a URL ending in /v1 is taken too
         self.slots = slots
         self.model = model or ""
         self.timeout_s = timeout_s
@@ -162,22 +161,23 @@ class UpstreamEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="upstream", daemon=True)
         self._thread.start()
-        self._client: httpx.AsyncClient = self._call(self._make_client())
+        self._client: aiohttp.ClientSession = self._call(self._make_client())
         self._probe_task = asyncio.run_coroutine_threadsafe(self._probe_loop(), self._loop)
         self.probe()
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    async def _make_client(self) -> httpx.AsyncClient:
-        limits = httpx.Limits(max_connections=self.slots, max_keepalive_connections=self.slots)
-        timeout = httpx.Timeout(self.timeout_s, connect=CONNECT_TIMEOUT_S)
-        return httpx.AsyncClient(base_url=self.url, limits=limits, timeout=timeout)
+    async def _make_client(self) -> aiohttp.ClientSession:
+        """aiohttp rather than httpx: its C parser costs about a quarter of httpx's CPU per
+        streamed request (0.36 against 1.3 ms measured here), on a core the worker shares."""
+        timeout = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S, sock_read=self.timeout_s)
+        return aiohttp.ClientSession(self.url, connector=aiohttp.TCPConnector(limit=self.slots), timeout=timeout)
 
     def close(self) -> None:
         self.reset()
         self._probe_task.cancel()
-        self._call(self._client.aclose())
+        self._call(self._client.close())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 
@@ -192,10 +192,11 @@ class UpstreamEngine:
         try:
             # as patient as with a stream: a server that runs one sequence at a time can be slow to
             # answer while it generates, and a dead one refuses the connection at once
-            reply = await self._client.get("/v1/models")
-            reply.raise_for_status()
-            models = [m.get("id") for m in reply.json().get("data", []) if isinstance(m, dict)]
-        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            async with self._client.get("/v1/models") as reply:
+                reply.raise_for_status()
+                listed = await reply.json(content_type=None)
+            models = [m.get("id") for m in listed.get("data", []) if isinstance(m, dict)]
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
             self._mark_down(f"upstream {self.url} does not answer: {_describe(exc)}")
             return
         if not self.model and models:
@@ -207,10 +208,10 @@ class UpstreamEngine:
         if self._has_metrics is False:
             return
         try:
-            reply = await self._client.get("/metrics")
-            self._has_metrics = reply.status_code == 200
-            self.metrics = parse_metrics(reply.text) if self._has_metrics else {}
-        except (httpx.HTTPError, ValueError):
+            async with self._client.get("/metrics") as reply:
+                self._has_metrics = reply.status == 200
+                self.metrics = parse_metrics(await reply.text()) if self._has_metrics else {}
+        except (aiohttp.ClientError, TimeoutError, ValueError):
             self.metrics = {}
 
     def _mark_down(self, why: str) -> None:
@@ -400,19 +401,19 @@ class UpstreamEngine:
         usage = None
         answered = False
         try:
-            async with self._client.stream("POST", path, content=orjson.dumps(body), headers=_JSON) as reply:
+            async with self._client.post(path, data=orjson.dumps(body), headers=_JSON) as reply:
                 answered = True
                 self._alive_at = time.monotonic()
-                if reply.status_code != 200:
-                    detail = (await reply.aread()).decode(errors="replace")[:500]
-                    code = "upstream_rejected" if reply.status_code in _REJECT_STATUS else "upstream_error"
-                    raise UpstreamError(f"upstream answered {reply.status_code}: {detail}",
-                                        retry=reply.status_code in _RETRY_STATUS, code=code)
-                async for line in reply.aiter_lines():
-                    if not line.startswith("data:"):
+                if reply.status != 200:
+                    detail = (await reply.read()).decode(errors="replace")[:500]
+                    code = "upstream_rejected" if reply.status in _REJECT_STATUS else "upstream_error"
+                    raise UpstreamError(f"upstream answered {reply.status}: {detail}",
+                                        retry=reply.status in _RETRY_STATUS, code=code)
+                async for line in reply.content:
+                    if not line.startswith(b"data:"):
                         continue
                     data = line[5:].strip()
-                    if data == "[DONE]":
+                    if data == b"[DONE]":
                         break
                     chunk = orjson.loads(data)
                     if chunk.get("usage"):
@@ -424,13 +425,15 @@ class UpstreamEngine:
                             self._inbox.put(("piece", s.job.rid, text, self._alive_at))
                         if choice.get("finish_reason"):
                             reason = choice["finish_reason"]
-        except httpx.TimeoutException as exc:
+        except TimeoutError as exc:  # aiohttp's read and connect time-outs are TimeoutErrors
             raise UpstreamError(f"upstream {self.url} timed out: {_describe(exc)}", retry=True, down=True) from exc
-        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
+        except aiohttp.ClientConnectorError as exc:  # refused, unreachable: not a stale connection
+            raise UpstreamError(f"upstream {self.url} failed: {_describe(exc)}", retry=True, down=True) from exc
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
             if retry_stale and not answered:
                 raise _Stale from exc
             raise UpstreamError(f"upstream {self.url} failed: {_describe(exc)}", retry=True, down=True) from exc
-        except httpx.TransportError as exc:
+        except aiohttp.ClientError as exc:
             raise UpstreamError(f"upstream {self.url} failed: {_describe(exc)}", retry=True, down=True) from exc
         except orjson.JSONDecodeError as exc:
             raise UpstreamError(f"upstream sent an unreadable chunk: {exc}", retry=False) from exc

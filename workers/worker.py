@@ -360,31 +360,33 @@ class Worker:
             return entry_id, None
 
     def _admit(self, admissions: list[_Admission]) -> None:
-        """Screen jobs in one round trip (gateway gone? sequence cancelled?), drop the gone
-        ones, run the rest. Every Redis call comes before the first batch is registered:
-        a failure leaves the entries pending for a later reclaim and nothing half-added."""
+        """Run the jobs, then screen them in one round trip (gateway gone? sequence
+        cancelled?) and drop or cancel what the screening finds, before any engine step: an
+        engine that starts work on ``add`` (an upstream request) starts it a round trip
+        sooner, and nothing is generated for a gone job by an engine that works in steps.
+        A failed screening leaves the jobs running (their publishes still check for
+        cancels); the KV caches of handed-over prefills are read before anything is added."""
         if not admissions:
             return
+        kv = {s.rid: self._load_kv(s) for a in admissions for s in a.job.seqs if s.kv_key is not None}
+        for a in admissions:
+            self._accept(a, {s.rid for s in a.job.seqs if s.rid in self._recent_cancels}, kv)
         pipe = self.client.pipeline(transaction=False)
         for a in admissions:
             pipe.exists(wire.gone_key(a.job.reply_to))
             for s in a.job.seqs:  # cancels sent before this worker subscribed (or while it was down)
                 pipe.exists(wire.cancel_key(s.rid))
         flags = iter(pipe.execute())
-        live: list[tuple[_Admission, set[str]]] = []
         gone: list[_Admission] = []
         for a in admissions:
-            is_gone = bool(next(flags))
-            cancelled = {s.rid for s in a.job.seqs if next(flags)}
-            if is_gone:
+            if next(flags):
                 gone.append(a)
-            else:
-                live.append((a, cancelled | {s.rid for s in a.job.seqs if s.rid in self._recent_cancels}))
-        kv = {s.rid: self._load_kv(s) for a, _ in live for s in a.job.seqs if s.kv_key is not None}
+            for s in a.job.seqs:
+                if next(flags):
+                    self.engine.cancel(s.rid)
         if gone:
+            self._abandon([s.rid for a in gone for s in a.job.seqs])
             self._drop_gone(gone)
-        for a, cancelled in live:
-            self._accept(a, cancelled, kv)
 
     def _drop_gone(self, gone: list[_Admission]) -> None:
         pipe = self.client.pipeline(transaction=False)

@@ -145,7 +145,8 @@ def test_a_killed_upstream_gives_clear_errors_and_redelivery_and_serves_again_on
     while not any(w["down"] for w in _workers(fronted)):
         assert time.monotonic() < deadline, "the worker never said its upstream is down"
         time.sleep(0.2)
-    assert "does not answer" in str(_workers(fronted)[0]["down"])
+    why = str(_workers(fronted)[0]["down"])  # the stream's failure, then the probe's
+    assert why.startswith(f"upstream {upstream.url} ") and ("failed" in why or "does not answer" in why), why
     refused = httpx.post(fronted.base_url + "/v1/chat/completions", headers=fronted.auth(), timeout=30,
                          json={"model": fronted.model, "messages": HAIKU, "max_tokens": 4})
     assert refused.status_code == 503 and "Retry-After" in refused.headers
