@@ -12,6 +12,9 @@ the server down. It prints, per concurrency, completion tokens per second and TT
 with their ratios, and the contracts' accuracy: the share of requests that ended within the
 ``x-tokengate-p99-ms`` the gateway promised, and the measured over promised latency.
 
+The TTFT tokengate adds is measured on its own first: one client, each request sent direct
+and then through tokengate, ``--pairs`` times; the median of the per-pair difference.
+
 Then, with ``--kill-s`` > 0, a fault run through tokengate: 8 clients for that many seconds;
 a third of the way in the server is SIGKILLed, and started again 2 s later. Every request
 must end in a result or a clear error before its client's 60 s timeout (a hang is counted),
@@ -178,6 +181,22 @@ def _accuracy(outcomes: Sequence[Outcome]) -> tuple[int, int, float]:
     return len(kept), inside, pct(ratios, 50)
 
 
+async def paired_ttft(sides: dict[str, tuple[str, dict[str, str], str]], pairs: int,
+                      max_tokens: int) -> list[tuple[float, float]]:
+    """One client, a request direct then the same one through tokengate, ``pairs`` times:
+    (direct TTFT, tokengate TTFT) per pair. The server's prompt cache and the machine's
+    mood change from minute to minute; paired, they cancel out of the difference."""
+    out: list[tuple[float, float]] = []
+    prompts = itertools.cycle(PROMPTS)
+    async with httpx.AsyncClient() as client:
+        for _ in range(pairs):
+            prompt = next(prompts)
+            got = [await one(client, url, headers, name, prompt, max_tokens) for url, headers, name in sides.values()]
+            if all(o.ttft_s is not None for o in got):
+                out.append((got[0].ttft_s or 0.0, got[1].ttft_s or 0.0))
+    return out
+
+
 async def _workers_down(base: str) -> bool:
     async with httpx.AsyncClient() as client:
         reply = await client.get(base + "/admin/workers", headers=auth(ADMIN_TOKEN))
@@ -252,6 +271,7 @@ async def main_async(args: argparse.Namespace) -> None:
             sides = {"direct": (server.url, {}, "any"), "tokengate": (base, auth(key), model)}
             for url, headers, name in sides.values():  # warm both (and the worker's telemetry)
                 await closed_loop(url, headers, name, 2, 6, args.max_tokens)
+            paired = await paired_ttft(sides, args.pairs, args.max_tokens)
             rows: dict[int, dict[str, dict[str, float]]] = {}
             accuracy: list[tuple[int, int, int, float]] = []
             for c, n in zip(concurrency, requests, strict=True):
@@ -285,6 +305,13 @@ async def main_async(args: argparse.Namespace) -> None:
         ["clients", "requests", "inside p99 bound", "share", "measured / promised (p50)"],
         [(c, kept, inside, f"{inside / kept:.1%}" if kept else "-", ratio) for c, kept, inside, ratio in accuracy],
     )
+    added = [t - d for d, t in paired]
+    direct_ms, via_ms = pct([d for d, _ in paired], 50) * 1000, pct([t for _, t in paired], 50) * 1000
+    console.print(
+        f"TTFT, one client, {len(paired)} pairs (direct, then the same request through tokengate): direct p50 "
+        f"{direct_ms:.2f} ms, tokengate p50 {via_ms:.2f} ms, added per pair p50 {pct(added, 50) * 1000:.2f} ms, "
+        f"p90 {pct(added, 90) * 1000:.2f} ms"
+    )
     kept = sum(a[1] for a in accuracy)
     inside = sum(a[2] for a in accuracy)
     console.print(f"all concurrencies: {inside}/{kept} inside the p99 bound ({inside / max(kept, 1):.1%})")
@@ -300,6 +327,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--requests", default="16,32,64", help="requests per concurrency, in the same order")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--pairs", type=int, default=40, help="paired one-client requests for the added TTFT")
     parser.add_argument("--kill-s", type=float, default=30.0, help="the fault run's length (0: none)")
     parser.add_argument("--no-plot", action="store_true")
     asyncio.run(main_async(parser.parse_args()))

@@ -146,3 +146,19 @@ def test_a_bad_process_count_is_refused_by_the_parser(
 @pytest.mark.parametrize("value", ["1", "2", "256"])
 def test_a_process_count_from_1_to_256_is_taken(value: str) -> None:
     assert build_parser().parse_args(["gateway", "--redis-url", "redis://x", "--workers", value]).workers == int(value)
+
+
+def test_serve_with_an_upstream_starts_upstream_workers_of_the_cpu_pool_only() -> None:
+    from gateway.server import _pools, _worker_argv
+
+    args = build_parser().parse_args(["serve", "--upstream-url", "http://127.0.0.1:8001", "--upstream-model", "m",
+                                      "--upstream-timeout", "9", "--slots", "1"])
+    assert _pools(args.pools, upstream=True) == ["cpu"]
+    assert _pools("cpu,gpu", upstream=True) == ["cpu", "gpu"]  # as asked
+    argv = _worker_argv("cpu", "redis://127.0.0.1:1/0", args, Path("/models/x"), "x", "INFO")
+    at = argv.index("--upstream-url")
+    assert argv[at: at + 6] == ["--upstream-url", "http://127.0.0.1:8001", "--upstream-timeout", "9.0",
+                                "--upstream-model", "m"]
+    assert argv[argv.index("--slots") + 1] == "1"
+    plain = _worker_argv("cpu", "redis://127.0.0.1:1/0", build_parser().parse_args(["serve"]), Path("/m"), "x", "INFO")
+    assert "--upstream-url" not in plain

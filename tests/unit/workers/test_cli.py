@@ -68,3 +68,14 @@ def test_a_flag_beats_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENGATE_SLOTS", "7")
     assert _parse("--slots", "9").slots == 9
     assert _parse("--step-tokens", "0").step_tokens == 0
+
+
+def test_an_upstream_url_makes_an_upstream_worker_and_the_upstream_engine_needs_one() -> None:
+    built = settings_from_args(_parse("--upstream-url", "http://127.0.0.1:8001", "--upstream-model", "m",
+                                      "--upstream-timeout", "5", "--slots", "1"))
+    assert (built.engine, built.upstream_url, built.upstream_model, built.upstream_timeout_s, built.slots) == (
+        "upstream", "http://127.0.0.1:8001", "m", 5.0, 1)
+    with pytest.raises(ValueError, match="needs an upstream URL"):
+        settings_from_args(_parse("--engine", "upstream"))
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        settings_from_args(_parse("--upstream-url", "http://h:1", "--upstream-timeout", "0"))
