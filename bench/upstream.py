@@ -1,10 +1,11 @@
 """tokengate in front of llama.cpp's OpenAI-compatible server, against the server directly.
 
-    python -m bench.upstream [--concurrency 1,8,32] [--requests 16,32,64] [--max-tokens 48]
+    python -m bench.upstream [--concurrency 1,8,32] [--requests 16,32,64] [--max-tokens 48] [--pairs 40]
                              [--kill-s 30] [--no-plot]
 
-One run, the same workload both ways: closed loops of streaming greedy chats (a few prompts
-in turn), at each concurrency a fixed number of requests, direct to the server and through
+One run, the same workload both ways: closed loops of streaming greedy chats (four prompts
+in turn, each numbered so that none is a cached prefix of the next), at each concurrency a
+fixed number of requests, direct to the server and through
 ``tokengate`` (a gateway and one ``--engine upstream`` worker with ``--slots 1``: the server
 runs one sequence at a time). The server is pinned to core 1, everything else (Redis, the
 gateway, the worker and this load generator) to core 0, so tokengate's overhead does not slow
@@ -12,8 +13,8 @@ the server down. It prints, per concurrency, completion tokens per second and TT
 with their ratios, and the contracts' accuracy: the share of requests that ended within the
 ``x-tokengate-p99-ms`` the gateway promised, and the measured over promised latency.
 
-The TTFT tokengate adds is measured on its own first: one client, each request sent direct
-and then through tokengate, ``--pairs`` times; the median of the per-pair difference.
+The TTFT tokengate adds is measured on its own first: one client, a request sent direct and
+then one through tokengate, ``--pairs`` times; the median of the per-pair difference.
 
 Then, with ``--kill-s`` > 0, a fault run through tokengate: 8 clients for that many seconds;
 a third of the way in the server is SIGKILLed, and started again 2 s later. Every request
@@ -61,6 +62,16 @@ PROMPTS = (
     "Write a poem about the autumn rain.",
     "What should I pack for a week of hiking?",
 )
+_NONCE = itertools.count()
+
+
+def prompt(base: str | None = None) -> str:
+    """The next prompt (``base``, else the next of ``PROMPTS``), numbered: llama.cpp reuses
+    the KV cache of the longest prefix it has seen, so a prompt sent twice in a row would skip
+    its prefill the second time. Numbered, a request shares only the chat template's opening
+    with the one before."""
+    n = next(_NONCE)
+    return f"({n}) {base or PROMPTS[n % len(PROMPTS)]}"
 
 
 @dataclass
@@ -121,7 +132,6 @@ async def closed_loop(url: str, headers: dict[str, str], model: str, clients: in
                       max_tokens: int, until: float | None = None) -> tuple[list[Outcome], float]:
     """``clients`` loops sending one request after another: ``requests`` in all, or until
     ``until`` (monotonic); the outcomes and the wall time."""
-    prompts = itertools.cycle(PROMPTS)
     left = itertools.count()
     outcomes: list[Outcome] = []
     limits = httpx.Limits(max_connections=clients + 2, max_keepalive_connections=clients + 2)
@@ -129,7 +139,7 @@ async def closed_loop(url: str, headers: dict[str, str], model: str, clients: in
 
         async def loop() -> None:
             while (until is None and next(left) < requests) or (until is not None and time.monotonic() < until):
-                outcome = await one(client, url, headers, model, next(prompts), max_tokens)
+                outcome = await one(client, url, headers, model, prompt(), max_tokens)
                 outcomes.append(outcome)
                 if outcome.retry_after_s:  # as the openai client does, at most a second here
                     await asyncio.sleep(min(outcome.retry_after_s, 1.0))
@@ -183,15 +193,15 @@ def _accuracy(outcomes: Sequence[Outcome]) -> tuple[int, int, float]:
 
 async def paired_ttft(sides: dict[str, tuple[str, dict[str, str], str]], pairs: int,
                       max_tokens: int) -> list[tuple[float, float]]:
-    """One client, a request direct then the same one through tokengate, ``pairs`` times:
-    (direct TTFT, tokengate TTFT) per pair. The server's prompt cache and the machine's
-    mood change from minute to minute; paired, they cancel out of the difference."""
+    """One client, a request direct then one through tokengate (the next prompt of the same
+    length), ``pairs`` times: (direct TTFT, tokengate TTFT) per pair. The machine's speed
+    changes from minute to minute; paired, it cancels out of the difference."""
     out: list[tuple[float, float]] = []
-    prompts = itertools.cycle(PROMPTS)
     async with httpx.AsyncClient() as client:
-        for _ in range(pairs):
-            prompt = next(prompts)
-            got = [await one(client, url, headers, name, prompt, max_tokens) for url, headers, name in sides.values()]
+        for i in range(pairs):
+            base = PROMPTS[i % len(PROMPTS)]
+            got = [await one(client, url, headers, name, prompt(base), max_tokens)
+                   for url, headers, name in sides.values()]
             if all(o.ttft_s is not None for o in got):
                 out.append((got[0].ttft_s or 0.0, got[1].ttft_s or 0.0))
     return out
