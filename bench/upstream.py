@@ -1,17 +1,18 @@
 """tokengate in front of llama.cpp's OpenAI-compatible server, against the server directly.
 
     python -m bench.upstream [--concurrency 1,8,32] [--requests 16,32,64] [--max-tokens 48] [--pairs 40]
-                             [--kill-s 30] [--no-plot]
+                             [--rounds 2] [--kill-s 30] [--no-plot]
 
 One run, the same workload both ways: closed loops of streaming greedy chats (four prompts
 in turn, each numbered so that none is a cached prefix of the next), at each concurrency a
-fixed number of requests, direct to the server and through
-``tokengate`` (a gateway and one ``--engine upstream`` worker with ``--slots 1``: the server
-runs one sequence at a time). The server is pinned to core 1, everything else (Redis, the
-gateway, the worker and this load generator) to core 0, so tokengate's overhead does not slow
-the server down. It prints, per concurrency, completion tokens per second and TTFT both ways
-with their ratios, and the contracts' accuracy: the share of requests that ended within the
-``x-tokengate-p99-ms`` the gateway promised, and the measured over promised latency.
+fixed number of requests per round, direct to the server and through ``tokengate`` (a
+gateway and one ``--engine upstream`` worker with ``--slots 1``: the server runs one
+sequence at a time), ``--rounds`` rounds, every other one in the other order. The server is
+pinned to core 1, everything else (Redis, the gateway, the worker and this load generator)
+to core 0, so tokengate's overhead does not slow the server down. It prints, per
+concurrency, completion tokens per second and TTFT both ways with their ratios, and the
+contracts' accuracy: the share of requests that ended within the ``x-tokengate-p99-ms`` the
+gateway promised, and the measured over promised latency.
 
 The TTFT tokengate adds is measured on its own first: one client, a request sent direct and
 then one through tokengate, ``--pairs`` times; the median of the per-pair difference.
@@ -285,12 +286,14 @@ async def main_async(args: argparse.Namespace) -> None:
             rows: dict[int, dict[str, dict[str, float]]] = {}
             accuracy: list[tuple[int, int, int, float]] = []
             for c, n in zip(concurrency, requests, strict=True):
-                rows[c] = {}
-                for side, (url, headers, name) in sides.items():
-                    outcomes, wall = await closed_loop(url, headers, name, c, n, args.max_tokens)
-                    rows[c][side] = _summary(outcomes, wall)
-                    if side == "tokengate":
-                        accuracy.append((c, *_accuracy(outcomes)))
+                pooled: dict[str, tuple[list[Outcome], float]] = {side: ([], 0.0) for side in sides}
+                for r in range(args.rounds):  # the second round in the other order: drift cancels
+                    for side in list(sides) if r % 2 == 0 else list(sides)[::-1]:
+                        url, headers, name = sides[side]
+                        outcomes, wall = await closed_loop(url, headers, name, c, n, args.max_tokens)
+                        pooled[side] = (pooled[side][0] + outcomes, pooled[side][1] + wall)
+                rows[c] = {side: _summary(outcomes, wall) for side, (outcomes, wall) in pooled.items()}
+                accuracy.append((c, *_accuracy(pooled["tokengate"][0])))
             fault = None
             if args.kill_s > 0:
                 fault = await fault_run(server, base, auth(key), model, args.kill_s, args.max_tokens)
@@ -338,6 +341,7 @@ def main() -> None:
     parser.add_argument("--requests", default="16,32,64", help="requests per concurrency, in the same order")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--pairs", type=int, default=40, help="paired one-client requests for the added TTFT")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per concurrency, every other one reversed")
     parser.add_argument("--kill-s", type=float, default=30.0, help="the fault run's length (0: none)")
     parser.add_argument("--no-plot", action="store_true")
     asyncio.run(main_async(parser.parse_args()))
