@@ -262,6 +262,7 @@ def _plot(rows: dict[int, dict[str, dict[str, float]]]) -> None:
         left.plot(conc, [rows[c][side]["tokens_per_s"] for c in conc], style, label=side)
         right.plot(conc, [rows[c][side]["ttft_p50_ms"] for c in conc], style, label=side)
     left.set(xscale="log", xlabel="concurrent clients", ylabel="completion tokens/s", title="throughput")
+    left.set_ylim(bottom=0)
     right.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="TTFT p50 (ms)", title="first token")
     for ax in (left, right):
         ax.set_xticks(conc, [str(c) for c in conc])

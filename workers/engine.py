@@ -68,6 +68,7 @@ class Engine(Protocol):
     choice: str  # why this device and dtype
     step_tokens: int  # per-step token budget: decode tokens plus prefill (0: none, whole prompts)
     down: str  # why the engine takes no work now (an upstream that does not answer); "" if it does
+    metrics: dict[str, float]  # the gauges of the server an engine fronts (vLLM's); {} for a local one
 
     def add(self, seq: SeqJob, kv: dict[str, Any] | None = None) -> None:
         """Queue a sequence; with ``kv`` (a handed-over prefill) it skips prefill."""
@@ -114,6 +115,7 @@ class EchoEngine:
     piece = " echo"
     step_tokens = 0
     down = ""
+    metrics: dict[str, float] = {}
 
     def __init__(self, tokens: int = 16, slots: int = 256, step_s: float = 0.0) -> None:
         self.tokens = tokens

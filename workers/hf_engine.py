@@ -59,6 +59,7 @@ class _Seq:
 class HFEngine:
     name = "transformers"
     down = ""
+    metrics: dict[str, float] = {}
 
     def __init__(
         self,

@@ -655,7 +655,7 @@ class Worker:
             running=sum(len(b.pending) for b in held),
             batches=tuple(b.job.batch_id for b in held[: p.HEARTBEAT_MAX_BATCHES]),
             down=self.engine.down,
-            upstream=dict(getattr(self.engine, "metrics", {})),
+            upstream=dict(self.engine.metrics),
         )
 
     def _heartbeat_loop(self) -> None:
