@@ -13,7 +13,8 @@ and answers malformed HTTP with a plain-text 400. Per connection, this subclass 
   parsed; its input is then discarded for at most a second (closing a socket with unread
   input would send a reset that destroys the 503 on its way), and beyond
   ``REFUSAL_LINGER_MAX`` such connections new ones are dropped without a word;
-- OpenAI's error body (``errors.error_body``) on every answer uvicorn gives by itself;
+- OpenAI's error body (``errors.error_body``) on every answer uvicorn gives by itself; a
+  400 to malformed HTTP and a 408 at the header timeout linger the same way as the 503;
 - the body deadline of each request in its scope (``web.BODY_DEADLINE``), which
   ``web.read_json`` enforces with a 408.
 
@@ -171,13 +172,24 @@ class GuardedProtocol(HttpToolsProtocol):
         """503 and FIN now; what the client sends is discarded until it closes, or a second."""
         self.transport = transport
         self.refusals.note(len(self.connections), self.limits.max_connections)
-        if self.refusals.lingering >= REFUSAL_LINGER_MAX or not transport.can_write_eof():
+        if not self._answer_and_linger(OVERLOADED):
             transport.abort()
-            return
-        transport.write(OVERLOADED)
-        transport.write_eof()
+
+    def _answer_and_linger(self, response: bytes) -> bool:
+        """Write a last answer and a FIN, then discard what the client still sends until it
+        closes, or for a second: closing a socket with unread input sends a reset, which can
+        destroy the answer on its way (a 400 to a request line that came with a megabyte of
+        header was lost so, now and then). False, having written nothing, when
+        ``REFUSAL_LINGER_MAX`` connections linger already, or while an earlier request on the
+        connection is still being answered (its answer must not meet a closed write side)."""
+        busy = self.cycle is not None and not self.cycle.response_complete
+        if busy or self.refusals.lingering >= REFUSAL_LINGER_MAX or not self.transport.can_write_eof():
+            return False
+        self.transport.write(response)
+        self.transport.write_eof()
         self.refusals.lingering += 1
-        self._linger = self.loop.call_later(REFUSAL_LINGER_S, transport.abort)
+        self._linger = self.loop.call_later(REFUSAL_LINGER_S, self.transport.abort)
+        return True
 
     def data_received(self, data: bytes) -> None:
         if self._linger is None:
@@ -205,6 +217,8 @@ class GuardedProtocol(HttpToolsProtocol):
         self._header_timer = None
         if self.transport.is_closing():
             return
+        if self._in_request and self._answer_and_linger(HEADER_TIMEOUT):
+            return
         if self._in_request:
             self.transport.write(HEADER_TIMEOUT)
         self.transport.close()
@@ -224,8 +238,9 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         self._disarm_header_timer()
-        self.transport.write(MALFORMED)
-        self.transport.close()
+        if not self._answer_and_linger(MALFORMED):
+            self.transport.write(MALFORMED)
+            self.transport.close()
 
 
 def protocol_class(limits: ConnectionLimits) -> type[GuardedProtocol]:
