@@ -39,6 +39,20 @@ def test_worker_answers_reports_and_acks(redis_client: redis.Redis, redis_url: s
     assert redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 0
 
 
+def test_replies_still_go_out_after_redis_lost_its_scripts(redis_client: redis.Redis, redis_url: str) -> None:
+    """The fenced reply is a bare EVALSHA: a Redis restarted without its script cache answers
+    NOSCRIPT, and the worker loads the script and sends the same replies again, once."""
+    with running_worker(redis_url, EchoEngine(tokens=2)):
+        send(redis_client, _job("before", ["r1"]))
+        collect(redis_client, REPLIES, until_batches=1)
+        redis_client.script_flush()
+        send(redis_client, _job("after", ["r2"], stream=True))
+        events = collect(redis_client, REPLIES, until_batches=2)  # from the start of the stream
+    assert [e.rid for e in events if isinstance(e, p.Finished)] == ["r1", "r2"]
+    assert "".join(e.text for e in events if isinstance(e, p.Delta)) == " echo" * 2  # each delta once
+    assert redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 0
+
+
 def test_heartbeat_announces_and_stop_deregisters(redis_client: redis.Redis, redis_url: str) -> None:
     with running_worker(redis_url, EchoEngine(), worker_id="w-hb"):
         deadline = time.monotonic() + 10
