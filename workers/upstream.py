@@ -31,7 +31,8 @@ show: a sequence's first token closes a prefill step (its prompt tokens, the seq
 decoding beside it, the time from request to first token), and each ``step`` call in which
 tokens arrived is one decode step (the sequences decoding, their KV tokens, the mean gap
 between consecutive tokens of a sequence). Where the upstream exports Prometheus metrics
-(vLLM's ``/metrics``), running and waiting requests and KV-cache use go into the heartbeat.
+(vLLM's ``/metrics``), running and waiting requests and KV-cache use go into the heartbeat,
+and the running count sizes the inferred decode steps (others may share the upstream).
 """
 
 from __future__ import annotations
@@ -205,8 +206,10 @@ class UpstreamEngine:
         if self.down:
             log.info("upstream %s is up (model %s)", self.url, self.model or "unknown")
         self.down = ""
-        if self._has_metrics is False:
-            return
+        if self._has_metrics is not False:
+            await self._read_metrics()
+
+    async def _read_metrics(self) -> None:
         try:
             async with self._client.get("/metrics") as reply:
                 self._has_metrics = reply.status == 200
@@ -224,11 +227,17 @@ class UpstreamEngine:
         not while a stream has shown life within the time-out: a server that runs one
         sequence at a time answers ``/v1/models`` only after the sequences queued before it
         (llama-cpp-python's takes its model lock), so a probe then says nothing a stream
-        does not."""
+        does not. Gauges (``/metrics``), where served, are read every time."""
         while True:
             await asyncio.sleep(self.probe_s)
-            if self.down or not self._streams or time.monotonic() - self._alive_at > self.timeout_s:
-                await self._probe()
+            try:
+                if self.down or not self._streams or time.monotonic() - self._alive_at > self.timeout_s:
+                    await self._probe()
+                elif self._has_metrics:  # vLLM serves its gauges beside the engine: kept fresh
+                    await self._read_metrics()
+            except Exception as exc:  # an answer no one foresaw must not end the probing
+                log.exception("probing upstream %s failed", self.url)
+                self._mark_down(f"upstream {self.url} answers its probe oddly: {_describe(exc)}")
 
     # -- the engine interface -----------------------------------------------------------------
 
@@ -274,8 +283,16 @@ class UpstreamEngine:
     def queued_prefill(self) -> int:
         return sum(len(s.job.prompt_ids) for s in self._seqs.values() if s.first_at is None)
 
-    def _kv(self) -> int:
-        return sum(len(s.job.prompt_ids) + s.tokens for s in self._seqs.values() if s.first_at is not None)
+    def _batch(self) -> tuple[int, int]:
+        """The sequences decoding upstream and their KV tokens, as far as the worker can tell:
+        its own, or, where the upstream counts more running requests (vLLM's gauge: other
+        clients share it), that count, each holding as many KV tokens as this worker's hold
+        on average."""
+        own = [len(s.job.prompt_ids) + s.tokens for s in self._seqs.values() if s.first_at is not None]
+        running = int(self.metrics.get("running", 0))
+        if running <= len(own):
+            return len(own), sum(own)
+        return running, round(running * sum(own) / len(own)) if own else 0
 
     def step(self) -> StepResult:
         started = time.perf_counter()
@@ -285,7 +302,7 @@ class UpstreamEngine:
             result.events.append(Finished(gone.job.rid, "", "cancelled", len(gone.job.prompt_ids), gone.tokens))
         self._cancelled.clear()
         items = self._collect(0.0 if result.events else POLL_S if self.free_slots else FULL_WAIT_S)
-        decoding, kv = self.running, self._kv()
+        decoding, kv = self._batch()
         gaps: list[float] = []
         decoded: set[str] = set()
         for kind, rid, payload, at in items:

@@ -106,3 +106,14 @@ def test_an_upstream_that_is_not_there_is_down_until_it_answers(tmp_path: Path) 
             late.stop()
     finally:
         engine.close()
+
+
+def test_a_shared_upstreams_running_count_sizes_the_inferred_decode_steps(engine: UpstreamEngine) -> None:
+    """vLLM's gauge says how many requests run upstream, other clients' included: a decode
+    step is that large, not only as large as this worker's share of it."""
+    assert engine.metrics == {}  # llama-cpp-python serves no /metrics
+    engine.metrics = {"running": 4.0}  # as a vLLM shared with three other requests would say
+    engine.add(p.SeqJob("v", (1,) * 20, GREEDY, messages=(("user", QUESTIONS[0]),)))
+    decodes = [rec for r in _run(engine) for rec in r.records() if not rec.prefill_tokens]
+    assert decodes and all(rec.decode_seqs == 4 for rec in decodes)
+    assert all(rec.kv_tokens >= 4 * 21 for rec in decodes)  # four sequences of at least 20 + 1 tokens
