@@ -109,6 +109,7 @@ def backend(
     slots: int = 32,
     model_dir: str | None = None,
     cpus: Sequence[int] = (),
+    extra_worker: Sequence[str] = (),
 ) -> Iterator[tuple[str, list[subprocess.Popen[bytes]]]]:
     """Redis + N workers, as separate processes (pinned to ``cpus`` if given); yields
     (redis_url, worker processes)."""
@@ -120,7 +121,7 @@ def backend(
         procs = [
             spawn(
                 ["-m", "workers", "--redis-url", redis.url, "--engine", engine, "--echo-tokens", str(echo_tokens),
-                 "--slots", str(slots), "--worker-id", f"bench-{i}", *model],
+                 "--slots", str(slots), "--worker-id", f"bench-{i}", *model, *extra_worker],
                 OUT / f"worker-{i}.log",
                 cpus,
             )
@@ -200,10 +201,11 @@ def stack(
     model_dir: str | None = None,
     gateway_cpus: Sequence[int] = (),
     backend_cpus: Sequence[int] = (),
+    extra_worker: Sequence[str] = (),
 ) -> Iterator[tuple[str, str, str]]:
     """Redis + N workers + one gateway, as separate processes (each group pinned to its cpus
     if given); yields (base_url, redis_url, API key of a tenant whose budget never binds)."""
-    with backend(engine, workers, echo_tokens, slots, model_dir, cpus=backend_cpus) as (redis_url, procs):
+    with backend(engine, workers, echo_tokens, slots, model_dir, backend_cpus, extra_worker) as (redis_url, procs):
         with gateway_process(redis_url, extra_gateway, model_dir, procs, cpus=gateway_cpus) as base:
             yield base, redis_url, bench_key(base)
 

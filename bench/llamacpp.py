@@ -8,11 +8,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
+from bench.common import wait_ready
 from gateway.embedded_redis import free_port
 from workers.model_store import default_gguf
 
@@ -42,18 +40,12 @@ class LlamaServer:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama.cpp's server exited:\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"llama.cpp's server not up in {timeout_s} s:\n{self.log.read_text()[-3000:]}")
+        try:
+            wait_ready(self.url, [self.proc], timeout_s, path="/v1/models")
+        except RuntimeError as exc:
+            self.stop()
+            raise RuntimeError(f"llama.cpp's server: {exc}:\n{self.log.read_text()[-3000:]}") from None
+        return self
 
     def kill(self) -> None:
         """SIGKILL: streams end mid-token, connections reset, nothing is said."""

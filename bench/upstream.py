@@ -30,29 +30,14 @@ import argparse
 import asyncio
 import itertools
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
 import orjson
 
-from bench.common import (
-    ADMIN_TOKEN,
-    OUT,
-    auth,
-    bench_key,
-    console,
-    gateway_process,
-    pct,
-    pin_threads,
-    save_plot,
-    spawn,
-    stop,
-    table,
-)
+from bench.common import ADMIN_TOKEN, OUT, auth, console, pct, save_plot, stack, table
 from bench.llamacpp import LlamaServer
-from gateway.embedded_redis import EmbeddedRedis
 
 GATEWAY_CPUS = (0,)
 SERVER_CPUS = "1"
@@ -148,23 +133,6 @@ async def closed_loop(url: str, headers: dict[str, str], model: str, clients: in
         started = time.monotonic()
         await asyncio.gather(*(loop() for _ in range(clients)))
     return outcomes, time.monotonic() - started
-
-
-@contextmanager
-def fronted(server: LlamaServer) -> Iterator[tuple[str, str, list[object]]]:
-    """Redis, an upstream worker and a gateway, all on core 0; yields (base, key, worker procs)."""
-    OUT.mkdir(parents=True, exist_ok=True)
-    with EmbeddedRedis() as redis:
-        if redis.proc is not None:
-            pin_threads(redis.proc.pid, GATEWAY_CPUS)
-        worker = spawn(["-m", "workers", "--redis-url", redis.url, "--upstream-url", server.url, "--slots", "1",
-                        "--worker-id", "bench-upstream"],
-                       OUT / "upstream-worker.log", GATEWAY_CPUS)
-        try:
-            with gateway_process(redis.url, backend_procs=[worker], cpus=GATEWAY_CPUS) as base:
-                yield base, bench_key(base), [worker]
-        finally:
-            stop([worker])
 
 
 def _summary(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, float]:
@@ -278,7 +246,9 @@ async def main_async(args: argparse.Namespace) -> None:
         raise SystemExit("--requests needs one count per --concurrency")
     server = LlamaServer(OUT / "llamacpp.log", cpus=SERVER_CPUS).start()
     try:
-        with fronted(server) as (base, key, _procs):
+        # Redis, one upstream worker and a gateway, all on core 0
+        with stack("upstream", slots=1, gateway_cpus=GATEWAY_CPUS, backend_cpus=GATEWAY_CPUS,
+                   extra_worker=["--upstream-url", server.url]) as (base, _redis_url, key):
             model = httpx.get(base + "/v1/models", headers=auth(key)).json()["data"][0]["id"]
             sides = {"direct": (server.url, {}, "any"), "tokengate": (base, auth(key), model)}
             for url, headers, name in sides.values():  # warm both (and the worker's telemetry)
