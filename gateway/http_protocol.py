@@ -191,6 +191,12 @@ class GuardedProtocol(HttpToolsProtocol):
         self._linger = self.loop.call_later(REFUSAL_LINGER_S, self.transport.abort)
         return True
 
+    def _last_answer(self, response: bytes) -> None:
+        """The connection's last answer: lingering where it may, else written and closed."""
+        if not self._answer_and_linger(response):
+            self.transport.write(response)
+            self.transport.close()
+
     def data_received(self, data: bytes) -> None:
         if self._linger is None:
             super().data_received(data)
@@ -217,11 +223,10 @@ class GuardedProtocol(HttpToolsProtocol):
         self._header_timer = None
         if self.transport.is_closing():
             return
-        if self._in_request and self._answer_and_linger(HEADER_TIMEOUT):
-            return
         if self._in_request:
-            self.transport.write(HEADER_TIMEOUT)
-        self.transport.close()
+            self._last_answer(HEADER_TIMEOUT)
+        else:
+            self.transport.close()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -238,9 +243,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         self._disarm_header_timer()
-        if not self._answer_and_linger(MALFORMED):
-            self.transport.write(MALFORMED)
-            self.transport.close()
+        self._last_answer(MALFORMED)
 
 
 def protocol_class(limits: ConnectionLimits) -> type[GuardedProtocol]:

@@ -181,18 +181,18 @@ class Fence:
         """Run publishes in one pipeline of EVALSHA, their results in order. (redis-py's
         ``Script`` in a pipeline sends SCRIPT EXISTS first: a round trip more on every reply.)
         A Redis that lost its scripts (restarted) answers NOSCRIPT and ran none of them: the
-        script is loaded and the same publishes run again."""
-        for attempt in (1, 2):
-            pipe = self.client.pipeline(transaction=False)
-            for call in publishes:
-                pipe.evalsha(self._publish.sha, len(call.keys), *call.keys, *call.args)
-            try:
-                return list(pipe.execute())
-            except redis.exceptions.NoScriptError:
-                if attempt == 2:
-                    raise
-                self.client.script_load(_PUBLISH)
-        raise AssertionError("unreachable")
+        script is loaded and the same publishes run again, once."""
+        try:
+            return self._run(publishes)
+        except redis.exceptions.NoScriptError:
+            self.client.script_load(_PUBLISH)
+            return self._run(publishes)
+
+    def _run(self, publishes: list[Publish]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for call in publishes:
+            pipe.evalsha(self._publish.sha, len(call.keys), *call.keys, *call.args)
+        return list(pipe.execute())
 
     def touch(self, entry_ids: list[bytes], idle_ms: int = 0) -> int:
         """Mark entries this worker still owns as idle for ``idle_ms`` (0: busy now); how many

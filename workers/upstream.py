@@ -164,7 +164,7 @@ class UpstreamEngine:
         self._thread.start()
         self._client: aiohttp.ClientSession = self._call(self._make_client())
         self._probe_task = asyncio.run_coroutine_threadsafe(self._probe_loop(), self._loop)
-        self.probe()
+        self._call(self._probe())  # down or up, and the model's name, before the first job
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -183,11 +183,6 @@ class UpstreamEngine:
         self._thread.join(timeout=5)
 
     # -- health -----------------------------------------------------------------------------
-
-    def probe(self) -> str:
-        """Probe the upstream once, now (also done every ``probe_s`` in the background)."""
-        self._call(self._probe())
-        return self.down
 
     async def _probe(self) -> None:
         try:
