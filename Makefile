@@ -4,11 +4,18 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.tokengate-installed
-# llama.cpp's server (pyproject's `llamacpp` extra, the same pin) builds from source once;
-# its wheel is kept here
-LLAMACPP_VERSION := 0.3.36
-LLAMACPP_CACHE   ?= $(HOME)/.cache/tokengate/wheels
-LLAMACPP_STAMP   := $(VENV)/.llamacpp-installed
+# llama.cpp's server (pyproject's `llamacpp` extra, the same pin) builds from source once, for
+# any x86-64 CPU (GGML_NATIVE=OFF: AVX2/FMA/F16C, no AVX-512 or AMX code, so a wheel built on
+# one machine runs on every other; a native build faults on some AMX Xeons). Its wheel is kept
+# in a folder keyed by everything that changes the binary: version, CMake flags, compiler,
+# architecture (the wheel's own tag names the Python).
+LLAMACPP_VERSION    := 0.3.36
+LLAMACPP_CMAKE_ARGS := -DGGML_NATIVE=OFF
+LLAMACPP_CACHE      ?= $(HOME)/.cache/tokengate/wheels
+LLAMACPP_KEY        := $(shell printf '%s|%s|%s|%s' '$(LLAMACPP_VERSION)' '$(LLAMACPP_CMAKE_ARGS)' \
+                         "$$(cc --version 2>/dev/null | head -n1)" "$$(uname -m)" | sha256sum | cut -c1-12)
+LLAMACPP_WHEELS     := $(LLAMACPP_CACHE)/llama-cpp-python-$(LLAMACPP_VERSION)-$(LLAMACPP_KEY)
+LLAMACPP_STAMP      := $(VENV)/.llamacpp-$(LLAMACPP_KEY)
 
 .PHONY: install install-llamacpp run test test-fast bench lint clean
 
@@ -18,9 +25,11 @@ install: $(STAMP)
 install-llamacpp: $(LLAMACPP_STAMP)
 
 $(LLAMACPP_STAMP): $(STAMP)
-	ls $(LLAMACPP_CACHE)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl >/dev/null 2>&1 || \
-		CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) wheel -q --no-deps -w $(LLAMACPP_CACHE) 'llama-cpp-python==$(LLAMACPP_VERSION)'
-	$(PIP) install -q -c constraints.txt --find-links $(LLAMACPP_CACHE) 'llama-cpp-python[server]==$(LLAMACPP_VERSION)'
+	ls $(LLAMACPP_WHEELS)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl >/dev/null 2>&1 || \
+		CMAKE_ARGS='$(LLAMACPP_CMAKE_ARGS)' CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(PIP) wheel -q --no-deps --no-binary llama-cpp-python -w $(LLAMACPP_WHEELS) 'llama-cpp-python==$(LLAMACPP_VERSION)'
+	$(PIP) install -q -c constraints.txt "$$(ls $(LLAMACPP_WHEELS)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl | head -n1)[server]"
+	rm -f $(VENV)/.llamacpp-*
 	touch $(LLAMACPP_STAMP)
 
 $(STAMP): pyproject.toml setup.py constraints.txt sched_core/_core.pyx $(wildcard sched_core/*.pxd)
