@@ -19,10 +19,12 @@ from typing import Any
 from workers.cli import env_default
 
 _LIMITS = ("max_prompt_tokens", "max_output_tokens", "max_concurrent")
-#: (option, field, what it is): a tenant's default latency SLO, in milliseconds
+#: (option, field, help): a tenant's latency defaults, in milliseconds; 'none' removes one
 _SLOS = (
-    ("--slo-ttft-ms", "slo_ttft_ms", "p99 time to first token"),
-    ("--slo-tpot-ms", "slo_tpot_ms", "time per output token"),
+    ("--slo-ttft-ms", "slo_ttft_ms", "default SLO, p99 time to first token in ms, for requests that set none"),
+    ("--slo-tpot-ms", "slo_tpot_ms", "default SLO, time per output token in ms, for requests that set none"),
+    ("--max-queue-wait-ms", "max_queue_wait_ms", "the longest predicted wait in ms of a request without a "
+     "first-token SLO before a 503 (default: the gateway's --max-queue-wait-ms)"),
 )
 
 
@@ -96,7 +98,7 @@ def _tenant_fields(parser: argparse.ArgumentParser, create: bool) -> None:
             type=_ms_or_none,
             dest=dest,
             default=argparse.SUPPRESS,
-            help=f"default SLO, {what} in ms, for requests that set none; 'none' removes it",
+            help=f"{what}; 'none' removes it",
         )
     for limit in _LIMITS:
         parser.add_argument(

@@ -32,6 +32,7 @@ Priority = Annotated[int, Field(ge=0, le=9)]
 QueueDelay = Annotated[float, Field(ge=0.0, le=300.0, allow_inf_nan=False)]
 SloTtftMs = Annotated[float, Field(ge=SLO_MS_MIN, le=600_000.0, allow_inf_nan=False)]
 SloTpotMs = Annotated[float, Field(ge=SLO_MS_MIN, le=60_000.0, allow_inf_nan=False)]
+QueueWaitMs = Annotated[float, Field(ge=SLO_MS_MIN, le=600_000.0, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=1, le=10**9)]
 Models = Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=64)]
 
@@ -82,11 +83,12 @@ class TenantCreate(_Model):
     max_queue_delay_s: QueueDelay = DEFAULT_MAX_QUEUE_DELAY_S
     slo_ttft_ms: SloTtftMs | None = None  # default: no SLO
     slo_tpot_ms: SloTpotMs | None = None
+    max_queue_wait_ms: QueueWaitMs | None = None  # default: the gateway's --max-queue-wait-ms
     limits: LimitsIn = LimitsIn()
 
 
 #: TenantUpdate's fields where null removes the value (elsewhere null is refused)
-_NULL_REMOVES = ("slo_ttft_ms", "slo_tpot_ms")
+_NULL_REMOVES = ("slo_ttft_ms", "slo_tpot_ms", "max_queue_wait_ms")
 
 
 def _schema_without_nulls(schema: dict[str, Any]) -> None:
@@ -118,6 +120,7 @@ class TenantUpdate(_Model):
     max_queue_delay_s: QueueDelay | None = None
     slo_ttft_ms: SloTtftMs | None = None
     slo_tpot_ms: SloTpotMs | None = None
+    max_queue_wait_ms: QueueWaitMs | None = None
     limits: LimitsIn | None = None
 
     _given = field_validator(
@@ -150,6 +153,7 @@ def parse_create(body: Any, now: float | None = None) -> Tenant:
         max_queue_delay_s=req.max_queue_delay_s,
         slo_ttft_ms=req.slo_ttft_ms,
         slo_tpot_ms=req.slo_tpot_ms,
+        max_queue_wait_ms=req.max_queue_wait_ms,
         limits=req.limits.apply(Limits()),
         created=int(time.time() if now is None else now),
     )
@@ -174,6 +178,7 @@ def apply_update(tenant: Tenant, upd: TenantUpdate) -> Tenant:
         else t.max_queue_delay_s,
         slo_ttft_ms=upd.slo_ttft_ms if "slo_ttft_ms" in given else t.slo_ttft_ms,
         slo_tpot_ms=upd.slo_tpot_ms if "slo_tpot_ms" in given else t.slo_tpot_ms,
+        max_queue_wait_ms=upd.max_queue_wait_ms if "max_queue_wait_ms" in given else t.max_queue_wait_ms,
         limits=upd.limits.apply(t.limits) if upd.limits is not None else t.limits,
     )
 

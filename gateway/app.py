@@ -43,7 +43,7 @@ from gateway.redis_batch import AutoPipeline
 from gateway.settings import GatewaySettings
 from gateway.tenant_store import TenantStore
 from gateway.tenants import SLO_MS_MIN, Tenant
-from gateway.web import ORJSONResponse, read_json
+from gateway.web import ORJSONResponse, declared_length, parse_json, read_body
 from workers import protocol as p
 
 log = logging.getLogger("tokengate.gateway")
@@ -51,7 +51,7 @@ log = logging.getLogger("tokengate.gateway")
 DEADLINE_HEADER = openapi.DEADLINE_HEADER
 
 
-OVERSIZE_CODES = frozenset({"payload_too_large", "context_length_exceeded", "prompt_too_long"})
+OVERSIZE_CODES = frozenset({"context_length_exceeded", "prompt_too_long"})  # 400s for size (413: PayloadTooLarge)
 LARGE_PROMPT_CHARS = 4096  # prompts longer than this are tokenized off the event loop
 LARGE_PROMPTS_PER_TENANT = 2  # ... at most this many at a time per tenant (429 beyond)
 LARGE_PROMPTS_QUEUED = 16  # ... and this many in all (503 beyond)
@@ -90,7 +90,7 @@ class Gateway:
         self._tasks: set[asyncio.Future[Any]] = set()
         self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._large: dict[str, int] = {}  # tenant id -> large prompts being tokenized
-        self.oversize = limits.OversizePenalty()
+        self.refusals = limits.RefusalBucket()  # refusals for size, per tenant: bursts allowed, floods held
 
     def _count_workers(self, workers: dict[str, p.Heartbeat]) -> None:
         for pool in self.settings.pools:
@@ -226,16 +226,32 @@ def _slo_s(request: Request) -> tuple[float | None, float | None]:
     return _header_s(request, ttft, ttft_ok, ttft_rule), _header_s(request, tpot, tpot_ok, tpot_rule)
 
 
+HELD_READ_BYTES = 64 << 10  # a held tenant's body up to this size is still read, for its own 400
+
+
 def _held(gw: Gateway, tenant: Tenant) -> RateLimited | None:
-    """The 429 for a tenant that just sent an oversized request (``limits.OversizePenalty``);
-    the connection closes, so the body it is sending is never read."""
-    held = gw.oversize.wait_s(tenant.id, time.monotonic())
+    """The 429 for a tenant whose refusals for size overflow its bucket
+    (``limits.RefusalBucket``); the connection closes, so a body it is sending is not read."""
+    held = gw.refusals.wait_s(tenant.id, time.monotonic())
     if held <= 0.0:
         return None
+    wait = max(1, math.ceil(held))
     return RateLimited(
-        f"Tenant '{tenant.name}' sent a request too large to serve; wait {held:.2f} s before the next.",
-        headers={"retry-after": str(max(1, math.ceil(held))), "connection": "close"},
+        f"Tenant '{tenant.name}' keeps sending requests too large to serve ({gw.refusals.burst >> 20} MiB of "
+        f"refused bytes at once, {gw.refusals.bytes_per_s / 1e6:g} MB/s sustained, are allowed); retry after "
+        f"{wait} s.",
+        code="oversize_held",
+        headers={"retry-after": str(wait), "connection": "close"},
     )
+
+
+def _refused_unread(request: Request, refusal: RateLimited | None) -> RateLimited | None:
+    """A held tenant's request is refused from its headers unless its body is small enough to
+    read and check first (a malformed request gets its own 400 before the 429)."""
+    if refusal is None:
+        return None
+    declared = declared_length(request)
+    return None if declared is not None and declared <= HELD_READ_BYTES else refusal
 
 
 class GenerationRoute:
@@ -258,7 +274,7 @@ class GenerationRoute:
         request = Request(scope, receive)
         try:
             tenant = self.gw.auth.cached(request.headers)
-            refusal = _held(self.gw, tenant) if tenant is not None else None
+            refusal = _refused_unread(request, _held(self.gw, tenant)) if tenant is not None else None
             if refusal is not None:
                 raise refusal
             response = await _generate(self.gw, request, parse)
@@ -274,17 +290,25 @@ class GenerationRoute:
 async def _generate(gw: Gateway, request: Request, parse: Callable[[Any], oai.Generation]) -> Response:
     caller = await gw.auth.caller(request.headers)
     tenant = caller.tenant
-    refusal = _held(gw, tenant)
+    held = _held(gw, tenant)
+    refusal = _refused_unread(request, held)
     if refusal is not None:
         raise refusal
+    body = b""
     try:
-        gen = parse(await read_json(request, gw.settings.max_body_bytes))
-        life = RequestLife(gw, caller, gen, _deadline_s(request), _slo_s(request))
+        body = await read_body(request, gw.settings.max_body_bytes)
+        gen = parse(parse_json(body))
+        deadline_s, slo_s = _deadline_s(request), _slo_s(request)
+        if held is not None:  # well-formed, and still held
+            raise held
+        life = RequestLife(gw, caller, gen, deadline_s, slo_s)
         await life.start()
-    except (PayloadTooLarge, InvalidRequest) as exc:
-        if exc.code in OVERSIZE_CODES:
-            size = int(request.headers.get("content-length") or gw.settings.max_body_bytes)
-            gw.oversize.charge(tenant.id, size, time.monotonic())
+    except PayloadTooLarge as exc:
+        gw.refusals.charge(tenant.id, exc.read, time.monotonic())
+        raise
+    except InvalidRequest as exc:
+        if exc.code in OVERSIZE_CODES:  # read and (in part) tokenized
+            gw.refusals.charge(tenant.id, len(body), time.monotonic())
         raise
     headers = life.headers()
     if gen.stream:
@@ -301,7 +325,7 @@ async def _generate(gw: Gateway, request: Request, parse: Callable[[Any], oai.Ge
     gone = asyncio.ensure_future(_disconnected(request))
     gone.add_done_callback(client_left)
     try:
-        body = await life.body()
+        answer = await life.body()
     except asyncio.CancelledError:
         life.end()  # the client went away, or the server is stopping: cancel its work
         if not gone.done() or gone.cancelled():
@@ -311,7 +335,7 @@ async def _generate(gw: Gateway, request: Request, parse: Callable[[Any], oai.Ge
     finally:
         gone.remove_done_callback(client_left)
         gone.cancel()
-    return ORJSONResponse(body, headers=headers)
+    return ORJSONResponse(answer, headers=headers)
 
 
 async def _disconnected(request: Request) -> None:

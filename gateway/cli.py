@@ -64,6 +64,10 @@ GATEWAY_FLAGS: tuple[tuple[str, str, str | None], ...] = (
      "seconds a Redis command or a wait for a pooled connection may take before the request gets a 503"),
     ("gateway-dead-after", "gateway_dead_after_s",
      "seconds of silence after which a gateway is dead and a survivor settles its requests"),
+    ("max-queue-wait-ms", "max_queue_wait_ms",
+     "a request without a first-token SLO whose first token is predicted to wait longer than this "
+     "(beyond its own prompt's time) is refused at once with 503 `overloaded` and Retry-After; a "
+     "tenant's max_queue_wait_ms overrides it (0: no bound)"),
 )
 SETTING_FLAGS = frozenset(name for _flag, name, _help in GATEWAY_FLAGS)
 

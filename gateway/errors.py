@@ -86,6 +86,10 @@ class PayloadTooLarge(GatewayError):
     type = "invalid_request_error"
     code = "payload_too_large"
 
+    def __init__(self, message: str, *, read: int = 0, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message, headers=headers)
+        self.read = read  # body bytes read before the refusal (0: refused from the declared length)
+
 
 class UnsupportedMediaType(GatewayError):
     """A body declared as something other than JSON."""

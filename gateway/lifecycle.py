@@ -110,6 +110,10 @@ def refused(rid: str, reject: Reject) -> GatewayError:
         headers["x-tokengate-p99-ms"] = str(best["best_p99_ms"])
         return Unavailable(f"Request {rid} cannot meet its SLO now: {reject.message}; retry later, relax the "
                            "SLO or go elsewhere.", code="slo_unattainable", headers=headers, extra=estimate | best)
+    if reject.reason == "wait":
+        return Unavailable(f"Request {rid} would wait too long: {reject.message}; retry after the Retry-After "
+                           "seconds, or send x-slo-ttft-ms to set your own bound.", code="overloaded",
+                           headers=headers, extra=estimate)
     code = "deadline_unmet" if reject.reason == "deadline" else reject.reason
     return Unavailable(f"Request {rid} cannot be served in time: {reject.message}", code=code, headers=headers,
                        extra=estimate)
@@ -129,6 +133,8 @@ class RequestLife:
         tenant = caller.tenant  # the client's SLO, else its tenant's default (docs/tenants.md)
         self.slo_ttft_s = slo_s[0] if slo_s[0] is not None else _ms(tenant.slo_ttft_ms)
         self.slo_tpot_s = slo_s[1] if slo_s[1] is not None else _ms(tenant.slo_tpot_ms)
+        wait_ms = tenant.max_queue_wait_ms if tenant.max_queue_wait_ms is not None else gw.settings.max_queue_wait_ms
+        self.max_wait_s = wait_ms / 1000 if wait_ms > 0.0 else None
         self.meter = Meter(0)
         self.rid = ""
         self.admission: Admission | None = None
@@ -188,6 +194,7 @@ class RequestLife:
                 deadline_s=None if self.deadline_s is None else self.deadline_s - self.meter.age(),
                 slo_ttft_s=self.slo_ttft_s,
                 slo_tpot_s=self.slo_tpot_s,
+                max_wait_s=self.max_wait_s,
             )
             decision = gw.dispatcher.submit(seq, who)
             if isinstance(decision, Reject):

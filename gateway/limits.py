@@ -80,23 +80,45 @@ def over_burst(tenant: Tenant, cost: int, param: str = "max_tokens") -> InvalidR
     )
 
 
-class OversizePenalty:
-    """Refusing a request for its size is itself work (reading, parsing and measuring up to
-    a megabyte), which a sender could repeat for free. So a tenant whose request was refused
-    for its size waits ``bytes / bytes_per_s`` seconds, accumulated, before the gateway reads
-    another of its requests: its next ones get a 429 with ``Retry-After`` at once, before
-    their bodies are read. Other tenants are not affected. Pure: ``now`` is an argument."""
+REFUSAL_BURST_BYTES = 64 << 20  # refused bytes a tenant may send at once before it is held
+REFUSAL_BYTES_PER_S = 2e6  # ... and the rate at which that allowance refills
+REFUSAL_OVERHEAD_BYTES = 16 << 10  # what answering one refusal from its headers costs, as bytes
 
-    def __init__(self, bytes_per_s: float = 2e6, max_tenants: int = 10_000) -> None:
+
+class RefusalBucket:
+    """Refusing a request for its size is itself work, which a sender could repeat for free.
+    So each such refusal is charged to its tenant: the body bytes the gateway really read
+    (and tokenized) before refusing, plus ``overhead`` for answering at all; a request refused
+    from its headers (a declared ``Content-Length`` over the limit) is charged the overhead
+    alone, never what it declared. A tenant's charges fill a bucket of ``burst`` bytes that
+    drains at ``bytes_per_s``; only while charges overflow it is the tenant held (its next
+    requests get a 429 with ``Retry-After`` before their bodies are read). One charge never
+    exceeds the burst, so no single request, and no few, holds a tenant: only a tenant that
+    keeps sending oversized requests faster than the refill is held back, to the refill rate.
+    Other tenants are not affected. Pure: ``now`` is an argument (docs/api.md: "Oversized
+    requests")."""
+
+    def __init__(self, burst: int = REFUSAL_BURST_BYTES, bytes_per_s: float = REFUSAL_BYTES_PER_S,
+                 overhead: int = REFUSAL_OVERHEAD_BYTES, max_tenants: int = 10_000) -> None:
+        self.burst = burst
         self.bytes_per_s = bytes_per_s
+        self.overhead = overhead
         self.max_tenants = max_tenants
-        self._until: dict[str, float] = {}
+        self._full: dict[str, tuple[float, float]] = {}  # tenant id -> (bytes in the bucket, as of)
 
-    def charge(self, tenant_id: str, size: int, now: float) -> None:
-        if len(self._until) >= self.max_tenants:
-            self._until = {t: u for t, u in self._until.items() if u > now}
-        self._until[tenant_id] = max(self._until.get(tenant_id, now), now) + size / self.bytes_per_s
+    def level(self, tenant_id: str, now: float) -> float:
+        """The bytes in the tenant's bucket now (what it was charged, less what has drained)."""
+        level, at = self._full.get(tenant_id, (0.0, now))
+        return max(0.0, level - (now - at) * self.bytes_per_s)
+
+    def charge(self, tenant_id: str, read_bytes: int, now: float) -> None:
+        """A refusal for size after reading ``read_bytes`` of the tenant's request."""
+        if tenant_id not in self._full and len(self._full) >= self.max_tenants:
+            self._full = {t: (lv, at) for t, (lv, at) in self._full.items() if self.level(t, now) > 0.0}
+        cost = min(float(self.burst), self.overhead + max(0, read_bytes))
+        self._full[tenant_id] = (self.level(tenant_id, now) + cost, now)
 
     def wait_s(self, tenant_id: str, now: float) -> float:
-        """How long the tenant must still wait (0: its request may be read)."""
-        return max(0.0, self._until.get(tenant_id, now) - now)
+        """How long the tenant must still wait (0: its requests are read as usual)."""
+        over = self.level(tenant_id, now) - self.burst
+        return over / self.bytes_per_s if over > 0.0 else 0.0

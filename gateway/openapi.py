@@ -242,6 +242,7 @@ class TenantDoc(TypedDict):
     max_queue_delay_s: float
     slo_ttft_ms: float | None
     slo_tpot_ms: float | None
+    max_queue_wait_ms: float | None
     limits: TenantLimits
     created: int
 
@@ -547,7 +548,8 @@ def _generation(summary: str, body: str, chunk: str, ok: str) -> Operation:
             415: NOT_JSON,
             429: "`rate_limit_exceeded`: over the tenant's token budget (`type` `tokens`, with "
             "`budget_wait_s`) or its `max_concurrent` (`type` `requests`), or too many long prompts "
-            "being tokenized for the tenant.",
+            "being tokenized for the tenant; `oversize_held`: the tenant keeps sending requests refused "
+            "for their size, past its allowance (docs/api.md, \"Oversized requests\").",
             500: "`worker_error`: the model worker failed on this request.",
             503: "`no_worker`, `overloaded`, `timeout`, `deadline_unmet` (with `estimate_ms`), "
             "`slo_unattainable` (with `estimate_ms`, `best_ttft_p99_ms` and `best_p99_ms`), `lost`, "

@@ -32,6 +32,7 @@ class Origin:
     deadline_s: float | None = None  # relative to arrival
     slo_ttft_s: float | None = None  # the client's or its tenant's SLO (docs/tenants.md)
     slo_tpot_s: float | None = None
+    max_wait_s: float | None = None  # without a first-token SLO: the longest predicted wait (None: no bound)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +163,7 @@ class SchedulerShell:
             expected_output_tokens=_known_output(seq.params),
             slo_ttft_s=who.slo_ttft_s,
             slo_tpot_s=who.slo_tpot_s,
+            max_wait_s=who.max_wait_s,
         )
         decision = self.driver.arrive(req, now)
         if not isinstance(decision, Reject):

@@ -38,6 +38,7 @@ class GatewaySettings:
     redis_max_connections: int = 256  # the gateway's Redis pool; a request waits for a free one
     redis_timeout_s: float = 5.0  # a Redis command (or a wait for a pooled connection) fails after this
     gateway_dead_after_s: float = 15.0  # a gateway silent this long is dead: a survivor settles its requests
+    max_queue_wait_ms: float = 5000.0  # a request without an SLO predicted to wait longer: 503 (0: no bound)
     # connection hygiene (docs/operations.md, "Connection limits and timeouts")
     header_timeout_s: float = 10.0  # to send the request line and headers, from the first byte
     body_timeout_s: float = 30.0  # to send the whole body, from the end of the headers
@@ -72,6 +73,8 @@ class GatewaySettings:
             raise ValueError("a gateway may be declared dead only after 5 s of silence (ten renewals)")
         if self.header_timeout_s <= 0 or self.body_timeout_s <= 0 or self.keep_alive_timeout_s <= 0:
             raise ValueError("the header, body and keep-alive timeouts must be positive")
+        if not 0.0 <= self.max_queue_wait_ms <= 600_000.0:
+            raise ValueError("the longest queue wait must be 0 (no bound) to 600000 ms")
         if self.max_connections < 1:
             raise ValueError("max connections must be at least 1")
         if self.usage_retention_s < 60 or self.request_record_ttl_s < 1:

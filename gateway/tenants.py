@@ -44,7 +44,8 @@ class Tenant:
 
     ``slo_ttft_ms`` (p99 time to first token) and ``slo_tpot_ms`` (time per output token),
     both in milliseconds, are the latency SLO its requests are held to when they carry none
-    of their own; None: no default.
+    of their own; None: no default. ``max_queue_wait_ms`` bounds the predicted wait of its
+    requests without a first-token SLO (None: the gateway's ``--max-queue-wait-ms``).
     """
 
     id: str
@@ -56,6 +57,7 @@ class Tenant:
     max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    max_queue_wait_ms: float | None = None
     limits: Limits = field(default_factory=Limits)
     created: int = 0
 
@@ -97,6 +99,7 @@ def to_doc(t: Tenant) -> dict[str, Any]:
         "max_queue_delay_s": t.max_queue_delay_s,
         "slo_ttft_ms": t.slo_ttft_ms,
         "slo_tpot_ms": t.slo_tpot_ms,
+        "max_queue_wait_ms": t.max_queue_wait_ms,
         "limits": {
             "max_prompt_tokens": t.limits.max_prompt_tokens,
             "max_output_tokens": t.limits.max_output_tokens,
@@ -124,6 +127,7 @@ def from_doc(doc: dict[str, Any]) -> Tenant:
         # absent from documents stored before tenants had an SLO
         slo_ttft_ms=_float_or_none(doc.get("slo_ttft_ms")),
         slo_tpot_ms=_float_or_none(doc.get("slo_tpot_ms")),
+        max_queue_wait_ms=_float_or_none(doc.get("max_queue_wait_ms")),
         limits=Limits(
             max_prompt_tokens=lim["max_prompt_tokens"],
             max_output_tokens=lim["max_output_tokens"],

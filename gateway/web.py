@@ -36,14 +36,27 @@ def body_deadline(request: Request) -> float | None:
 async def read_json(request: Request, limit: int) -> Any:
     """The request's JSON body: 415 if it is declared as something else (no Content-Type is
     accepted), 413 over ``limit`` bytes, 408 past the server's body deadline, 400 if invalid."""
+    return parse_json(await read_body(request, limit))
+
+
+def declared_length(request: Request) -> int | None:
+    """The body's declared ``Content-Length`` (None: absent or not a number)."""
+    declared = request.headers.get("content-length")
+    return int(declared) if declared is not None and declared.isdigit() else None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, read up to ``limit`` bytes: 415 if it is declared as something other
+    than JSON, 413 over the limit (from the declared length, before anything is read, where
+    there is one; ``PayloadTooLarge.read`` says how much was read), 408 past the body deadline."""
     declared_type = request.headers.get("content-type", "").strip()
     if declared_type and not is_json(declared_type):
         raise UnsupportedMediaType(
             f"The request body must be JSON (Content-Type: application/json), not {declared_type[:100]!r}.",
             param="Content-Type",
         )
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    declared = declared_length(request)
+    if declared is not None and declared > limit:
         raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
     chunks: list[bytes] = []
     size = 0
@@ -52,7 +65,7 @@ async def read_json(request: Request, limit: int) -> Any:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
+                    raise PayloadTooLarge(f"The request body is larger than {limit} bytes.", read=size)
                 chunks.append(chunk)
     except ClientDisconnect:
         raise ClientGone(f"The client left before its body was complete ({size} bytes received).") from None
@@ -61,7 +74,12 @@ async def read_json(request: Request, limit: int) -> Any:
             f"The request body did not arrive in time ({size} bytes received).",
             headers={"connection": "close"},
         ) from None
+    return b"".join(chunks)
+
+
+def parse_json(body: bytes) -> Any:
+    """A body as JSON; 400 if it is not."""
     try:
-        return orjson.loads(b"".join(chunks))
+        return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None

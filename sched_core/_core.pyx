@@ -552,6 +552,12 @@ cdef class Scheduler:
             mu_cpu=self._mu_cpu(), lambda_cpu=meter_rate(&self.cpu_meter, now, self.tau),
             slo=self.slo, tenants=tenants, min_counter=self._min_counter())
 
+    def prefill_alone_s(self, path, int prompt_tokens):
+        """The fitted time to prefill ``prompt_tokens`` on an idle worker of ``path``: the part
+        of a first token that no queue adds."""
+        cdef int p = PATHS.index(path)
+        return self.coef[p][3] + self.coef[p][4] * prompt_tokens
+
     def explain(self, request_id):
         """Why a request waits, what is ahead of it, where it goes; None if unknown."""
         cdef int h = self._find(request_id)

@@ -16,8 +16,9 @@ The rules, in one place:
   (``sched_core.contracts``): the driver estimates each request's output length, turns the
   core's contract into the calibrated promise, and refuses at admission a request whose
   SLO the promise cannot meet (``slo``; a tenant over its share of the admitted work,
-  ``Shares``, is held to half its TTFT SLO and refused while no slot is left for it); every
-  request that got a promise ends in ``outcome`` (what it took) or ``forget``.
+  ``Shares``, is held to half its TTFT SLO and refused while no slot is left for it), and a
+  request without a first-token SLO whose predicted wait passes its ``max_wait_s`` (``wait``);
+  every request that got a promise ends in ``outcome`` (what it took) or ``forget``.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ class Driver:
     def __init__(self, policy: Policy, tick_s: float = TICK_S) -> None:
         self.policy = policy
         self._wakes = policy if isinstance(policy, Wakes) else None  # a Protocol check costs ~10 us a call
+        self._alone = getattr(policy, "prefill_alone_s", None)  # the scheduler's; baselines promise nothing
         self.tick_s = tick_s
         config = getattr(policy, "config", None)
         self._promises = isinstance(config, SchedulerConfig)  # the baselines promise nothing
@@ -137,7 +139,7 @@ class Driver:
         out, out_hi = cal.output(req)
         if out != req.expected_output_tokens:  # (the constructor: replace() costs twice as much)
             req = Request(req.id, req.tenant, req.weight, req.prompt_tokens, req.max_tokens, req.arrival, out,
-                          req.priority, req.deadline, req.budget_wait, req.slo_ttft_s, req.slo_tpot_s)
+                          req.priority, req.deadline, req.budget_wait, req.slo_ttft_s, req.slo_tpot_s, req.max_wait_s)
         decision = self.policy.arrive(req, now)
         if not isinstance(decision, Contract):
             return decision
@@ -146,6 +148,10 @@ class Driver:
         c = cal.promise(decision, req, out_hi, load, now)
         if req.slo_ttft_s is not None or req.slo_tpot_s is not None:
             refusal = self._refusal(req, c, load, now)
+            if refusal is not None:
+                return refusal
+        if req.slo_ttft_s is None and req.max_wait_s is not None:
+            refusal = self._wait_refusal(req, c, now)
             if refusal is not None:
                 return refusal
         self.shares.add(req.tenant, req.weight, req.prompt_tokens + c.output_tokens, now)
@@ -176,6 +182,23 @@ class Driver:
                    f"{tpot_slo * 1000:.0f} ms asked")
         wait = max(c.ttft_p99_s - ttft_slo, 0.0)
         return Reject(req.id, "slo", why, max(1.0, wait), c.total_s, c.ttft_p99_s, c.p99_s)
+
+    def _wait_refusal(self, req: Request, c: Contract, now: float) -> Reject | None:
+        """The ``wait`` refusal of a request without a first-token SLO whose predicted first
+        token comes more than ``max_wait_s`` after the time its own prompt takes alone (its
+        budget wait aside: that is its tenant's own pace); None: keep it."""
+        assert req.max_wait_s is not None
+        alone = self._alone(c.path, req.prompt_tokens) if self._alone is not None else 0.0
+        wait = c.ttft_s - c.budget_wait_s - alone
+        if wait <= req.max_wait_s:
+            return None
+        policy = self.policy
+        if not isinstance(policy, Cancels) or not policy.cancel(req.id, now):
+            return None
+        self.contracts.forget(req.id)
+        why = (f"the workers are busy: its first token would wait about {wait:.1f} s, more than the "
+               f"{req.max_wait_s:g} s a request without an SLO is kept waiting")
+        return Reject(req.id, "wait", why, max(1.0, wait - req.max_wait_s), c.total_s, c.ttft_p99_s, c.p99_s)
 
     def outcome(self, request_id: str, ttft_s: float | None, total_s: float, tokens: int,
                 now: float) -> Accuracy | None:

@@ -311,6 +311,12 @@ class Scheduler:
             mu_cpu=self._mu_cpu(), lambda_cpu=self._cpu_meter.rate(now),
             slo=self.config.ttft_p99_slo_s, tenants=tenants, min_counter=self._min_counter())
 
+    def prefill_alone_s(self, path: str, prompt_tokens: int) -> float:
+        """The fitted time to prefill ``prompt_tokens`` on an idle worker of ``path``: the part
+        of a first token that no queue adds."""
+        _, _, _, pl, pt = self._coef[PATHS.index(path)]
+        return pl + pt * prompt_tokens
+
     def explain(self, request_id: str) -> dict[str, Any] | None:
         """Why a request waits, what is ahead of it, where it goes; None if unknown."""
         r = self._by_id.get(request_id)

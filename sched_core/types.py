@@ -39,7 +39,9 @@ class Request:
     the contract, and the scheduler's own wait is measured from ``arrival + budget_wait``);
     ``slo_ttft_s``/``slo_tpot_s`` are the client's (or its tenant's) SLO: the driver refuses
     the request at admission when its calibrated bounds cannot meet them (the core ignores
-    them).
+    them); ``max_wait_s`` bounds the wait of a request without a first-token SLO: the driver
+    refuses it at admission when its predicted first token is more than this past the time
+    its own prompt takes alone (None: no bound).
     """
 
     id: str
@@ -54,6 +56,7 @@ class Request:
     budget_wait: float = 0.0
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    max_wait_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -66,9 +69,9 @@ class Request:
             raise ValueError("expected_output_tokens and budget_wait must not be negative")
         if not math.isfinite(self.arrival):
             raise ValueError("arrival must be finite")
-        for slo in (self.slo_ttft_s, self.slo_tpot_s):
+        for slo in (self.slo_ttft_s, self.slo_tpot_s, self.max_wait_s):
             if slo is not None and not (slo > 0.0 and math.isfinite(slo)):
-                raise ValueError(f"an SLO must be positive and finite, got {slo}")
+                raise ValueError(f"an SLO or wait bound must be positive and finite, got {slo}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +114,7 @@ class Dispatch:
 @dataclass(frozen=True, slots=True)
 class Reject:
     """A request the scheduler will not run. ``reason`` is a stable code: ``duplicate``,
-    ``too_long``, ``queue_full``, ``deadline`` or (from the driver) ``slo``; ``estimate_s`` is
+    ``too_long``, ``queue_full``, ``deadline`` or (from the driver) ``slo`` and ``wait``; ``estimate_s`` is
     the completion estimate (from arrival) that motivated it, 0 where none applies; an ``slo``
     refusal carries the best bounds the gateway could promise (``ttft_p99_s``, ``p99_s``)."""
 

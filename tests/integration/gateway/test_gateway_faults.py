@@ -14,6 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.embedded_redis import EmbeddedRedis
+from gateway.limits import RefusalBucket
 from gateway.prompts import PromptBuilder
 from gateway.scheduling import Origin
 from tests.integration.gateway.conftest import Harness, make_harness
@@ -117,6 +118,32 @@ async def test_overload_is_a_fast_503_with_retry_after(
         assert time.monotonic() - started < 5
         assert h.gw.in_flight == 0
         assert (await h.complete(key)).status_code == 200
+
+
+async def test_a_request_without_an_slo_is_refused_at_once_rather_than_queued_past_the_bound(
+    redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec
+) -> None:
+    slow = EchoEngine(tokens=8, slots=2, step_s=0.05)  # two at a time, ~0.4 s each: 30 make a 6 s queue
+    async with make_harness(redis_url, prompts, model_spec.name, engine=slow, max_queue_wait_ms=1000.0) as h:
+        _, key = await h.tenant("acme")
+        _, patient = await h.tenant("patient", max_queue_wait_ms=600_000)
+
+        async def timed(k: str) -> tuple[httpx.Response, float]:
+            started = time.monotonic()
+            r = await h.complete(k)
+            return r, time.monotonic() - started
+
+        replies = await asyncio.gather(*(timed(key) for _ in range(30)))
+        codes = [r.status_code for r, _ in replies]
+        assert set(codes) <= {200, 503} and 2 <= codes.count(200) < 30, codes
+        for r, took in replies:
+            if r.status_code == 503:
+                err = r.json()["error"]
+                assert err["code"] == "overloaded" and "wait" in err["message"], err
+                assert int(r.headers["retry-after"]) >= 1 and took < 0.5, (r.headers, took)
+        assert max(took for r, took in replies if r.status_code == 200) < 1.0 + 2.5  # the bound, its prefill, a step
+        replies = await asyncio.gather(*(timed(patient) for _ in range(12)))  # its own bound: nobody refused
+        assert [r.status_code for r, _ in replies] == [200] * 12
 
 
 async def test_redis_away_is_a_503_with_retry_after_within_the_redis_timeout(
@@ -275,16 +302,34 @@ async def test_an_admission_whose_reply_was_lost_is_refunded_exactly_once(harnes
     assert state["remaining_tokens"] == full and state["in_flight"] == 0
 
 
-async def test_a_tenant_that_sent_a_megabyte_prompt_waits_and_no_other_does(harness: Harness) -> None:
+async def test_one_oversized_request_costs_its_tenant_nothing_more(harness: Harness) -> None:
+    _, key = await harness.tenant("big")
+    auth = {"authorization": f"Bearer {key}"}
+    huge = {"model": harness.model, "prompt": "word " * 200_000, "max_tokens": 4}
+    r = await harness.http.post("/v1/completions", json=huge, headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    declared = {**auth, "content-type": "application/json", "content-length": str(10**12)}
+    r = await harness.http.post("/v1/completions", content=b"{}", headers=declared)  # says 10**12, sends 2
+    assert r.status_code == 413, r.text
+    assert (await harness.complete(key)).status_code == 200  # the next request is served at once
+
+
+async def test_a_tenant_that_keeps_sending_oversized_requests_is_held_and_no_other_is(harness: Harness) -> None:
+    harness.gw.refusals = RefusalBucket(burst=2_900_000, bytes_per_s=2e5)  # three 1 MB refusals overflow it
     _, big = await harness.tenant("big")
     _, small = await harness.tenant("small")
-    huge = {"model": harness.model, "prompt": "word " * 200_000, "max_tokens": 4}
-    r = await harness.http.post("/v1/completions", json=huge, headers={"authorization": f"Bearer {big}"})
-    assert r.status_code == 400
-    again = await harness.complete(big)  # refused before its body is read
-    assert again.status_code == 429 and again.headers["retry-after"] == "1", again.text
+    auth = {"authorization": f"Bearer {big}"}
+    huge = {"model": harness.model, "prompt": "word " * 200_000, "max_tokens": 4}  # a megabyte, read
+    statuses = [(await harness.http.post("/v1/completions", json=huge, headers=auth)).status_code for _ in range(5)]
+    assert statuses == [400, 400, 400, 429, 429], statuses  # the burst, then held
+    held = await harness.complete(big)  # refused before its body is read
+    assert held.status_code == 429 and held.json()["error"]["code"] == "oversize_held", held.text
+    wait = int(held.headers["retry-after"])
+    assert 1 <= wait <= 2 and f"retry after {wait} s" in held.json()["error"]["message"], held.text
+    bad = await harness.http.post("/v1/completions", content=b"{not json", headers=auth)
+    assert bad.status_code == 400, bad.text  # a small malformed body gets its own 400 first
     assert (await harness.complete(small)).status_code == 200
-    await asyncio.sleep(0.6)  # a megabyte holds its sender about half a second
+    await asyncio.sleep(wait)
     assert (await harness.complete(big)).status_code == 200
 
 

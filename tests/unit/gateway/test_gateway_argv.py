@@ -37,6 +37,7 @@ GIVEN = {
     "redis-max-connections": "32",
     "redis-timeout": "2.75",
     "gateway-dead-after": "6.5",
+    "max-queue-wait-ms": "2500.0",
 }
 # the other flags a gateway process takes
 OTHERS = {

@@ -60,24 +60,52 @@ def test_completions_name_the_prompt() -> None:
     assert info.value.param == "prompt"
 
 
-def test_an_oversized_request_holds_its_tenant_for_its_size_and_no_other() -> None:
-    from gateway.limits import OversizePenalty
+def test_refusals_hold_a_tenant_only_past_the_burst_and_no_other() -> None:
+    from gateway.limits import RefusalBucket
 
-    p = OversizePenalty(bytes_per_s=1e6)
-    assert p.wait_s("a", 10.0) == 0.0
-    p.charge("a", 1_000_000, now=10.0)  # a megabyte refused: one second
-    p.charge("a", 500_000, now=10.2)  # a second one (sent anyway) adds half a second
-    assert p.wait_s("a", 10.2) == pytest.approx(1.3)
-    assert p.wait_s("b", 10.2) == 0.0
-    assert p.wait_s("a", 11.5) == 0.0
-    p.charge("a", 1_000, now=20.0)  # a debt in the past is not carried over
-    assert p.wait_s("a", 20.0) == pytest.approx(0.001)
+    b = RefusalBucket(burst=10_000_000, bytes_per_s=1e6, overhead=1_000)
+    assert b.wait_s("a", 10.0) == 0.0
+    for _ in range(9):  # nine refused megabytes at once: within the burst, nobody waits
+        b.charge("a", 1_000_000, now=10.0)
+    assert b.level("a", 10.0) == pytest.approx(9_009_000)
+    assert b.wait_s("a", 10.0) == 0.0
+    b.charge("a", 1_000_000, now=10.0)
+    b.charge("a", 1_000_000, now=10.0)  # two more overflow it: held until it drains to the burst
+    assert b.wait_s("a", 10.0) == pytest.approx(1.011)
+    assert b.wait_s("a", 10.5) == pytest.approx(0.511)
+    assert b.wait_s("a", 11.1) == 0.0
+    assert b.wait_s("b", 10.0) == 0.0
+    assert b.level("a", 30.0) == 0.0  # drained: a debt in the past is not carried over
 
 
-def test_the_penalty_table_stays_bounded() -> None:
-    from gateway.limits import OversizePenalty
+def test_a_refusal_from_the_headers_costs_the_overhead_and_no_charge_exceeds_the_burst() -> None:
+    from gateway.limits import RefusalBucket
 
-    p = OversizePenalty(bytes_per_s=1.0, max_tenants=3)
+    b = RefusalBucket(burst=64 << 20, bytes_per_s=2e6, overhead=16 << 10)
+    b.charge("a", 0, now=0.0)  # declared 10**12 bytes, read nothing
+    assert b.level("a", 0.0) == 16 << 10
+    b.charge("b", 10**12, now=0.0)  # whatever a charge says, it is capped at the burst
+    assert b.level("b", 0.0) == 64 << 20
+    assert b.wait_s("b", 0.0) == 0.0
+
+
+def test_a_flood_is_held_to_the_refill_rate() -> None:
+    from gateway.limits import RefusalBucket
+
+    b = RefusalBucket(burst=4_000_000, bytes_per_s=1e6, overhead=0)
+    now, served = 0.0, 0
+    while now < 100.0:  # a megabyte refused whenever the tenant is not held, polled every 10 ms
+        if b.wait_s("a", now) == 0.0:
+            b.charge("a", 1_000_000, now)
+            served += 1
+        now += 0.01
+    assert 100 + 4 <= served <= 100 + 6  # the burst, then one a second: the refill rate
+
+
+def test_the_bucket_table_stays_bounded() -> None:
+    from gateway.limits import RefusalBucket
+
+    b = RefusalBucket(burst=100, bytes_per_s=1.0, overhead=1, max_tenants=3)
     for i in range(10):
-        p.charge(f"t{i}", 1, now=float(i) * 10)
-    assert len(p._until) <= 3
+        b.charge(f"t{i}", 1, now=float(i) * 10)
+    assert len(b._full) <= 3

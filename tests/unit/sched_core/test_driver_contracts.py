@@ -143,3 +143,33 @@ def test_forget_drops_the_pending_promise(make: Factory) -> None:
     assert len(d.contracts) == 0
     assert d.outcome("a", 0.1, 0.2, 5, 1.0) is None
     assert d.contracts.state() == {"ratios": [], "outputs": []}
+
+
+def test_a_request_without_an_slo_predicted_to_wait_past_its_bound_is_refused(make: Factory) -> None:
+    d = driver(make, cpu=1)
+    d.arrive(req("running", prompt=1000, max_tokens=400, out=400), 0.0)
+    d.tick(0.0)
+    queued = d.queued
+    for i in range(20):  # a deep queue behind a busy slot: the first token is seconds away
+        d.arrive(req(f"q{i}", prompt=1000, max_tokens=400, out=400), 0.0)
+    promised = len(d.contracts)
+    r = d.arrive(req("bounded", max_wait_s=1.0), 0.0)
+    assert isinstance(r, Reject) and r.reason == "wait", r
+    assert "wait" in r.message and r.estimate_s > 0.0
+    assert d.queued == queued + 20 and len(d.contracts) == promised  # taken back
+    c = d.arrive(req("patient"), 0.0)  # the same request with no bound: the same queue, a promise
+    assert isinstance(c, Contract) and c.ttft_s > 3.0
+    alone = d.policy.prefill_alone_s("cpu", 100)  # type: ignore[attr-defined]
+    assert r.retry_after_s == pytest.approx(c.ttft_s - alone - 1.0)  # the wait past the bound
+    # a first-token SLO replaces the bound; a bound as long as the queue keeps it
+    assert isinstance(d.arrive(req("slo", max_wait_s=1.0, slo_ttft_s=600.0), 0.0), Contract)
+    assert isinstance(d.arrive(req("loose", max_wait_s=600.0), 0.0), Contract)
+
+
+def test_the_wait_bound_leaves_out_the_requests_own_prompt(make: Factory) -> None:
+    d = driver(make, cpu=1)
+    alone = d.policy.prefill_alone_s("cpu", 8000)  # type: ignore[attr-defined]
+    assert alone > 0.0
+    c = d.arrive(req("long", prompt=8000, max_tokens=16, out=16, max_wait_s=0.001), 0.0)
+    assert isinstance(c, Contract), c  # nothing ahead: its own prefill is no wait
+    assert c.ttft_s >= alone * 0.5
