@@ -55,6 +55,7 @@ OVERSIZE_CODES = frozenset({"context_length_exceeded", "prompt_too_long"})  # 40
 LARGE_PROMPT_CHARS = 4096  # prompts longer than this are tokenized off the event loop
 LARGE_PROMPTS_PER_TENANT = 2  # ... at most this many at a time per tenant (429 beyond)
 LARGE_PROMPTS_QUEUED = 16  # ... and this many in all (503 beyond)
+READY_PROBE_S = 0.5  # /readyz answers 503 when Redis has not answered its PING within this (probes time out at 1 s)
 
 
 def redis_client(settings: GatewaySettings) -> aioredis.Redis:
@@ -385,9 +386,13 @@ async def readyz(request: Request) -> Response:
     if gw.dispatcher.failed:
         return ORJSONResponse({"ready": False, "reason": gw.dispatcher.failed}, status_code=503)
     try:
-        await gw.client.ping()
+        async with asyncio.timeout(READY_PROBE_S):
+            await gw.batch.call("PING")
     except RedisError as exc:
         return ORJSONResponse({"ready": False, "reason": f"redis: {exc}"}, status_code=503)
+    except TimeoutError:
+        return ORJSONResponse({"ready": False, "reason": f"redis: no answer within {READY_PROBE_S:g} s"},
+                              status_code=503)
     pools = sorted(gw.dispatcher.alive_pools())
     if not pools:
         return ORJSONResponse({"ready": False, "reason": "no worker has a live heartbeat"}, status_code=503)

@@ -162,6 +162,10 @@ async def test_redis_away_is_a_503_with_retry_after_within_the_redis_timeout(
                 assert time.monotonic() - started < 2.0 + 1.5
                 assert r.status_code == 503 and r.headers["retry-after"], r.text
                 assert r.json()["error"]["code"] in ("redis_unavailable", "redis"), r.text
+                started = time.monotonic()
+                ready = await h.http.get("/readyz")  # a 1 s probe must see the answer, not a time-out
+                assert time.monotonic() - started < 1.0 and ready.status_code == 503, ready.text
+                assert ready.json()["reason"].startswith("redis"), ready.text
             finally:
                 server._proc.send_signal(18)  # SIGCONT
             await _wait_for(lambda: bool(h.gw.dispatcher.workers), 10)
