@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import orjson
+import uvicorn
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
@@ -44,6 +45,19 @@ REFUSAL_LOG_S = 10.0  # at most one warning about refused connections per this m
 REFUSAL_LINGER_S = 1.0  # a refused connection is read (and discarded) this long for the 503 to arrive
 REFUSAL_LINGER_MAX = 1024  # refused connections lingering at once; beyond it they are dropped at once
 NOFILE_MIN_HEADROOM = 256  # descriptors kept free of client connections (Redis, model, logs)
+# The uvicorn series (major.minor) that GuardedProtocol, a subclass of uvicorn's internal
+# HttpToolsProtocol, and shutdown.QuietServer, which overrides uvicorn.Server's signal and
+# lifespan handling, were tested against; pyproject.toml pins uvicorn to them. For another
+# series: re-check both against its httptools_impl.py and server.py, then add it here.
+TESTED_UVICORN = ("0.54",)
+
+
+def untested_uvicorn(version: str = uvicorn.__version__) -> str | None:
+    """Why ``version`` of uvicorn is not known to work here, or None if it is."""
+    if ".".join(version.split(".")[:2]) in TESTED_UVICORN:
+        return None
+    return (f"uvicorn {version} is not a version tested with gateway/http_protocol.py and gateway/shutdown.py "
+            f"(TESTED_UVICORN: {', '.join(TESTED_UVICORN)}): re-check both against it")
 
 
 def connection_cap(requested: int, nofile: int) -> int:
@@ -248,5 +262,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
 def protocol_class(limits: ConnectionLimits) -> type[GuardedProtocol]:
     """The class to pass as ``uvicorn.Config(http=...)``: one per server, with its limits."""
+    if (why := untested_uvicorn()) is not None:
+        log.warning("%s", why)
     attrs = {"limits": limits, "refusals": _Refusals()}
     return type("GuardedProtocol", (GuardedProtocol,), attrs)

@@ -13,7 +13,10 @@ order; commands of different connections are as unordered as they always were.
 
 This is hand-written on purpose: redis-py has no auto-pipelining (ioredis's
 ``enableAutoPipelining`` is the model), and its own pipeline object costs most of what it
-saves. Parsing and packing are hiredis's, errors are redis-py's exception classes.
+saves. Parsing and packing are hiredis's, errors are redis-py's exception classes (mapped
+from the reply as redis-py's parser maps them: ``error_from_reply``). The connection is the
+one redis-py would open for the same client: TCP, TLS with the same context, or a unix
+socket, with the same login and db (``redis_endpoint``).
 
 Failure is per command where Redis says so (an error reply fails only its future) and per
 connection otherwise: a connection that drops, or whose oldest command has waited longer
@@ -30,12 +33,64 @@ from typing import Any, cast
 
 import hiredis
 import redis.asyncio as aioredis
-from redis._parsers.base import BaseParser
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    BusyLoadingError,
+    ExecAbortError,
+    MasterDownError,
+    ModuleError,
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from gateway.redis_endpoint import Endpoint, endpoint_of
+
 Batch = list[tuple[tuple[Any, ...], "asyncio.Future[Any]"]]
+
+# redis-py's classes for error replies, by the reply's first word (its parser's table, less the
+# cluster redirections this connection never follows); the word is cut off the message
+ERROR_CLASSES: dict[str, type[RedisError]] = {
+    "OOM": OutOfMemoryError,
+    "WRONGPASS": AuthenticationError,
+    "EXECABORT": ExecAbortError,
+    "LOADING": BusyLoadingError,
+    "NOSCRIPT": NoScriptError,
+    "READONLY": ReadOnlyError,
+    "NOAUTH": AuthenticationError,
+    "NOPERM": NoPermissionError,
+    "MASTERDOWN": MasterDownError,
+}
+# ... and for "ERR", by the whole rest of the message (others: a ResponseError)
+ERR_CLASSES: dict[str, type[RedisError]] = {
+    "max number of clients reached": RedisConnectionError,
+    "invalid password": AuthenticationError,
+    "wrong number of arguments for 'auth' command": AuthenticationWrongNumberOfArgsError,
+    "wrong number of arguments for 'AUTH' command": AuthenticationWrongNumberOfArgsError,
+    "AUTH <password> called without any password configured for the default user. "
+    "Are you sure your configuration is correct?": AuthenticationError,
+    "Client sent AUTH, but no password is set": AuthenticationError,
+    "Error loading the extension. Please check the server logs.": ModuleError,
+    "Error unloading module: no such module with that name": ModuleError,
+    "Error unloading module: operation not possible.": ModuleError,
+    "Error unloading module: the module exports one or more module-side data types, can't unload": ModuleError,
+}
+
+
+def error_from_reply(reply: str) -> RedisError:
+    """The exception redis-py raises for the error reply ``reply`` (without its ``-``)."""
+    code, _, rest = reply.partition(" ")
+    if code == "ERR":
+        return ERR_CLASSES.get(rest, ResponseError)(rest)
+    if code in ERROR_CLASSES:
+        return ERROR_CLASSES[code](rest)
+    return ResponseError(reply)
 
 
 class _Connection(asyncio.Protocol):
@@ -56,7 +111,7 @@ class _Connection(asyncio.Protocol):
             if fut.done():
                 continue
             if isinstance(reply, hiredis.ReplyError):
-                fut.set_exception(BaseParser.parse_error(str(reply)))
+                fut.set_exception(error_from_reply(str(reply)))
             else:
                 fut.set_result(reply)
 
@@ -74,7 +129,7 @@ class _Connection(asyncio.Protocol):
 class AutoPipeline:
     def __init__(self, client: aioredis.Redis, timeout_s: float | None = None) -> None:
         kw = client.connection_pool.connection_kwargs
-        self._address: dict[str, Any] = {k: kw.get(k) for k in ("host", "port", "path", "db", "username", "password")}
+        self.endpoint: Endpoint = endpoint_of(client)  # a URL it cannot honour stops start-up here
         self.timeout_s = timeout_s or kw.get("socket_timeout") or 5.0
         self._queue: Batch = []
         self._conn: _Connection | None = None
@@ -171,18 +226,13 @@ class AutoPipeline:
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
-        a = self._address
+        e = self.endpoint
         async with asyncio.timeout(self.timeout_s):
-            if a.get("path"):
-                _t, conn = await loop.create_unix_connection(_Connection, a["path"])
-            else:
-                _t, conn = await loop.create_connection(_Connection, a["host"], a["port"])
-            hello: list[tuple[Any, ...]] = []
-            if a.get("password") is not None:
-                hello.append(("AUTH", a["username"], a["password"]) if a.get("username") else ("AUTH", a["password"]))
-            if a.get("db"):
-                hello.append(("SELECT", a["db"]))
-            for args in hello:
+            if e.path is not None:
+                _t, conn = await loop.create_unix_connection(_Connection, e.path)
+            else:  # with TLS the host is also the name the certificate is checked against
+                _t, conn = await loop.create_connection(_Connection, e.host, e.port, ssl=e.tls)
+            for args in await e.handshake():
                 reply: asyncio.Future[Any] = loop.create_future()
                 conn.waiting.append(reply)
                 assert conn.transport is not None

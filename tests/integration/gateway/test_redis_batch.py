@@ -11,10 +11,12 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from gateway.embedded_redis import free_port
-from gateway.redis_batch import AutoPipeline
+from gateway.redis_batch import ERR_CLASSES, ERROR_CLASSES, AutoPipeline
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 
@@ -92,6 +94,48 @@ async def test_an_error_reply_fails_only_its_own_future(client: aioredis.Redis, 
     assert batch.batches == 1
     assert redis_client.get("ok") == b"2"
     await _close(batch)
+
+
+# error replies of every kind redis-py names (and some it does not), raised by a script
+ERROR_REPLIES = [
+    "NOSCRIPT No matching script. Please use EVAL.",
+    "WRONGTYPE Operation against a key holding the wrong kind of value",
+    "ERR value is not an integer or out of range",
+    "ERR invalid password",
+    "ERR max number of clients reached",
+    "ERR wrong number of arguments for 'auth' command",
+    "ERR Client sent AUTH, but no password is set",
+    "ERR",
+    "OOM command not allowed when used memory > 'maxmemory'.",
+    "WRONGPASS invalid username-password pair or user is disabled.",
+    "NOAUTH Authentication required.",
+    "NOPERM this user has no permissions to run the 'get' command",
+    "LOADING Redis is loading the dataset in memory",
+    "READONLY You can't write against a read only replica.",
+    "EXECABORT Transaction discarded because of previous errors.",
+    "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+    "BUSYGROUP Consumer Group name already exists",
+    "NOGROUP No such key or consumer group",
+    # and every entry of our tables
+    *(f"{code} some message" for code in ERROR_CLASSES),
+    *(f"ERR {message}" for message in ERR_CLASSES),
+]
+
+
+async def test_error_replies_raise_what_redis_py_raises(redis_url: str) -> None:
+    """``error_from_reply`` agrees with redis-py's own parser, class and message, reply for reply."""
+    client = aioredis.Redis.from_url(redis_url, retry=Retry(NoBackoff(), 0))  # a ConnectionError is not retried
+    batch = AutoPipeline(client)
+    try:
+        for reply in ERROR_REPLIES:
+            args = ("EVAL", "return redis.error_reply(ARGV[1])", 0, reply)
+            with pytest.raises(RedisError) as theirs:
+                await client.execute_command(*args)
+            [ours] = await _settled([batch.call(*args)])
+            assert (type(ours), str(ours)) == (type(theirs.value), str(theirs.value)), reply
+    finally:
+        await _close(batch)
+        await client.aclose()
 
 
 async def test_an_unreachable_redis_fails_every_queued_future() -> None:
