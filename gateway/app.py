@@ -27,8 +27,10 @@ from gateway.auth import AdminGuard, Authenticator
 from gateway.budget import Admission, Budget
 from gateway.dispatch import BACKOFF, Dispatcher
 from gateway.errors import (
+    RETRY_AFTER_S,
     GatewayError,
     InvalidRequest,
+    ModelNotFound,
     Overloaded,
     PayloadTooLarge,
     RateLimited,
@@ -40,6 +42,7 @@ from gateway.meter import Meter
 from gateway.metrics import Metrics
 from gateway.prompts import PromptBuilder, PromptTooLong
 from gateway.redis_batch import AutoPipeline
+from gateway.saturation import SATURATED_S, LoopLag
 from gateway.settings import GatewaySettings
 from gateway.tenant_store import TenantStore
 from gateway.tenants import SLO_MS_MIN, Tenant
@@ -75,9 +78,12 @@ def redis_client(settings: GatewaySettings) -> aioredis.Redis:
 class Gateway:
     """Everything a request handler needs, built once at start-up."""
 
-    def __init__(self, settings: GatewaySettings, prompts: PromptBuilder, client: aioredis.Redis) -> None:
+    def __init__(self, settings: GatewaySettings, prompts: PromptBuilder, client: aioredis.Redis,
+                 sampling: oai.SamplingDefaults | None = None) -> None:
         self.settings = settings
         self.prompts = prompts
+        # what a request that leaves temperature/top_p out gets (default: the settings' alone)
+        self.sampling = sampling or oai.SamplingDefaults(settings.default_temperature, settings.default_top_p)
         self.client = client
         self.metrics = Metrics()
         self.batch = AutoPipeline(client)  # admissions, settlements and jobs of one loop turn: one round trip
@@ -92,6 +98,7 @@ class Gateway:
         self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._large: dict[str, int] = {}  # tenant id -> large prompts being tokenized
         self.refusals = limits.RefusalBucket()  # refusals for size, per tenant: bursts allowed, floods held
+        self.lag = LoopLag()  # how far behind the event loop runs: this process saturated
 
     def _count_workers(self, workers: dict[str, p.Heartbeat]) -> None:
         for pool in self.settings.pools:
@@ -118,7 +125,9 @@ class Gateway:
             busy = self._large.get(tenant.id, 0)
             if busy >= LARGE_PROMPTS_PER_TENANT:
                 raise RateLimited(
-                    f"Tenant '{tenant.name}' already has {busy} long prompts being tokenized; retry when they are done."
+                    f"Tenant '{tenant.name}' already has {busy} long prompts being tokenized; retry after "
+                    f"{RETRY_AFTER_S} s, or when they are done.",
+                    headers={"retry-after": str(RETRY_AFTER_S)},
                 )
             if sum(self._large.values()) >= LARGE_PROMPTS_QUEUED:
                 raise Overloaded("Too many long prompts are being tokenized; retry shortly.")
@@ -272,6 +281,12 @@ class GenerationRoute:
         if parse is None:
             await self.app(scope, receive, send)
             return
+        behind = self.gw.lag.behind_s(asyncio.get_running_loop().time())
+        if behind > SATURATED_S:  # the cheapest refusal: before the headers are even read
+            await error_response(Overloaded(
+                f"This gateway is saturated: its event loop runs {behind * 1000:.0f} ms behind; retry shortly."
+            ))(scope, receive, send)
+            return
         request = Request(scope, receive)
         try:
             tenant = self.gw.auth.cached(request.headers)
@@ -364,6 +379,18 @@ async def models(request: Request) -> Response:
     tenant = await gw.auth.tenant(request.headers)
     served = [m for m in (gw.settings.model_name,) if tenant.may_use(m)]
     return ORJSONResponse(oai.models_body(served, gw.started))
+
+
+async def model(request: Request) -> Response:
+    """One model, as OpenAI's ``GET /v1/models/{model}`` answers: 404 ``model_not_found`` for
+    one this gateway does not serve or the tenant may not use (the same answer: which models
+    exist is not told to a tenant that may not use them)."""
+    gw: Gateway = request.app.state.gateway
+    tenant = await gw.auth.tenant(request.headers)
+    name = request.path_params["model"]
+    if name != gw.settings.model_name or not tenant.may_use(name):
+        raise ModelNotFound(f"The model '{name}' does not exist or you do not have access to it.")
+    return ORJSONResponse(oai.model_card(name, gw.started))
 
 
 async def get_request(request: Request) -> Response:
@@ -487,6 +514,8 @@ def _route_label(path: str) -> str:
         return _ROUTES[path]
     if path.startswith("/v1/requests/"):
         return "requests"
+    if path.startswith("/v1/models/"):
+        return "models"
     return "admin" if path.startswith("/admin") else "other"
 
 
@@ -494,9 +523,11 @@ def create_app(gw: Gateway) -> ASGIApp:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await gw.dispatcher.start()
+        sampler = asyncio.create_task(gw.lag.run(), name="loop-lag")
         try:
             yield
         finally:
+            sampler.cancel()
             await gw.drain()
             await gw.dispatcher.close()
 
@@ -508,6 +539,7 @@ def create_app(gw: Gateway) -> ASGIApp:
                 Route("/v1/chat/completions", chat_completions, methods=["POST"]),
                 Route("/v1/completions", completions, methods=["POST"]),
                 Route("/v1/models", models, methods=["GET"]),
+                Route("/v1/models/{model:path}", model, methods=["GET"]),  # ids may hold a '/'
                 Route("/v1/requests/{rid}", get_request, methods=["GET"]),
                 Mount("/admin", routes=admin.routes()),
                 Route("/healthz", healthz, methods=["GET"]),

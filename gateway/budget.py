@@ -18,7 +18,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 from gateway import gcra
-from gateway.errors import GatewayError, RateLimited, TokensRateLimited, Unauthorized
+from gateway.errors import RETRY_AFTER_S, GatewayError, RateLimited, TokensRateLimited, Unauthorized
 from gateway.keys import KeyRef
 from gateway.limits import over_burst
 from gateway.redis_batch import AutoPipeline
@@ -202,20 +202,23 @@ def refusal(tenant: Tenant, verdict: gcra.Verdict, cost: int, max_wait: float) -
     if verdict.status == "revoked":
         return Unauthorized("Incorrect API key provided: it is unknown or revoked.")
     hdrs = headers(tenant, verdict)
+    # every message states the Retry-After header's figure: whole seconds, rounded up
     if verdict.status == "concurrency":
-        hdrs["retry-after"] = "1"
+        hdrs["retry-after"] = str(RETRY_AFTER_S)
         return RateLimited(
             f"Rate limit reached for tenant '{tenant.name}': {verdict.in_flight} requests in "
-            f"flight, the limit is {tenant.limits.max_concurrent}. Retry when one has finished.",
+            f"flight, the limit is {tenant.limits.max_concurrent}. Retry after {RETRY_AFTER_S} s, or as "
+            "soon as one has finished.",
             headers=hdrs,
         )
     retry = gcra.retry_after_s(verdict.wait, max_wait)
     hdrs["retry-after"] = str(retry)
+    then = f"it would then wait at most the {max_wait:g} s it may" if max_wait > 0 else "the budget has them then"
     return TokensRateLimited(
         f"Rate limit reached for tenant '{tenant.name}' on tokens: this request needs {cost} "
-        f"tokens, which the budget ({tenant.rate:g} tokens/s, burst {tenant.burst}) frees in "
-        f"{verdict.wait:.3g} s, longer than the {max_wait:g} s it may wait. "
-        f"Retry after {retry} s.",
+        f"tokens, for which the budget ({tenant.rate:g} tokens/s, burst {tenant.burst}) would hold it "
+        f"{verdict.wait:.2f} s, longer than the {max_wait:g} s it may wait. "
+        f"Retry after {retry} s: {then}.",
         headers=hdrs,
         extra={"budget_wait_s": round(verdict.wait, 3)},
     )

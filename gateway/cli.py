@@ -20,15 +20,20 @@ from workers.cli import env_default
 _SETTINGS = {f.name: f for f in dataclasses.fields(GatewaySettings)}
 # every GatewaySettings flag: (flag, field, help); its dest is the field's name, its default the field's
 GATEWAY_FLAGS: tuple[tuple[str, str, str | None], ...] = (
-    ("host", "host", None),
-    ("port", "port", None),
-    ("max-body-bytes", "max_body_bytes", None),
+    ("host", "host", "address to listen on"),
+    ("port", "port", "port to listen on"),
+    ("max-body-bytes", "max_body_bytes", "largest request body on /v1 (413 beyond)"),
     ("request-timeout", "request_timeout_s",
      "seconds before an accepted request ends with 503"),
-    ("default-max-tokens", "default_max_tokens", None),
+    ("default-max-tokens", "default_max_tokens",
+     "max_tokens of a chat completion that sends none (trimmed to what the context and the tenant leave)"),
+    ("default-temperature", "default_temperature",
+     "temperature of a request that sends none, unless the model's generation_config.json sets one"),
+    ("default-top-p", "default_top_p",
+     "top_p of a request that sends none, unless the model's generation_config.json sets one"),
     ("admin-token", "admin_token",
      "bearer token for /admin (16+ characters); without one the admin API is disabled, "
-     "except that `serve` makes one up and prints it"),
+     "except that `serve` makes one up, keeps it in its --data-dir and prints it at every start"),
     ("usage-retention", "usage_retention_s",
      "seconds per-minute usage counters are kept"),
     ("handoff-min-prompt", "handoff_min_prompt",
@@ -110,6 +115,9 @@ def _add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         "longer; scale it with your prompts' lengths")
 
 
+SHARED_REDIS = "the shared Redis, e.g. redis://host:6379/0 (required, unless TOKENGATE_REDIS_URL is set)"
+
+
 def _processes(text: str) -> int:
     n = int(text)
     if not 1 <= n <= 256:
@@ -118,18 +126,22 @@ def _processes(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokengate", description="Multi-tenant token-budget LLM gateway")
-    parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
+    helpful = worker_cli.HelpFormatter  # every flag's --help shows its default
+    parser = argparse.ArgumentParser(prog="tokengate", description="Multi-tenant token-budget LLM gateway",
+                                     formatter_class=helpful)
+    parser.add_argument("--log-level", default=env_default("log_level", "INFO"), help="DEBUG, INFO, WARNING or ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="the whole product on one machine: Redis, gateway, workers")
+    serve = sub.add_parser("serve", help="the whole product on one machine: Redis, gateway, workers",
+                           formatter_class=helpful)
     serve.add_argument("--redis-url", default=env_default("redis_url"),
-                       help="use this Redis instead of starting a private redis-server")
+                       help="use this Redis instead of starting a private redis-server (default: start one)")
     serve.add_argument("--pools", default=env_default("pools", "auto"),
                        help="worker pools to start: auto (cpu, plus gpu when CUDA is present) or e.g. cpu,gpu")
     serve.add_argument("--data-dir", type=Path, default=env_default("data_dir"),
                        help=f"where the private redis-server keeps its append-only file (tenants, keys, "
-                       f"budgets); default {default_data_dir()}")
+                       f"budgets), and serve its admin token and the demo tenant's key (with --redis-url too); "
+                       f"default {default_data_dir()}")
     serve.add_argument("--redis-fsync", choices=FSYNC_CHOICES, default=env_default("redis_fsync", FSYNC_CHOICES[0]),
                        help="everysec: a crash of the private redis-server may lose its last second of writes; "
                        "always: none is lost (budget refunds stay exact through a crash), an fsync per write batch")
@@ -139,8 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker_cli.add_model_args(serve)
     worker_cli.add_worker_args(serve)
 
-    gateway = sub.add_parser("gateway", help="the HTTP gateway alone, against a shared Redis")
-    gateway.add_argument("--redis-url", default=env_default("redis_url"), required=env_default("redis_url") is None)
+    gateway = sub.add_parser("gateway", help="the HTTP gateway alone, against a shared Redis", formatter_class=helpful)
+    gateway.add_argument("--redis-url", default=env_default("redis_url"), required=env_default("redis_url") is None,
+                         help=SHARED_REDIS)
     _add_gateway_args(gateway)
     gateway.add_argument("--workers", type=_processes, default=env_default("workers", 1),
                          help="gateway processes sharing the port (SO_REUSEPORT), one per core you give it; "
@@ -149,13 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
                          help="bind with SO_REUSEPORT, so that other gateway processes can share the port")
     worker_cli.add_model_args(gateway)
 
-    worker = sub.add_parser("worker", help="one pool worker, against a shared Redis (any host)")
-    worker.add_argument("--redis-url", default=env_default("redis_url"), required=env_default("redis_url") is None)
+    worker = sub.add_parser("worker", help="one pool worker, against a shared Redis (any host)",
+                            formatter_class=helpful)
+    worker.add_argument("--redis-url", default=env_default("redis_url"), required=env_default("redis_url") is None,
+                        help=SHARED_REDIS)
     worker_cli.add_model_args(worker)
     worker_cli.add_worker_args(worker)
 
     simulate = sub.add_parser("simulate", help="compare scheduling policies in the discrete-event "
-                              "simulator (no Redis, no model)")
+                              "simulator (no Redis, no model)", formatter_class=helpful)
     simulate_cli.add_args(simulate)
 
     admin_cli.add_commands(sub)
@@ -189,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"tokengate: {exc}", file=sys.stderr)
         return 2
+    finally:
+        worker_cli.before_exit()
     return 0
 
 

@@ -166,7 +166,7 @@ class RequestLife:
                 why = f" (workers are down: {'; '.join(down)})" if down else ""
                 raise Unavailable(f"No worker is alive to serve this request{why}; try again shortly.",
                                   code="no_worker")
-            seq = p.SeqJob(gw.new_rid(), tuple(ids), self.gen.sampling(max_tokens), self.gen.stream,
+            seq = p.SeqJob(gw.new_rid(), tuple(ids), self.gen.sampling(max_tokens, gw.sampling), self.gen.stream,
                            **self.gen.source())
             self.rid = seq.rid
             self.meter.prompt_tokens = len(ids)

@@ -47,6 +47,24 @@ def _only_empty_or_null(schema: dict[str, Any]) -> None:
 
 
 ONLY_ZERO: dict[str, Any] = {"const": 0}
+_DEFAULTED = ("Left out or null: the model's own default (its generation_config.json), else the gateway's "
+              "(--default-temperature, --default-top-p).")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """What a request that leaves ``temperature`` or ``top_p`` out is sampled with: the
+    model's own defaults where its ``generation_config.json`` sets them, else the gateway's
+    settings (``--default-temperature``, ``--default-top-p``). Built once at start-up."""
+
+    temperature: float
+    top_p: float
+
+    @classmethod
+    def of(cls, model: dict[str, float], temperature: float, top_p: float) -> SamplingDefaults:
+        """``model``: what the model ships (``model_store.generation_defaults``); the rest
+        from the gateway's settings."""
+        return cls(model.get("temperature", temperature), model.get("top_p", top_p))
 
 
 class TextPart(_Model):
@@ -73,8 +91,9 @@ class StreamOptions(_Model):
 
 class _Sampling(_Model):
     model: str = Field(min_length=1, max_length=256)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    # left out (or null): the model's own default, else the gateway's (``SamplingDefaults``)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False, description=_DEFAULTED)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False, description=_DEFAULTED)
     stop: Stop = None
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
@@ -148,8 +167,8 @@ class Generation:
     messages: tuple[tuple[str, str], ...]  # chat: (role, text)
     prompt: str | tuple[int, ...]  # completion: text or token ids
     max_tokens: int | None  # None: the gateway's default
-    temperature: float
-    top_p: float
+    temperature: float | None  # None: the default (``SamplingDefaults``)
+    top_p: float | None
     seed: int | None
     stop: tuple[str, ...]
     ignore_eos: bool
@@ -157,8 +176,11 @@ class Generation:
     include_usage: bool
     user: str | None
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(max_tokens, self.temperature, self.top_p, self.seed, self.stop, self.ignore_eos)
+    def sampling(self, max_tokens: int, defaults: SamplingDefaults) -> SamplingParams:
+        """What the worker samples with: the one place a left-out field gets its default."""
+        temperature = defaults.temperature if self.temperature is None else self.temperature
+        top_p = defaults.top_p if self.top_p is None else self.top_p
+        return SamplingParams(max_tokens, temperature, top_p, self.seed, self.stop, self.ignore_eos)
 
     def source(self) -> dict[str, Any]:
         """The prompt as sent, for the job (``SeqJob.messages``/``text``): an upstream
@@ -328,8 +350,9 @@ def usage_chunk(gen: Generation, rid: str, created: int, prompt_tokens: int, com
     }
 
 
+def model_card(model: str, created: int) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": created, "owned_by": "tokengate"}
+
+
 def models_body(models: list[str], created: int) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [{"id": m, "object": "model", "created": created, "owned_by": "tokengate"} for m in models],
-    }
+    return {"object": "list", "data": [model_card(m, created) for m in models]}

@@ -357,6 +357,7 @@ RESPONSE_TYPES: tuple[type[Any], ...] = (
     ChatCompletionChunk,
     TextCompletion,
     TextCompletionChunk,
+    ModelCard,
     ModelList,
     RequestRecord,
     Health,
@@ -573,6 +574,14 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/v1/models"): Operation(
         "The models the key's tenant may use", "openai", "ApiKey", (200, "ModelList"),
         {401: "`invalid_api_key`.", 503: REDIS_DOWN},
+    ),
+    ("GET", "/v1/models/{model}"): Operation(
+        "One model, if the key's tenant may use it", "openai", "ApiKey", (200, "ModelCard"),
+        {401: "`invalid_api_key`.",
+         404: "`model_not_found`: not a model this gateway serves, or not one the tenant may use.",
+         503: REDIS_DOWN},
+        parameters=(_path_param("model", "The model's id, as `GET /v1/models` lists it (a `/` in it may be "
+                                "sent as `%2F`)."),),
     ),
     ("GET", "/v1/requests/{rid}"): Operation(
         "One of the caller's own requests: state, tokens, budget wait, schedule", "openai", "ApiKey",

@@ -24,6 +24,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_POLL_S = 0.01  # how often ``stop`` looks whether its children are gone: each stage of a stop waits this
 
 
 @contextlib.contextmanager
@@ -105,7 +106,7 @@ def stop(
             for proc in procs:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
-        time.sleep(0.05)
+        time.sleep(STOP_POLL_S)
     for proc in procs:
         if proc.poll() is None:
             proc.kill()

@@ -6,7 +6,8 @@ this process (``gateway.processes``). While the gateway serves, a ``Supervisor``
 any child that dies. On SIGINT or SIGTERM (``gateway.shutdown``) the gateway stops admitting,
 in-flight requests get --shutdown-grace, then the workers drain, then Redis writes its AOF
 and stops, then temporary files go, in that order. Children also get PR_SET_PDEATHSIG, so
-even a SIGKILL of this process leaves no orphans.
+even a SIGKILL of this process leaves no orphans. The admin token `serve` makes up and the demo
+tenant's key are kept in --data-dir (``gateway.serve_state``) and printed again at each start.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import argparse
 import asyncio
 import contextlib
 import faulthandler
+import gc
 import logging
-import secrets
 import socket
 import sys
 import time
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import uvloop
 
-from gateway import processes
+from gateway import processes, serve_state
 from gateway.cli import GATEWAY_FLAGS, SETTING_FLAGS
 from gateway.embedded_redis import EmbeddedRedis, default_data_dir
 from gateway.scheduling import scheduler_config
@@ -105,14 +106,19 @@ async def _run_gateway(
     ``reuse_port``: share the port with other gateway processes (``--workers``)."""
     import uvicorn
 
+    from gateway import openai_protocol as oai
     from gateway.app import Gateway, create_app, redis_client
     from gateway.http_protocol import ConnectionLimits, protocol_class
     from gateway.prompts import PromptBuilder
     from gateway.shutdown import Drain, QuietServer, expire_after_grace
 
     prompts = PromptBuilder.load(model_dir)
+    shipped = model_store.generation_defaults(model_dir)
+    sampling = oai.SamplingDefaults.of(shipped, settings.default_temperature, settings.default_top_p)
+    log.info("a request without temperature/top_p gets temperature %g (%s), top_p %g (%s)",
+             sampling.temperature, _source(shipped, "temperature"), sampling.top_p, _source(shipped, "top_p"))
     client = redis_client(settings)
-    gw = Gateway(settings, prompts, client)
+    gw = Gateway(settings, prompts, client, sampling)
     drain = Drain(create_app(gw), settings.shutdown_grace_s)
     limits = ConnectionLimits(settings.header_timeout_s, settings.body_timeout_s, settings.max_connections)
     config = uvicorn.Config(
@@ -139,6 +145,10 @@ async def _run_gateway(
 
     gw.dispatcher.on_fatal = fatal
     signals.serving(server, drain)
+    # what start-up made (the tokenizer, transformers and torch: ~300,000 objects) lives as long
+    # as the process: out of the collector's sight, a full collection takes microseconds
+    # instead of holding the event loop for ~150 ms (issue 23: 1 request in 100 stalled)
+    gc.freeze()
     task = asyncio.create_task(server.serve([listen_socket(settings.host, settings.port)] if reuse_port else None))
     background = [
         asyncio.create_task(_arm_watchdog(server, settings.shutdown_grace_s, supervisor)),
@@ -164,6 +174,10 @@ async def _run_gateway(
         await client.aclose()
     if lost:
         raise RuntimeError(f"stopped because {lost[0]}")  # `tokengate` exits with status 2
+
+
+def _source(shipped: dict[str, float], name: str) -> str:
+    return "the model's generation_config.json" if name in shipped else f"--default-{name.replace('_', '-')}"
 
 
 async def _arm_watchdog(server: uvicorn.Server, grace_s: float, supervisor: Supervisor | None) -> None:
@@ -303,8 +317,9 @@ def _worker_argv(pool: str, redis_url: str, args: argparse.Namespace, model_dir:
     return cmd
 
 
-async def _demo_key(redis_url: str) -> str:
-    """A fresh key for the demo tenant, created on first use with a generous budget."""
+async def _demo_key(redis_url: str, saved: str | None) -> str | None:
+    """The demo tenant's key: None while ``saved`` still authenticates as the demo tenant, else
+    a new one (the tenant is created on first use, with a generous budget)."""
     import redis.asyncio as aioredis
 
     from gateway.errors import NotFound
@@ -315,6 +330,11 @@ async def _demo_key(redis_url: str) -> str:
     client = aioredis.Redis.from_url(redis_url, socket_timeout=10.0, socket_connect_timeout=10.0)
     try:
         store = TenantStore(client)
+        if saved is not None:
+            owner = await store.authenticate(saved)
+            if owner is not None and owner.name == DEMO_TENANT:
+                return None
+            log.info("the saved demo key no longer authenticates (revoked, or another Redis): issuing a new one")
         try:
             tenant = await store.get(DEMO_TENANT)
         except NotFound:
@@ -329,14 +349,15 @@ async def _demo_key(redis_url: str) -> str:
         await client.aclose()
 
 
-def _banner(settings: GatewaySettings, pools: list[str], key: str) -> str:
+def _banner(settings: GatewaySettings, pools: list[str], key: str, key_file: Path, token_from: str) -> str:
+    """``token_from``: where the admin token came from (its file, or the flag)."""
     base = f"http://{settings.host}:{settings.port}"
     model = settings.model_name
     body = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Say hello in five words."}}]}}'
     return (
         f"\ntokengate is ready at {base}  (model {model}; workers: {', '.join(pools)}; redis {settings.redis_url})\n"
-        f"Tenant '{DEMO_TENANT}', API key: {key}\n"
-        f"Admin token (for /admin and `tokengate tenants|keys`): {settings.admin_token}\n"
+        f"Tenant '{DEMO_TENANT}', API key: {key}  (kept in {key_file})\n"
+        f"Admin token (for /admin and `tokengate tenants|keys`): {settings.admin_token}  ({token_from})\n"
         f"Try:\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
         f"-H 'Authorization: Bearer {key}' -d '{body}'\n"
         "Ctrl-C stops everything.\n"
@@ -351,17 +372,22 @@ def serve(args: argparse.Namespace) -> None:
     supervisor: Supervisor | None = None
     try:
         with _stoppable(signals):
-            if args.admin_token is None:
-                args.admin_token = secrets.token_urlsafe(24)
             spec = _model(args)
             redis_url = args.redis_url
+            data_dir = Path(args.data_dir or default_data_dir()).expanduser()
             if not redis_url:
-                data_dir = Path(args.data_dir or default_data_dir()).expanduser()
                 log.info("data directory: %s", data_dir)
                 embedded = EmbeddedRedis(data_dir=data_dir, fsync=args.redis_fsync)
-                embedded.start()
+                embedded.start()  # locks the directory: one `serve` per data directory
                 redis_url = embedded.url
                 log.info("private redis-server (%s) at %s", embedded.binary, redis_url)
+            else:
+                log.info("data directory (the admin token and the demo key; Redis is yours): %s", data_dir)
+            token_from = "from --admin-token"
+            if args.admin_token is None:  # an explicit token wins; the kept one stays as it is
+                args.admin_token = serve_state.admin_token(data_dir)
+                token_from = f"kept in {data_dir / serve_state.ADMIN_TOKEN_FILE}"
+            key_file = serve_state.demo_key_file(data_dir, None if embedded is not None else redis_url)
             settings = settings_from_args(args, redis_url, spec.name, raise_nofile_limit())
             pools = _pools(args.pools, upstream=bool(args.upstream_url))
             workers = [
@@ -372,11 +398,16 @@ def serve(args: argparse.Namespace) -> None:
                         for i in range(1, args.gateways)]  # this process is the first
             supervisor = Supervisor(workers, embedded, gateways=gateways)
             supervisor.start()
+            saved = serve_state.read_secret(key_file)
             with processes.signals_deferred():  # a stop signal raised inside the loop could leave it running
-                key = uvloop.run(_demo_key(redis_url))
+                issued = uvloop.run(_demo_key(redis_url, saved))
+                if issued is not None:
+                    serve_state.write_secret(key_file, issued)
+            key = issued or saved
+            assert key is not None
 
             def banner() -> None:
-                print(_banner(settings, pools, key), flush=True)
+                print(_banner(settings, pools, key, key_file, token_from), flush=True)
 
             uvloop.run(_run_gateway(settings, spec.path, signals, ready=banner, supervisor=supervisor,
                                     reuse_port=args.gateways > 1))

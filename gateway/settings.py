@@ -25,6 +25,10 @@ class GatewaySettings:
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 120.0
     default_max_tokens: int = 256
+    # a request without temperature/top_p gets the model's generation_config.json values, else these:
+    # SmolLM2's model card's (at 1.0 the default model answers the README's request with nonsense)
+    default_temperature: float = 0.2
+    default_top_p: float = 0.9
     pools: tuple[str, ...] = ("cpu", "gpu")
     admin_token: str | None = field(default=None, repr=False)  # None: the admin API refuses all
     usage_retention_s: int = 7 * 86400  # per-minute usage counters live this long
@@ -57,6 +61,10 @@ class GatewaySettings:
             raise ValueError("request timeout must be positive")
         if self.default_max_tokens < 1:
             raise ValueError("default max tokens must be at least 1")
+        if not 0.0 <= self.default_temperature <= 2.0:
+            raise ValueError("the default temperature must be within [0, 2], as a request's")
+        if not 0.0 < self.default_top_p <= 1.0:
+            raise ValueError("the default top_p must be within (0, 1], as a request's")
         if self.admin_token is not None and len(self.admin_token) < 16:
             raise ValueError("the admin token must have at least 16 characters")
         if self.auth_cache_s < 0:

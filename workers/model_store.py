@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -67,6 +68,36 @@ def resolve(model: str | None, cache_dir: Path, name: str | None = None) -> Mode
         raise ModelNotAvailable(f"--model {model}: neither a model directory nor a .gguf file")
     gguf = default_gguf()
     return ModelSpec(name or DEFAULT_MODEL_NAME, convert_gguf(gguf, cache_dir, DEFAULT_MODEL_NAME))
+
+
+# the sampling fields a model's generation_config.json may set, and the range a request may send
+_SAMPLING_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
+
+
+def generation_defaults(path: Path) -> dict[str, float]:
+    """The sampling defaults the model ships: ``temperature`` and ``top_p`` where its
+    ``generation_config.json`` sets them (as vLLM reads it; ``do_sample`` is not read, as
+    vLLM does not). The file itself, not transformers' ``GenerationConfig``, whose fields
+    read 1.0 in older versions when the file says nothing. A value outside what a request may
+    send is left out, with a warning."""
+    try:
+        config = json.loads((path / "generation_config.json").read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("%s/generation_config.json is unreadable (%s): its sampling defaults are ignored", path, exc)
+        return {}
+    out: dict[str, float] = {}
+    for name, (low, high) in _SAMPLING_RANGES.items():
+        value = config.get(name) if isinstance(config, dict) else None
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high or (
+                name == "top_p" and value == 0):
+            log.warning("%s/generation_config.json: %s %r is not a valid default; ignored", path, name, value)
+            continue
+        out[name] = float(value)
+    return out
 
 
 def _converted_name(path: Path) -> str | None:

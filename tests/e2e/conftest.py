@@ -89,6 +89,17 @@ def banner_key(served: Served, timeout_s: float = 10) -> str:
     raise AssertionError(f"no API key in the banner:\n{served.log.read_text()[-4000:]}")
 
 
+def banner_admin_token(served: Served, timeout_s: float = 10) -> str:
+    """The admin token as `serve` prints it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = re.search(r"^Admin token \(.*?\): (\S+)", served.log.read_text(), re.MULTILINE)
+        if found:
+            return found.group(1)
+        time.sleep(0.1)
+    raise AssertionError(f"no admin token in the banner:\n{served.log.read_text()[-4000:]}")
+
+
 @pytest.fixture(scope="session")
 def served(model_spec: ModelSpec, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """The whole product from one command, with its private Redis and the real model."""

@@ -68,6 +68,17 @@ def test_models_list(client: openai.OpenAI, served: Served) -> None:
     assert [m.id for m in client.models.list()] == [served.model]
 
 
+def test_models_retrieve(client: openai.OpenAI, served: Served) -> None:
+    model = client.models.retrieve(served.model)
+    assert (model.id, model.object, model.owned_by) == (served.model, "model", "tokengate")
+    assert model == next(iter(client.models.list()))
+    for unknown in ("gpt-17", "org/some-model"):  # the client sends a '/' as %2F
+        with pytest.raises(openai.NotFoundError) as info:
+            client.models.retrieve(unknown)
+        assert info.value.code == "model_not_found" and info.value.body["param"] is None  # type: ignore[index]
+        assert unknown in info.value.message
+
+
 def test_invalid_request_raises_bad_request(client: openai.OpenAI, served: Served) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=served.model, messages=HELLO, temperature=5)

@@ -1,5 +1,6 @@
 """`serve` under faults: a killed redis-server or worker is started again, and tenants and keys
-live in the data directory (they survive a Redis crash and a restart of `serve`)."""
+live in the data directory (they survive a Redis crash and a restart of `serve`), as do the
+admin token and the demo key it prints."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.conftest import ADMIN_TOKEN, Served, banner_key, start
+from gateway import serve_state
+from gateway.embedded_redis import EmbeddedRedis
+from tests.e2e.conftest import ADMIN_TOKEN, Served, banner_admin_token, banner_key, start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -104,3 +107,58 @@ def test_a_killed_worker_is_started_again(tmp_path: Path) -> None:
         assert "worker (pool cpu) exited with signal 9" in served.log.read_text()
     finally:
         assert served.stop() == 0
+
+
+def _admin_ok(served: Served, token: str) -> bool:
+    return httpx.get(served.base_url + "/admin/tenants", headers=served.auth(token), timeout=5).status_code == 200
+
+
+def _secrets(args: list[str], tmp_path: Path) -> tuple[str, str]:
+    """(admin token, demo key) a `serve` prints, checked against it, then stopped."""
+    served = start(args, tmp_path)
+    try:
+        token, key = banner_admin_token(served), banner_key(served)
+        assert _admin_ok(served, token) and _authenticates(served, key)
+    finally:
+        assert served.stop() == 0
+    return token, key
+
+
+def test_a_restart_prints_the_same_admin_token_and_demo_key(tmp_path: Path) -> None:
+    """Issue 23: each start printed a new admin token (the exported one got 401) and issued one
+    more demo key. Both are kept in the data directory (0600) and printed again."""
+    data = tmp_path / "data"
+    args = ["serve", "--engine", "echo", "--data-dir", str(data)]
+    token, key = _secrets(args, tmp_path)
+    for name in (serve_state.ADMIN_TOKEN_FILE, serve_state.DEMO_KEY_FILE):
+        assert (data / name).stat().st_mode & 0o777 == 0o600, name
+    assert serve_state.read_secret(data / serve_state.ADMIN_TOKEN_FILE) == token
+    assert serve_state.read_secret(data / serve_state.DEMO_KEY_FILE) == key
+
+    served = start(args, tmp_path)  # the same two secrets; the old token still opens /admin
+    try:
+        assert (banner_admin_token(served), banner_key(served)) == (token, key)
+        keys = httpx.get(served.base_url + "/admin/tenants/demo/keys", headers=served.auth(token)).json()["data"]
+        assert [k["prefix"] for k in keys] == [key.split("-")[1]]  # the demo tenant collects no keys
+        revoked = httpx.delete(f"{served.base_url}/admin/keys/{key.split('-')[1]}", headers=served.auth(token))
+        assert revoked.status_code == 200
+    finally:
+        assert served.stop() == 0
+
+    again_token, new_key = _secrets(args, tmp_path)  # a revoked demo key is replaced, once
+    assert again_token == token and new_key != key
+    assert serve_state.read_secret(data / serve_state.DEMO_KEY_FILE) == new_key
+
+    explicit, same_key = _secrets([*args, "--admin-token", ADMIN_TOKEN], tmp_path)  # the flag wins
+    assert (explicit, same_key) == (ADMIN_TOKEN, new_key)
+    assert serve_state.read_secret(data / serve_state.ADMIN_TOKEN_FILE) == token  # and the kept one stays
+
+
+def test_with_an_external_redis_the_secrets_are_kept_too_and_the_key_per_redis(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with EmbeddedRedis() as redis:
+        args = ["serve", "--engine", "echo", "--redis-url", redis.url, "--data-dir", str(data)]
+        first = _secrets(args, tmp_path)
+        assert _secrets(args, tmp_path) == first
+        assert serve_state.read_secret(serve_state.demo_key_file(data, redis.url)) == first[1]
+        assert not serve_state.demo_key_file(data).exists()  # the private Redis's key is another file

@@ -155,6 +155,31 @@ def test_a_signal_with_requests_in_flight_ends_every_request_and_leaves_nothing(
     assert (data_dir / "appendonlydir").is_dir()  # Redis wrote its AOF
 
 
+IDLE_EXIT_S = 2.0  # measured 0.6-0.9 s here (about 3 s before issue 23's fix); margin for a slow CI machine
+
+
+@pytest.mark.model
+def test_ctrl_c_with_nothing_in_flight_exits_at_once(tmp_path: Path, private_tmp: Path, reaper: list[Served]) -> None:
+    """Issue 23: Ctrl-C on an idle `serve` (the real model, as `make run` starts it) took about
+    3 s: the worker's blocking read and its cancel thread's poll (0.5 s each), then the exits
+    of two processes holding torch and transformers (about 0.8 s each of garbage collection).
+    Now gateway, worker and Redis are all gone within ``IDLE_EXIT_S``."""
+    served = start(["serve", "--data-dir", str(tmp_path / "data")], tmp_path, new_session=True)
+    reaper.append(served)
+    children = psutil.Process(served.proc.pid).children(recursive=True)
+    assert any("redis-server" in " ".join(c.cmdline()) for c in children)
+    assert any("workers" in " ".join(c.cmdline()) for c in children)
+    time.sleep(1.0)  # idle: the worker blocks in its read, its threads wait
+    signalled = time.monotonic()
+    os.killpg(served.proc.pid, signal.SIGINT)
+    assert served.proc.wait(timeout=30) == 0
+    took = time.monotonic() - signalled
+    print(f"serve exited {took:.2f} s after Ctrl-C")
+    assert took < IDLE_EXIT_S, served.log.read_text()[-3000:]
+    assert not _alive(children), _alive(children)  # its children were waited for: gone already
+    assert "Traceback" not in served.log.read_text()
+
+
 def test_a_signal_during_start_up_leaves_no_process(tmp_path: Path, private_tmp: Path, reaper: list[Served]) -> None:
     """Ctrl-C while the worker and the gateway are still starting: exit 0, nothing left."""
     served = launch(["serve", "--engine", "echo", "--data-dir", str(tmp_path / "data")], tmp_path, new_session=True)

@@ -122,9 +122,13 @@ async def test_allowed_models(harness: Harness) -> None:
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     models = await harness.http.get("/v1/models", headers={"authorization": f"Bearer {key}"})
     assert models.json()["data"] == []
+    one = await harness.http.get(f"/v1/models/{harness.model}", headers={"authorization": f"Bearer {key}"})
+    assert one.status_code == 404 and one.json()["error"]["code"] == "model_not_found"  # as for a model not served
     _, other = await harness.tenant("beta")
     models = await harness.http.get("/v1/models", headers={"authorization": f"Bearer {other}"})
     assert [m["id"] for m in models.json()["data"]] == [harness.model]
+    one = await harness.http.get(f"/v1/models/{harness.model}", headers={"authorization": f"Bearer {other}"})
+    assert one.json() == models.json()["data"][0]
 
 
 async def test_a_tenant_sees_only_its_own_requests(harness: Harness) -> None:

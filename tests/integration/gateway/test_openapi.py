@@ -98,7 +98,7 @@ async def test_its_paths_are_exactly_the_routes(harness: Harness) -> None:
     routes = app.routes
     table = set(openapi.route_table(routes))
     assert {(m.upper(), p) for p, item in doc["paths"].items() for m in item} == table
-    assert len(table) == 19 and ("GET", "/admin/tenants/{tenant}/usage") in table
+    assert len(table) == 20 and ("GET", "/admin/tenants/{tenant}/usage") in table
     for path, item in doc["paths"].items():
         for method, op in item.items():
             wanted = "AdminToken" if path.startswith("/admin") else "ApiKey" if path.startswith("/v1") else None
@@ -160,6 +160,7 @@ async def test_real_responses_conform(harness: Harness) -> None:
     check(await http.post("/v1/completions", json={**text, "stream": True, "stream_options": {"include_usage": True}},
                           headers=auth))
     check(await http.get("/v1/models", headers=auth))
+    assert check(await http.get(f"/v1/models/{model}", headers=auth)).json()["id"] == model
     check(await http.get(f"/v1/requests/{done.headers['x-request-id']}", headers=auth))
     check(await http.get(f"/v1/requests/{done.json()['id']}", headers=auth))
     check(await http.get("/v1/requests/0123", headers=auth))  # 404
@@ -167,6 +168,8 @@ async def test_real_responses_conform(harness: Harness) -> None:
     # generation's refusals
     check(await http.post("/v1/chat/completions", json=chat))  # 401
     check(await http.post("/v1/chat/completions", json={**chat, "model": "gpt-17"}, headers=auth))  # 404
+    check(await http.get("/v1/models/gpt-17", headers=auth))  # 404
+    check(await http.get(f"/v1/models/{model}"))  # 401
     check(await http.post("/v1/chat/completions", content=b"{not json", headers=auth))  # 400
     check(await http.post("/v1/chat/completions", json={**chat, "max_tokens": 10**9}, headers=auth))  # 400
     check(await http.post("/v1/chat/completions", json=chat, headers={**auth, "x-tokengate-deadline-ms": "0"}))
@@ -190,4 +193,4 @@ async def test_real_responses_conform(harness: Harness) -> None:
 
     statuses = {s for _, _, s in conformance.seen}
     assert statuses == {200, 201, 400, 401, 404, 409, 413, 429, 503}
-    assert len({(m, p) for m, p, _ in conformance.seen}) == 19  # every operation
+    assert len({(m, p) for m, p, _ in conformance.seen}) == 20  # every operation

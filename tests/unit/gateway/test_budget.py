@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import orjson
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gateway.budget import headers, refusal
 from gateway.errors import GatewayError, InvalidRequest, error_response
@@ -45,6 +50,35 @@ def test_over_concurrency_is_429_requests() -> None:
     err = refusal(T, Verdict("concurrency", 1000.0, 1000.0, 0.0, 4), cost=1, max_wait=0.0)
     assert err.status == 429 and _body(err)["type"] == "requests"
     assert err.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def _retry_in_message(err: GatewayError) -> tuple[str, list[str]]:
+    """The Retry-After header as sent, and every "retry after N s" figure of the message."""
+    response = error_response(err)
+    message = str(_body(err)["message"])
+    return response.headers["retry-after"], re.findall(r"[Rr]etry after (\S+) s\b", message)
+
+
+def test_the_reported_429_says_what_its_header_says() -> None:
+    """Issue 23: "frees in 3.09 s ... Retry after 2 s" read as a contradiction."""
+    tenant = Tenant("tn_0000000000000000", "demo", 1000.0, 2000)
+    err = refusal(tenant, Verdict("budget", 1000.0, 1005.09, 3.09, 0), cost=5000, max_wait=2.0)
+    header, said = _retry_in_message(err)
+    assert header == "2" and said == ["2"]
+    assert "would hold it 3.09 s, longer than the 2 s it may wait" in err.message
+    assert "it would then wait at most the 2 s it may" in err.message
+
+
+@given(wait=st.floats(0.0, 1e5, allow_nan=False), max_wait=st.floats(0.0, 300.0, allow_nan=False))
+def test_every_budget_429_states_its_retry_after_figure(wait: float, max_wait: float) -> None:
+    err = refusal(T, Verdict("budget", 1000.0, 1000.0 + wait, wait, 0), cost=42, max_wait=max_wait)
+    header, said = _retry_in_message(err)
+    assert said == [header] and int(header) == max(1, math.ceil(wait - max_wait))
+
+
+def test_the_concurrency_429_states_its_retry_after_figure() -> None:
+    header, said = _retry_in_message(refusal(T, Verdict("concurrency", 1000.0, 1000.0, 0.0, 4), cost=1, max_wait=0.0))
+    assert said == [header] == ["1"]
 
 
 def test_larger_than_the_burst_is_400() -> None:

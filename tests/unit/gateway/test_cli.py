@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,8 @@ FLAGS = {
     "max-body-bytes": "max_body_bytes",
     "request-timeout": "request_timeout_s",
     "default-max-tokens": "default_max_tokens",
+    "default-temperature": "default_temperature",
+    "default-top-p": "default_top_p",
     "admin-token": "admin_token",
     "usage-retention": "usage_retention_s",
     "handoff-min-prompt": "handoff_min_prompt",
@@ -80,3 +85,35 @@ def test_the_slo_flags_reach_the_scheduler_and_default_to_its_config(monkeypatch
     args = build_parser().parse_args(["gateway", "--redis-url", "redis://x", "--slo-tpot-ms", "0"])
     with pytest.raises(ValueError, match="tpot_slo_s must be positive"):
         settings_from_args(args, "redis://x", "m", 4096)
+
+
+def _subparser(command: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    chosen: argparse.ArgumentParser = sub.choices[command]
+    return chosen
+
+
+@pytest.mark.parametrize("command", ["serve", "gateway", "worker"])
+def test_help_shows_every_flag_s_default(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENGATE_ADMIN_TOKEN", "a-secret-admin-token-0123")
+    parser = _subparser(command)
+    text = " ".join(parser.format_help().split())  # the help as one line: wrapping aside
+    flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert flags
+    for action in flags:
+        assert action.help, f"{action.option_strings[0]} has no help"
+        if action.default is not None and action.dest != "admin_token":
+            shown = f"(default: {action.default})"
+            wanted = sum(1 for a in flags if str(a.default) == str(action.default) and a.dest != "admin_token")
+            assert text.count(shown) >= wanted, f"{action.option_strings[0]}: {shown} not shown"
+    assert "a-secret-admin-token-0123" not in text  # a secret's default is never shown
+    assert "(default: None)" not in text
+
+
+def test_the_worker_entry_s_help_shows_the_defaults() -> None:
+    """`python -m workers`, the command `serve` runs its workers with."""
+    out = subprocess.run([sys.executable, "-m", "workers", "--help"], capture_output=True, text=True, check=True)
+    text = " ".join(out.stdout.split())
+    assert "--slots SLOTS sequences decoded together" in text and "(default: 32)" in text
+    assert "(default: INFO)" in text

@@ -22,6 +22,8 @@ GIVEN = {
     "max-body-bytes": "65536",
     "request-timeout": "33.5",
     "default-max-tokens": "17",
+    "default-temperature": "0.7",
+    "default-top-p": "0.95",
     "admin-token": TOKEN,
     "usage-retention": "3600",
     "handoff-min-prompt": "512",

@@ -3,7 +3,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.openai_protocol import chunk_body, completion_body, parse_chat, parse_completion
+from gateway.openai_protocol import SamplingDefaults, chunk_body, completion_body, parse_chat, parse_completion
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -80,9 +80,26 @@ def test_chat_translation() -> None:
     )
     assert gen.messages == (("system", "be brief"), ("user", "ab"))
     assert gen.max_tokens == 5  # max_completion_tokens wins
-    params = gen.sampling(5)
+    params = gen.sampling(5, SamplingDefaults(0.7, 0.8))
     assert (params.temperature, params.seed, params.stop, params.greedy) == (0.0, 3, ("END",), True)
     assert gen.stream and gen.include_usage
+
+
+@pytest.mark.parametrize("parse", [parse_chat, parse_completion])
+def test_a_left_out_sampling_field_gets_the_default_and_a_sent_one_is_kept(parse: Any) -> None:
+    defaults = SamplingDefaults(0.2, 0.9)
+    body = _chat(prompt="hi")
+    for sent, wanted in [({}, (0.2, 0.9)), ({"temperature": None, "top_p": None}, (0.2, 0.9)),
+                         ({"temperature": 1.0}, (1.0, 0.9)), ({"top_p": 1.0}, (0.2, 1.0)),
+                         ({"temperature": 0, "top_p": 0.5}, (0.0, 0.5))]:
+        params = parse({**body, **sent}).sampling(4, defaults)
+        assert (params.temperature, params.top_p) == wanted, sent
+
+
+def test_the_model_s_own_defaults_win_over_the_gateway_s() -> None:
+    assert SamplingDefaults.of({}, 0.2, 0.9) == SamplingDefaults(0.2, 0.9)
+    assert SamplingDefaults.of({"temperature": 0.6}, 0.2, 0.9) == SamplingDefaults(0.6, 0.9)
+    assert SamplingDefaults.of({"temperature": 0.6, "top_p": 0.95}, 0.2, 0.9) == SamplingDefaults(0.6, 0.95)
 
 
 def test_completion_prompt_forms() -> None:

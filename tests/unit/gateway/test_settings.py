@@ -13,7 +13,8 @@ def test_defaults_are_valid_and_frozen() -> None:
 
 @pytest.mark.parametrize(
     "kw",
-    [{"redis_url": ""}, {"port": 0}, {"max_body_bytes": 10}, {"request_timeout_s": 0}, {"default_max_tokens": 0}],
+    [{"redis_url": ""}, {"port": 0}, {"max_body_bytes": 10}, {"request_timeout_s": 0}, {"default_max_tokens": 0},
+     {"default_temperature": -0.1}, {"default_temperature": 2.5}, {"default_top_p": 0.0}, {"default_top_p": 1.1}],
 )
 def test_invalid_settings_are_refused_at_start(kw: dict[str, object]) -> None:
     args = {"redis_url": "redis://x", "model_name": "m", **kw}
