@@ -222,15 +222,16 @@ class Run:
     errors: int
     elapsed: float
     cpu_s: float | None
-    counted: tuple[int, float, float] | None = None  # wrk's (completed, p50 s, p99 s): it keeps no list
+    counted: tuple[int, dict[float, float]] | None = None  # wrk's (completed, {q: s}): it keeps no list
 
     @property
     def completed(self) -> int:
         return self.counted[0] if self.counted else len(self.latencies)
 
-    def pct(self, q: int) -> float:
+    def pct(self, q: float) -> float:
+        """The q-th percentile in seconds (100: the slowest)."""
         if self.counted:
-            return {50: self.counted[1], 99: self.counted[2]}[q]
+            return self.counted[1][q]
         return pct(self.latencies, q)
 
     @property
@@ -285,9 +286,9 @@ wrk.headers["Content-Type"] = "application/json"
 local auth = os.getenv("PEERS_AUTH"); if auth ~= "" then wrk.headers["Authorization"] = auth end
 done = function(summary, latency, requests)
   local e = summary.errors
-  io.write(string.format("PEERS %d %d %d %d %d %d\\n", summary.requests, e.status,
+  io.write(string.format("PEERS %d %d %d %d %d %d %d %d\\n", summary.requests, e.status,
                          e.connect + e.read + e.write + e.timeout, latency:percentile(50), latency:percentile(99),
-                         summary.duration))
+                         latency:percentile(99.9), latency.max, summary.duration))
 end
 """
 
@@ -303,9 +304,10 @@ def wrk_loop(ep: Endpoint, clients: int, duration: float) -> Run:
            "-s", str(OUT / "peers.lua"), f"http://{ep.host}:{ep.port}{PATH}"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
     line = next(x for x in out.splitlines() if x.startswith("PEERS "))
-    requests, bad_status, socket_errors, p50_us, p99_us, duration_us = (int(v) for v in line.split()[1:])
-    return Run([], bad_status + socket_errors, duration_us / 1e6, None,
-               (requests - bad_status, p50_us / 1e6, p99_us / 1e6))
+    requests, bad_status, socket_errors, p50_us, p99_us, p999_us, max_us, duration_us = (
+        int(v) for v in line.split()[1:])
+    quantiles = {50: p50_us / 1e6, 99: p99_us / 1e6, 99.9: p999_us / 1e6, 100: max_us / 1e6}
+    return Run([], bad_status + socket_errors, duration_us / 1e6, None, (requests - bad_status, quantiles))
 
 
 async def quiesce(pid: int | None, limit_s: float = 30.0) -> None:
@@ -415,9 +417,12 @@ class Row:
     added_p99_ms: float
     errors: float  # a mean over rounds may be fractional
     gateway_cpu_ms_per_req: float
+    p999_ms: float = float("nan")  # the tail: one request in a thousand, and the slowest
+    max_ms: float = float("nan")
 
 
-FIGURES = ("achieved_rps", "p50_ms", "p99_ms", "added_p50_ms", "added_p99_ms", "errors", "gateway_cpu_ms_per_req")
+FIGURES = ("achieved_rps", "p50_ms", "p99_ms", "added_p50_ms", "added_p99_ms", "errors", "gateway_cpu_ms_per_req",
+           "p999_ms", "max_ms")
 
 
 def rows(results: Results) -> list[Row]:
@@ -434,7 +439,7 @@ def rows(results: Results) -> list[Row]:
                     target, load, round_, run.achieved, p50, p99,
                     p50 - base.pct(50) * 1e3 if base else float("nan"),
                     p99 - base.pct(99) * 1e3 if base else float("nan"),
-                    run.errors, run.cpu_ms_per_req,
+                    run.errors, run.cpu_ms_per_req, run.pct(99.9) * 1e3, run.pct(100) * 1e3,
                 ))
             means = {k: statistics.fmean(getattr(r, k) for r in per_round) for k in FIGURES}
             out.extend([*per_round, Row(target, load, "mean", **means)])
@@ -458,13 +463,13 @@ def report(all_rows: list[Row], gateway_workers: Sequence[int], pin: bool) -> No
             lines.append([
                 target if first else "", load if first else "", r.round, format(r.achieved_rps, ".0f"),
                 fmt(r, "p50_ms", ".2f"), fmt(r, "p99_ms", ".2f"), fmt(r, "added_p50_ms", ".2f"),
-                fmt(r, "added_p99_ms", ".2f"), "" if first else f"{r.errors:.0f}",
-                fmt(r, "gateway_cpu_ms_per_req", ".3f"),
+                fmt(r, "added_p99_ms", ".2f"), fmt(r, "p999_ms", ".2f"), fmt(r, "max_ms", ".2f"),
+                "" if first else f"{r.errors:.0f}", fmt(r, "gateway_cpu_ms_per_req", ".3f"),
             ])
     table(
         "gateways side by side on a zero-cost backend (mean of the rounds, then each round)",
-        ["target", "load", "round", "req/s", "p50 ms", "p99 ms", "added p50", "added p99", "errors",
-         "gw CPU ms/req"],
+        ["target", "load", "round", "req/s", "p50 ms", "p99 ms", "added p50", "added p99", "p99.9 ms", "max ms",
+         "errors", "gw CPU ms/req"],
         lines,
     )
     if pin:

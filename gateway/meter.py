@@ -41,6 +41,9 @@ class Meter:
             self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
             self.outcome = "done"
             self.total_s = time.monotonic() - self.received
+            if self.first_token_s is None and ev.decode_s is not None and ev.completion_tokens > 0:
+                # not streamed: its first token came when the worker sampled it, decode_s before the end
+                self.first_token_s = max(self.total_s - ev.decode_s, 1e-6)
         elif isinstance(ev, p.Failed):
             self.outcome = "failed"
 

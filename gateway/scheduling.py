@@ -173,8 +173,8 @@ class SchedulerShell:
     def outcome(self, rid: str, ttft_s: float | None, total_s: float | None, tokens: int,
                 now: float) -> Accuracy | None:
         """The request ended here: what it took calibrates the contracts (a request that did
-        not finish is only forgotten; a non-streaming one, whose first token is not seen
-        apart, teaches only its total and its length)."""
+        not finish is only forgotten; a non-streaming one's first token is its end less the
+        decode time its worker measured, ``Finished.decode_s``)."""
         if total_s is None:
             self.driver.forget(rid)
             return None

@@ -186,8 +186,11 @@ class Driver:
     def _wait_refusal(self, req: Request, c: Contract, now: float) -> Reject | None:
         """The ``wait`` refusal of a request without a first-token SLO whose predicted first
         token comes more than ``max_wait_s`` after the time its own prompt takes alone (its
-        budget wait aside: that is its tenant's own pace); None: keep it."""
+        budget wait aside: that is its tenant's own pace); None: keep it, as before its path's
+        first-token predictions are calibrated on outcomes."""
         assert req.max_wait_s is not None
+        if not self.contracts.calibrated("ttft", c.path):  # the raw model alone may be far off: no refusal on it
+            return None
         alone = self._alone(c.path, req.prompt_tokens) if self._alone is not None else 0.0
         wait = c.ttft_s - c.budget_wait_s - alone
         if wait <= req.max_wait_s:

@@ -88,6 +88,9 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     kind: Literal["done"] = "done"
+    # seconds from the step that sampled its first token to this one, measured by the worker
+    # (None: not measured): the gateway learns a non-streaming request's first token from it
+    decode_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +279,7 @@ _EVENT_TYPES: dict[str, type] = {
     "error": Failed,
     "batch": BatchReport,
 }
+_EVENT_FIELDS = {kind: frozenset(f.name for f in dataclasses.fields(cls)) for kind, cls in _EVENT_TYPES.items()}
 
 
 def decode_events(fields: dict[bytes, bytes]) -> list[Event]:
@@ -286,7 +290,8 @@ def decode_events(fields: dict[bytes, bytes]) -> list[Event]:
             cls = _EVENT_TYPES[d["kind"]]
             if cls is BatchReport:
                 d["output_tokens"] = tuple(d["output_tokens"])
-            events.append(cls(**d))
+            known = _EVENT_FIELDS[d["kind"]]  # fields a newer worker added are ignored; later ones have defaults
+            events.append(cls(**{k: v for k, v in d.items() if k in known}))
     except (KeyError, TypeError) as exc:
         raise ProtocolError(f"malformed reply: {exc!r}") from exc
     return events

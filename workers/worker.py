@@ -48,6 +48,7 @@ from workers.trim import trim_jobs_stream
 log = logging.getLogger("tokengate.worker")
 
 SUSPECT_TTL_S = 3600  # a suspect mark outlives any redelivery cycle of its entry
+CANCEL_POLL_S = 0.1  # the cancel thread checks for a stop this often (the exit joins it)
 WARM_UP_PROMPT = tuple(range(100, 132))  # 32 token ids, valid in any vocabulary of a real model
 WARM_UP_TEXT = "Count from one to twenty in words: one, two, three,"  # the same, for an upstream engine
 
@@ -70,7 +71,7 @@ class WorkerSettings:
     threads: int | None = None
     heartbeat_s: float = 1.0
     heartbeat_ttl_s: float = 5.0
-    block_ms: int = 500
+    block_ms: int = 100  # an idle read's block: a stop signal is noticed within it (it cannot cut it short)
     reply_maxlen: int = 100_000
     claim_idle_s: float = 15.0  # a pending entry idle this long belongs to a dead worker
     claim_every_s: float = 1.0
@@ -174,6 +175,11 @@ class Worker:
         self._sleep = sleep
         self._next_claim = 0.0
         self._group_ready = False
+        # after a Redis failure: a read Redis may have delivered unseen (re-read from this
+        # consumer's own pending entries), and abandoned entries not yet handed back
+        self._reread_own = False
+        self._unreleased: list[bytes] = []
+        self._first_token_at: dict[str, float] = {}  # rid -> when the step that sampled its first token ended
         self._backoff = backoff_policy(settings.retry_base_s, settings.retry_cap_s)
         self._outage = Outage(clock)
         self._retry = Retrier(self._backoff, self._outage, sleep)  # the main loop's
@@ -245,6 +251,7 @@ class Worker:
             if self._signals == 0 and self.engine.down and not self.engine.busy:
                 self._sleep(self.settings.block_ms / 1000)  # no job is read while the engine is down
             elif self._signals == 0:
+                self._release_abandoned()
                 self._reclaim()
                 if self._isolated or self._alone is not None:
                     self._run_alone()
@@ -263,6 +270,7 @@ class Worker:
                 self._group_ready = False
             else:
                 self._retry.failed(exc)
+            self._reread_own = True  # a read that timed out may have been delivered all the same
             return True
         # every turn after a failed one makes a Redis call (read, reclaim or group), so
         # reaching here after a failure means Redis answered
@@ -280,17 +288,38 @@ class Worker:
     # -- jobs in ----------------------------------------------------------------------------
 
     def _read(self, block_ms: int) -> None:
-        """As many jobs as the engine has free slots, in one XREADGROUP."""
+        """As many jobs as the engine has free slots, in one XREADGROUP. After a Redis failure,
+        first this consumer's own pending entries that it does not hold: a read that timed out
+        here may have been delivered by Redis all the same, and would otherwise wait for the
+        claim idle time."""
         free = self.engine.free_slots
         if free <= 0:
             return
-        reply = self.client.xreadgroup(
-            wire.GROUP, self.settings.worker_id, {self.stream: ">"}, count=free, block=block_ms or None
-        )
-        # RESP2: [[stream, [(id, fields), ...]]], or None when the block timed out
-        entries = [entry for _stream, got in reply for entry in got] if isinstance(reply, list) else []
+        if self._reread_own:
+            held = {b.entry_id for b in self._batches.values()}
+            reply = self.client.xreadgroup(wire.GROUP, self.settings.worker_id, {self.stream: "0"},
+                                           count=free + len(held))
+            self._reread_own = False
+            own = [entry for _stream, got in reply for entry in got] if isinstance(reply, list) else []
+            entries = [(entry_id, fields) for entry_id, fields in own if entry_id not in held and fields][:free]
+            if entries:
+                log.info("re-reading %d jobs delivered while Redis failed", len(entries))
+        else:
+            reply = self.client.xreadgroup(
+                wire.GROUP, self.settings.worker_id, {self.stream: ">"}, count=free, block=block_ms or None
+            )
+            # RESP2: [[stream, [(id, fields), ...]]], or None when the block timed out
+            entries = [entry for _stream, got in reply for entry in got] if isinstance(reply, list) else []
         readable = [self._decode(entry_id, fields) for entry_id, fields in entries]
         self._admit([_Admission(entry_id, job, {}) for entry_id, job in readable if job is not None])
+
+    def _release_abandoned(self) -> None:
+        """Entries abandoned while Redis failed go to the next XAUTOCLAIM (this worker's, at
+        once) instead of waiting out the claim idle time."""
+        if self._unreleased:
+            self.fence.release(self._unreleased, int(self.settings.claim_idle_s * 1000))
+            self._unreleased = []
+            self._next_claim = 0.0
 
     def _reclaim(self) -> None:
         now = self._clock()
@@ -433,7 +462,7 @@ class Worker:
             try:
                 pubsub.subscribe(wire.CANCEL_CHANNEL)
                 while not self._stop_threads.is_set():
-                    msg = pubsub.get_message(timeout=0.5)
+                    msg = pubsub.get_message(timeout=CANCEL_POLL_S)
                     retry.reset()  # subscribed; whether Redis answers, the other loops tell
                     if msg is not None:
                         self._cancels.append(wire.text(msg["data"]))
@@ -484,7 +513,7 @@ class Worker:
                 "publishing replies failed (%s); abandoning %d running batches to redelivery", exc, len(self._batches)
             )
             self.engine.reset()
-            self._abandon(list(self._batch_of))
+            self._unreleased.extend(self._abandon(list(self._batch_of)))  # handed back once Redis answers
             raise  # the main loop backs off (or creates a lost group again)
 
     def _abandon(self, rids: list[str]) -> list[bytes]:
@@ -500,13 +529,21 @@ class Worker:
             entries.append(batch.entry_id)
             for rid in batch.pending:
                 self._batch_of.pop(rid, None)
+                self._first_token_at.pop(rid, None)
                 self.engine.cancel(rid)
         return entries
 
     def _publish(self, result: StepResult) -> None:
         self._account(result)
+        now = time.monotonic()
+        for pre in result.prefills:  # a chunked prompt's last chunk is the one that samples its first token
+            self._first_token_at.update(dict.fromkeys(pre.rids, now))
         events: dict[str, list[p.Event]] = {}
         for ev in result.events:
+            if isinstance(ev, p.Finished | p.Failed):
+                first = self._first_token_at.pop(ev.rid, None)
+                if isinstance(ev, p.Finished) and first is not None and ev.decode_s is None:
+                    ev = replace(ev, decode_s=round(now - first, 6))
             bid = self._batch_of.get(ev.rid)
             if bid is not None:
                 events.setdefault(bid, []).append(ev)

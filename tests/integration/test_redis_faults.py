@@ -101,6 +101,27 @@ def test_worker_survives_a_paused_redis_and_finishes_its_stream(
     assert client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 0
 
 
+def test_work_abandoned_in_a_pause_resumes_when_redis_answers_not_after_the_claim_idle_time(
+    own_redis: OwnRedis,
+) -> None:
+    client = redis.Redis.from_url(own_redis.url)
+    tokens = 150
+    engine = EchoEngine(tokens=tokens, step_s=0.01)
+    with running_worker(own_redis.url, engine, redis_timeout_s=TIMEOUT_S, max_deliveries=10) as worker:
+        object.__setattr__(worker.settings, "claim_idle_s", 60.0)  # a peer's claim would come far too late
+        send(client, _job("long", tokens, stream=True))
+        _wait_for(lambda: client.xlen(REPLIES) >= 5, 10, "the first deltas")
+        os.kill(own_redis.pid, signal.SIGSTOP)
+        time.sleep(2.0)  # the worker's publishes and reads fail: it abandons the running batch
+        os.kill(own_redis.pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        events = collect(client, REPLIES, until_batches=1, timeout_s=20)
+        took = time.monotonic() - resumed
+    assert any(isinstance(e, p.Finished) and e.rid == "long" for e in events)
+    assert "".join(e.text for e in events if isinstance(e, p.Delta) and e.rid == "long") == " echo" * tokens
+    assert took < 10.0, took  # released at once when Redis answered, taken back by this worker
+
+
 def test_worker_recreates_its_group_after_redis_restarts_empty(
     own_redis: OwnRedis, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -39,6 +39,16 @@ def test_worker_answers_reports_and_acks(redis_client: redis.Redis, redis_url: s
     assert redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 0
 
 
+def test_a_finished_sequence_says_how_long_it_decoded_after_its_first_token(
+    redis_client: redis.Redis, redis_url: str
+) -> None:
+    with running_worker(redis_url, EchoEngine(tokens=6, step_s=0.05)):
+        send(redis_client, _job("b1", ["plain"]))
+        events = collect(redis_client, REPLIES, until_batches=1)
+    done = next(e for e in events if isinstance(e, p.Finished))
+    assert done.decode_s is not None and 0.2 <= done.decode_s < 0.5, done  # five steps of 50 ms after the first
+
+
 def test_replies_still_go_out_after_redis_lost_its_scripts(redis_client: redis.Redis, redis_url: str) -> None:
     """The fenced reply is a bare EVALSHA: a Redis restarted without its script cache answers
     NOSCRIPT, and the worker loads the script and sends the same replies again, once."""

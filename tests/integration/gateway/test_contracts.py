@@ -91,10 +91,12 @@ async def test_the_request_record_keeps_contract_and_outcome(harness: Harness) -
     assert doc["contract_total_s"] == pytest.approx(float(r.headers["x-tokengate-latency-ms"]) / 1000, abs=1e-3)
     assert 0 < doc["total_s"] and doc["contract_p99_s"] >= doc["contract_total_s"]
     metrics = (await harness.http.get("/metrics")).text
-    # not streamed: its total is judged, its first token (not seen apart) is not
+    # not streamed: its total is judged, and its first token too (its end less the decode time
+    # its worker measured)
     outcomes = _samples(metrics, "tokengate_contract_outcomes_total")
     assert sum(v for labels, v in outcomes if labels["component"] == "total") == 1, outcomes
-    assert not [v for labels, v in outcomes if labels["component"] == "ttft"], outcomes
+    assert sum(v for labels, v in outcomes if labels["component"] == "ttft") == 1, outcomes
+    assert 0 < doc["ttft_s"] <= doc["total_s"], doc
 
 
 # -- calibrated contracts and SLOs ---------------------------------------------------------------

@@ -133,7 +133,9 @@ async def test_a_request_without_an_slo_is_refused_at_once_rather_than_queued_pa
             r = await h.complete(k)
             return r, time.monotonic() - started
 
-        replies = await asyncio.gather(*(timed(key) for _ in range(30)))
+        warm = await asyncio.gather(*(h.complete(key) for _ in range(16)))  # before outcomes, nobody is refused
+        assert [r.status_code for r in warm] == [200] * 16
+        replies = await asyncio.gather(*(timed(key) for _ in range(30)))  # now first tokens are predicted well
         codes = [r.status_code for r, _ in replies]
         assert set(codes) <= {200, 503} and 2 <= codes.count(200) < 30, codes
         for r, took in replies:

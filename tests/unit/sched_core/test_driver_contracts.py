@@ -145,8 +145,14 @@ def test_forget_drops_the_pending_promise(make: Factory) -> None:
     assert d.contracts.state() == {"ratios": [], "outputs": []}
 
 
+def calibrated(d: Driver) -> Driver:
+    """First-token predictions that outcomes confirmed: each came as predicted."""
+    d.contracts.load({"ratios": [["ttft", "cpu", -1, -1, [1.0] * 32]]})
+    return d
+
+
 def test_a_request_without_an_slo_predicted_to_wait_past_its_bound_is_refused(make: Factory) -> None:
-    d = driver(make, cpu=1)
+    d = calibrated(driver(make, cpu=1))
     d.arrive(req("running", prompt=1000, max_tokens=400, out=400), 0.0)
     d.tick(0.0)
     queued = d.queued
@@ -167,9 +173,22 @@ def test_a_request_without_an_slo_predicted_to_wait_past_its_bound_is_refused(ma
 
 
 def test_the_wait_bound_leaves_out_the_requests_own_prompt(make: Factory) -> None:
-    d = driver(make, cpu=1)
+    d = calibrated(driver(make, cpu=1))
     alone = d.policy.prefill_alone_s("cpu", 8000)  # type: ignore[attr-defined]
     assert alone > 0.0
     c = d.arrive(req("long", prompt=8000, max_tokens=16, out=16, max_wait_s=0.001), 0.0)
     assert isinstance(c, Contract), c  # nothing ahead: its own prefill is no wait
     assert c.ttft_s >= alone * 0.5
+
+
+def test_no_request_is_refused_for_its_wait_on_uncalibrated_predictions(make: Factory) -> None:
+    d = driver(make, cpu=1)  # the raw model may be far off until outcomes confirm it
+    d.arrive(req("running", prompt=1000, max_tokens=400, out=400), 0.0)
+    d.tick(0.0)
+    for i in range(20):
+        d.arrive(req(f"q{i}", prompt=1000, max_tokens=400, out=400), 0.0)
+    c = d.arrive(req("bounded", max_wait_s=1.0), 0.0)
+    assert isinstance(c, Contract) and c.ttft_s > 3.0
+    calibrated(d)
+    r = d.arrive(req("bounded-too", max_wait_s=1.0), 0.0)
+    assert isinstance(r, Reject) and r.reason == "wait"

@@ -55,6 +55,14 @@ def test_events_round_trip() -> None:
     assert p.decode_events(_wire(p.encode_events(events))) == events
 
 
+def test_a_finished_event_carries_the_workers_decode_time_and_fields_a_newer_worker_adds_are_ignored() -> None:
+    done = p.Finished("r1", "hello", "stop", 3, 8, decode_s=0.25)
+    assert p.decode_events(_wire(p.encode_events([done]))) == [done]
+    newer = {"events": [{**{f: getattr(done, f) for f in done.__slots__}, "from_the_future": 1}]}
+    assert p.decode_events({b"v": VERSION, b"m": orjson.dumps(newer)}) == [done]
+    assert p.Finished("r", "", "stop", 1, 1).decode_s is None  # an older worker's: not measured
+
+
 def test_heartbeat_round_trip() -> None:
     hb = p.Heartbeat("w1", "cpu", "cpu", "float32", "echo", "m", 32, 30, 12.5, 1.0, "no AMX")
     assert p.decode_heartbeat(p.encode_heartbeat(hb)) == hb
