@@ -362,3 +362,27 @@ async def test_close_stops_a_loop_whose_cancel_was_reported_as_a_redis_timeout(
         await dispatcher.close()
         assert time.monotonic() - started < 2.0
         assert all(task.done() for task in dispatcher._tasks)
+
+
+async def test_a_saturated_gateway_refuses_new_generations_at_once_and_recovers(harness: Harness) -> None:
+    _, key = await harness.tenant("acme")
+    assert (await harness.complete(key)).status_code == 200
+    loop = asyncio.get_running_loop()
+    hogging = True
+
+    def hog() -> None:  # every turn of the loop now takes 40 ms of this process's CPU
+        time.sleep(0.04)
+        if hogging:
+            loop.call_later(0.001, hog)
+
+    sampler = asyncio.create_task(harness.gw.lag.run())  # as the app's lifespan starts it
+    hog()
+    await asyncio.sleep(0.4)
+    r = await harness.complete(key)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", r.text
+    assert "saturated" in r.json()["error"]["message"] and r.headers["retry-after"] == "1"
+    assert (await harness.http.get("/healthz")).status_code == 200  # only new generations are shed
+    hogging = False
+    await asyncio.sleep(0.4)
+    assert (await harness.complete(key)).status_code == 200
+    sampler.cancel()
