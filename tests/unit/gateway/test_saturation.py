@@ -19,7 +19,7 @@ def test_one_slow_callback_among_samples_on_time_is_not_saturation() -> None:
 def test_a_loop_late_on_every_sample_is_behind_by_its_least_lag() -> None:
     lag = LoopLag(interval_s=0.01, window_s=0.25)
     now = 0.0
-    for i in range(10):  # on time
+    for _ in range(10):  # on time
         now += 0.01
         lag.record(0.0, now)
     for late in (0.08, 0.05, 0.09, 0.06, 0.07):  # saturated: every turn is late
