@@ -3,6 +3,8 @@ prompts, slow connections, and a long soak. Every scenario compares against the 
 without the fault, in the same run, and prints what a client saw.
 
     python -m bench.chaos overload [--spike-s 20]
+    python -m bench.chaos wait [--spike-s 20] [--step-ms 0]   # 4x capacity, no SLO: answered in time or refused fast
+    python -m bench.chaos oversize [--duration 30]            # oversized requests: a mistake is free, a flood held
     python -m bench.chaos redis
     python -m bench.chaos kill [--duration 300]
     python -m bench.chaos prompts
@@ -54,6 +56,7 @@ from bench.common import ADMIN_TOKEN, OUT, RawClient, console, pct, table
 from bench.fuzz import is_openai_error
 from gateway.embedded_redis import FSYNC_CHOICES, EmbeddedRedis, free_port
 from gateway.http_protocol import raise_nofile_limit
+from gateway.limits import REFUSAL_BURST_BYTES, REFUSAL_BYTES_PER_S, REFUSAL_OVERHEAD_BYTES
 
 MODEL = "SmolLM2-135M-Instruct"
 ECHO_TOKENS = 8
@@ -648,6 +651,129 @@ def _trickle(port: int, connections: int, seconds: float, report: Any) -> None:
     asyncio.run(main())
 
 
+async def wait_bound(args: argparse.Namespace) -> dict[str, Any]:
+    """Issue 23: 4× capacity from clients without an SLO (half streaming), after a calm warm-up
+    that calibrates the first-token predictions: every request answered within the default
+    wait bound (``--max-queue-wait-ms``, 5 s) plus 1 s, or refused within 50 ms; none left for
+    its client's time-out."""
+    bound_s = 5.0
+    with Stack(gateways=1, workers=1, step_ms=args.step_ms) as stack:
+        capacity = await _capacity(stack)
+        calm = Load(stack, 0.3 * capacity, seed=11)
+        await calm.run(8.0)
+        base = summary(calm.outcomes, 0, time.monotonic())
+        spike = Load(stack, 4 * capacity, seed=12, max_outstanding=4000)
+        t0 = time.monotonic()
+        await spike.run(args.spike_s)
+        took = time.monotonic() - t0
+        answered = [o for o in spike.outcomes if o.kind != "unsent"]
+        ok = [o.t1 - o.t0 for o in answered if o.kind == "ok"]
+        refused = [o.t1 - o.t0 for o in answered if o.kind == "refused"]
+        late = sum(1 for x in ok if x > bound_s + 1.0)
+        slow = sum(1 for x in refused if x > 0.05)
+        for lg in (calm, spike):
+            await lg.close()
+        _print("4× capacity without an SLO", {"calm": base, "spike": summary(spike.outcomes, 0, time.monotonic())})
+        table("the spike, per request", ["offered/s", "sent", "ok", "ok p50 ms", "ok p99 ms", "ok max ms",
+                                         f"ok > {bound_s + 1:g} s", "refused", "refused p50 ms", "refused p99 ms",
+                                         "refused max ms", "refused > 50 ms", "findings", "unsent"],
+              [[4 * capacity, len(answered), len(ok), pct(ok, 50) * 1e3, pct(ok, 99) * 1e3,
+                max(ok, default=0) * 1e3, late, len(refused), pct(refused, 50) * 1e3, pct(refused, 99) * 1e3,
+                max(refused, default=0) * 1e3, slow, sum(1 for o in answered if o.kind == "finding"),
+                sum(1 for o in spike.outcomes if o.kind == "unsent")]])
+        result: dict[str, Any] = {
+            "capacity_rps": capacity, "offered_rps": 4 * capacity, "spike_s": took, "sent": len(answered),
+            "ok": len(ok), "ok_late": late, "refused": len(refused), "refused_slow": slow,
+            "refusals": dict(Counter(o.detail for o in answered if o.kind == "refused")),
+            "ok_p99_ms": pct(ok, 99) * 1e3, "refused_p99_ms": pct(refused, 99) * 1e3,
+            "findings": dict(findings(spike.outcomes)), "exited": stack.exited(),
+        }
+        result["met"] = not late and not slow and not result["findings"] and not result["exited"]
+        return result
+
+
+async def _oversized(port: int, key: str, size: int, declared: int | None = None) -> int | str:
+    """One request of ``size`` body bytes (declaring ``declared``, by default its size) on a
+    connection of its own, sent the way a careful client does: the body stops once an answer
+    has arrived. Its status, or what broke."""
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {declared or size}\r\n\r\n").encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head)
+        answer = asyncio.ensure_future(reader.readline())
+        chunk, sent = b" " * 65536, 0
+        with contextlib.suppress(OSError):
+            while sent < size and not answer.done():
+                writer.write(chunk[: size - sent])
+                sent += min(len(chunk), size - sent)
+                await writer.drain()
+        line = await asyncio.wait_for(answer, 10)
+        return int(line.split()[1]) if line else "closed"
+    except (OSError, TimeoutError, IndexError, ValueError) as exc:
+        return type(exc).__name__
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def oversize(args: argparse.Namespace) -> dict[str, Any]:
+    """Issue 23: one header-only request declaring 10^12 bytes, one 20 MB request and ten in a
+    row cost the tenant nothing more (its next small request is a 200); a tenant sending 20 MB
+    bodies back to back for ``--duration`` s is held to the refill rate, while a second tenant's
+    p99 stays within 1.5× its p99 alone."""
+    big = 20_000_000
+    with Stack(gateways=1, workers=1) as stack:
+        port = stack.ports[0]
+        _, mistaken = stack.new_tenant("mistaken")
+        sequence = [await _oversized(port, mistaken, 0, declared=10**12), await _oversized(port, mistaken, big)]
+        sequence += [await _oversized(port, mistaken, big) for _ in range(10)]
+        small = RawClient("127.0.0.1", port, {"authorization": f"Bearer {mistaken}"})
+        body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}],
+                             "max_tokens": ECHO_TOKENS})
+        after, _ = await small.post("/v1/chat/completions", body)
+        await small.close()
+        alone = Load(stack, args.rate, seed=21)
+        t0 = time.monotonic()
+        await alone.run(15.0)
+        base = summary(alone.outcomes, t0, time.monotonic())
+        _, abuser = stack.new_tenant("flood")
+        statuses: Counter[int | str] = Counter()
+        stop = asyncio.Event()
+
+        async def flood() -> None:
+            while not stop.is_set():
+                statuses[await _oversized(port, abuser, big)] += 1
+
+        flooding = asyncio.create_task(flood())
+        during = Load(stack, args.rate, seed=22)
+        t1 = time.monotonic()
+        await during.run(args.duration)
+        stop.set()
+        await flooding
+        flood_s = time.monotonic() - t1
+        under = summary(during.outcomes, t1, time.monotonic())
+        for lg in (alone, during):
+            await lg.close()
+        _print("a second tenant, alone and beside a 20 MB flood", {"alone": base, "beside the flood": under})
+        refused = statuses.get(413, 0)
+        allowed = (REFUSAL_BURST_BYTES + REFUSAL_BYTES_PER_S * flood_s) / REFUSAL_OVERHEAD_BYTES
+        table("the flood (20 MB bodies, back to back)",
+              ["seconds", "sent", "413", "429 held", "other", "413 per s", "413 the bucket allows"],
+              [[flood_s, sum(statuses.values()), refused, statuses.get(429, 0),
+                sum(v for k, v in statuses.items() if k not in (413, 429)), refused / flood_s, allowed]])
+        result: dict[str, Any] = {
+            "sequence": sequence, "after": after, "alone": base, "beside": under,
+            "p99_ratio": under["p99_ms"] / base["p99_ms"], "flood": {str(k): v for k, v in statuses.items()},
+            "flood_s": flood_s, "refused_413": refused, "allowed_413": allowed,
+            "findings": dict(findings(alone.outcomes + during.outcomes)),
+        }
+        result["met"] = (after == 200 and all(s == 413 for s in sequence) and result["p99_ratio"] <= 1.5
+                         and refused <= allowed * 1.05 and not result["findings"])
+        return result
+
+
 async def slowloris(args: argparse.Namespace) -> dict[str, Any]:
     """Target 6b: thousands of connections that trickle their headers; others unaffected."""
     import multiprocessing
@@ -714,6 +840,8 @@ def _print(title: str, rows: dict[str, dict[str, Any]]) -> None:
 
 SCENARIOS = {
     "overload": overload,
+    "wait": wait_bound,
+    "oversize": oversize,
     "redis": redis_faults,
     "kill": kill,
     "prompts": prompts,
@@ -728,6 +856,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=None, help="requests/s of the normal load")
     parser.add_argument("--duration", type=float, default=None, help="seconds (kill: 300, soak: 3600)")
     parser.add_argument("--spike-s", type=float, default=20.0)
+    parser.add_argument("--step-ms", type=float, default=0.0, help="wait: the echo worker's step time")
     parser.add_argument("--connections", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--redis-fsync", choices=FSYNC_CHOICES, default="always",
@@ -742,7 +871,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         ns = argparse.Namespace(**vars(args))
         ns.rate = args.rate or (200.0 if name == "soak" else 50.0)
-        ns.duration = args.duration or (3600.0 if name == "soak" else 300.0)
+        ns.duration = args.duration or {"soak": 3600.0, "oversize": 30.0}.get(name, 300.0)
         result = asyncio.run(SCENARIOS[name](ns))
         verdict = "[green]met[/green]" if result["met"] else "[red]MISSED[/red]"
         shown = {k: v for k, v in result.items() if k not in ("phases", "samples")}
