@@ -227,10 +227,10 @@ class Contracts:
             bound = max(PRIOR_BOUND_FACTOR, seen)
         return point, max(point, bound)
 
-    def calibrated(self, component: str, path: str) -> bool:
-        """Whether the point predictions of a component on a path rest on outcomes (enough of
-        them in the path's window), not on the raw model alone."""
-        w = self._ratios.get((component, path, -1, -1))
+    def calibrated(self, component: str, path: str, load: float) -> bool:
+        """Whether the point predictions of a component on a path at this load rest on outcomes
+        (enough of them at its load level), not on the raw model alone or another level's."""
+        w = self._ratios.get((component, path, load_level(load), -1))
         return w is not None and len(w) >= MIN_POINT
 
     def promise(self, raw: Contract, req: Request, out_hi: int, load: float, now: float) -> Contract:

@@ -151,7 +151,7 @@ class Driver:
             if refusal is not None:
                 return refusal
         if req.slo_ttft_s is None and req.max_wait_s is not None:
-            refusal = self._wait_refusal(req, c, now)
+            refusal = self._wait_refusal(req, c, load, now)
             if refusal is not None:
                 return refusal
         self.shares.add(req.tenant, req.weight, req.prompt_tokens + c.output_tokens, now)
@@ -183,13 +183,15 @@ class Driver:
         wait = max(c.ttft_p99_s - ttft_slo, 0.0)
         return Reject(req.id, "slo", why, max(1.0, wait), c.total_s, c.ttft_p99_s, c.p99_s)
 
-    def _wait_refusal(self, req: Request, c: Contract, now: float) -> Reject | None:
+    def _wait_refusal(self, req: Request, c: Contract, load: float, now: float) -> Reject | None:
         """The ``wait`` refusal of a request without a first-token SLO whose predicted first
         token comes more than ``max_wait_s`` after the time its own prompt takes alone (its
         budget wait aside: that is its tenant's own pace); None: keep it, as before its path's
-        first-token predictions are calibrated on outcomes."""
+        first-token predictions at this load level are calibrated on outcomes."""
         assert req.max_wait_s is not None
-        if not self.contracts.calibrated("ttft", c.path):  # the raw model alone may be far off: no refusal on it
+        if c.tokens_ahead == 0 and self._used[c.path] < self._cap[c.path]:
+            return None  # nothing queued ahead and a slot free: no queue to wait in, whatever the model says
+        if not self.contracts.calibrated("ttft", c.path, load):  # the raw model alone may be far off: no refusal
             return None
         alone = self._alone(c.path, req.prompt_tokens) if self._alone is not None else 0.0
         wait = c.ttft_s - c.budget_wait_s - alone

@@ -147,7 +147,7 @@ def test_forget_drops_the_pending_promise(make: Factory) -> None:
 
 def calibrated(d: Driver) -> Driver:
     """First-token predictions that outcomes confirmed: each came as predicted."""
-    d.contracts.load({"ratios": [["ttft", "cpu", -1, -1, [1.0] * 32]]})
+    d.contracts.load({"ratios": [["ttft", "cpu", level, -1, [1.0] * 32] for level in range(5)]})
     return d
 
 
@@ -192,3 +192,10 @@ def test_no_request_is_refused_for_its_wait_on_uncalibrated_predictions(make: Fa
     calibrated(d)
     r = d.arrive(req("bounded-too", max_wait_s=1.0), 0.0)
     assert isinstance(r, Reject) and r.reason == "wait"
+
+
+def test_with_nothing_queued_ahead_and_a_slot_free_no_request_is_refused_for_its_wait(make: Factory) -> None:
+    d = calibrated(driver(make, cpu=8))
+    d.contracts.load({"ratios": [["ttft", "cpu", level, -1, [1e6] * 32] for level in range(5)]})  # absurd
+    c = d.arrive(req("alone", max_wait_s=0.001), 0.0)  # predicted far past the bound, yet nothing is ahead
+    assert isinstance(c, Contract) and c.ttft_s > 1.0
