@@ -114,6 +114,9 @@ class _Connection(asyncio.Protocol):
                 fut.set_exception(error_from_reply(str(reply)))
             else:
                 fut.set_result(reply)
+        deadlines = self.deadlines  # answered batches leave at once: the watch only ever sees the oldest open one
+        while deadlines and deadlines[0][1].done():
+            deadlines.popleft()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.fail(RedisConnectionError(f"Redis closed the connection: {exc or 'EOF'}"))

@@ -168,6 +168,21 @@ async def test_commands_of_different_turns_are_different_batches(client: aioredi
     await _close(batch)
 
 
+async def test_answered_batches_leave_the_overdue_watch_at_once(client: aioredis.Redis) -> None:
+    """The watch keeps one deadline per batch written; answered ones must not pile up until it
+    next fires (thousands every 5 s at load: a periodic 10 ms stall of the event loop)."""
+    batch = AutoPipeline(client)
+    for i in range(500):  # 500 batches, one per turn
+        assert await batch.call("INCR", "n") == i + 1
+    conn = batch._conn
+    assert conn is not None and len(conn.deadlines) == 0
+    pending = batch.call("BLPOP", "nothing", 0.2)  # an open batch keeps its deadline while it waits
+    await asyncio.sleep(0.05)
+    assert len(conn.deadlines) == 1
+    assert await pending is None and len(conn.deadlines) == 0
+    await _close(batch)
+
+
 async def test_close_sends_what_is_queued_and_waits_for_the_replies(
     client: aioredis.Redis, redis_client: redis.Redis
 ) -> None:
