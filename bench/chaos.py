@@ -3,7 +3,7 @@ prompts, slow connections, and a long soak. Every scenario compares against the 
 without the fault, in the same run, and prints what a client saw.
 
     python -m bench.chaos overload [--spike-s 20]
-    python -m bench.chaos wait [--spike-s 20] [--step-ms 0]   # 4x capacity, no SLO: answered in time or refused fast
+    python -m bench.chaos wait [--spike-s 20] [--step-ms 10 --slots 8]   # 4x the worker's capacity, no SLO
     python -m bench.chaos oversize [--duration 30]            # oversized requests: a mistake is free, a flood held
     python -m bench.chaos redis
     python -m bench.chaos kill [--duration 300]
@@ -652,12 +652,14 @@ def _trickle(port: int, connections: int, seconds: float, report: Any) -> None:
 
 
 async def wait_bound(args: argparse.Namespace) -> dict[str, Any]:
-    """Issue 23: 4× capacity from clients without an SLO (half streaming), after a calm warm-up
+    """Issue 23: 4× the worker's capacity (an echo worker of ``--slots`` slots and ``--step-ms``
+    steps: the queue forms in the scheduler, where the gateway can see it) from clients without
+    an SLO (half streaming), after a calm warm-up
     that calibrates the first-token predictions: every request answered within the default
     wait bound (``--max-queue-wait-ms``, 5 s) plus 1 s, or refused within 50 ms; none left for
     its client's time-out."""
     bound_s = 5.0
-    with Stack(gateways=1, workers=1, step_ms=args.step_ms) as stack:
+    with Stack(gateways=1, workers=1, step_ms=args.step_ms, slots=args.slots) as stack:
         capacity = await _capacity(stack)
         calm = Load(stack, 0.3 * capacity, seed=11)
         await calm.run(8.0)
@@ -856,7 +858,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=None, help="requests/s of the normal load")
     parser.add_argument("--duration", type=float, default=None, help="seconds (kill: 300, soak: 3600)")
     parser.add_argument("--spike-s", type=float, default=20.0)
-    parser.add_argument("--step-ms", type=float, default=0.0, help="wait: the echo worker's step time")
+    parser.add_argument("--step-ms", type=float, default=10.0, help="wait: the echo worker's step time")
+    parser.add_argument("--slots", type=int, default=8, help="wait: the echo worker's slots")
     parser.add_argument("--connections", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--redis-fsync", choices=FSYNC_CHOICES, default="always",
