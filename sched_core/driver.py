@@ -159,17 +159,14 @@ class Driver:
 
     def _refusal(self, req: Request, c: Contract, load: float, now: float) -> Reject | None:
         """The ``slo`` refusal of a request its promise cannot serve in time (None: keep it)."""
-        cal = self.contracts
-        policy = self.policy
         over = self.shares.over(req.tenant, now)
         ttft_slo = req.slo_ttft_s * (HOLD_SLACK if over else 1.0) if req.slo_ttft_s is not None else math.inf
         tpot_slo = req.slo_tpot_s if req.slo_tpot_s is not None else math.inf
         full = over and load >= FULL_LOAD  # capacity left is kept for the tenants within their share
         if c.ttft_p99_s <= ttft_slo and c.tpot_p99_s <= tpot_slo and not full:
             return None
-        if not isinstance(policy, Cancels) or not policy.cancel(req.id, now):
-            return None  # it cannot be taken back: keep the promise, bounds and all
-        cal.forget(req.id)
+        if not self._take_back(req.id, now):
+            return None  # keep the promise, bounds and all
         if full:
             why = ("its tenant is over its fair share and the workers are full: what is left goes to the "
                    "tenants within theirs")
@@ -197,13 +194,20 @@ class Driver:
         wait = c.ttft_s - c.budget_wait_s - alone
         if wait <= req.max_wait_s:
             return None
-        policy = self.policy
-        if not isinstance(policy, Cancels) or not policy.cancel(req.id, now):
+        if not self._take_back(req.id, now):
             return None
-        self.contracts.forget(req.id)
         why = (f"the workers are busy: its first token would wait about {wait:.1f} s, more than the "
                f"{req.max_wait_s:g} s a request without an SLO is kept waiting")
         return Reject(req.id, "wait", why, max(1.0, wait - req.max_wait_s), c.total_s, c.ttft_p99_s, c.p99_s)
+
+    def _take_back(self, request_id: str, now: float) -> bool:
+        """Takes an admitted request out of the policy's queue, and its promise with it, to
+        refuse it; False where the policy cannot (the request then keeps its promise)."""
+        policy = self.policy
+        if not isinstance(policy, Cancels) or not policy.cancel(request_id, now):
+            return False
+        self.contracts.forget(request_id)
+        return True
 
     def outcome(self, request_id: str, ttft_s: float | None, total_s: float, tokens: int,
                 now: float) -> Accuracy | None:
