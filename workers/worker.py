@@ -295,21 +295,19 @@ class Worker:
         free = self.engine.free_slots
         if free <= 0:
             return
-        if self._reread_own:
-            held = {b.entry_id for b in self._batches.values()}
-            reply = self.client.xreadgroup(wire.GROUP, self.settings.worker_id, {self.stream: "0"},
-                                           count=free + len(held))
+        reread = self._reread_own
+        held = {b.entry_id for b in self._batches.values()} if reread else set()
+        reply = self.client.xreadgroup(
+            wire.GROUP, self.settings.worker_id, {self.stream: "0" if reread else ">"}, count=free + len(held),
+            block=None if reread else block_ms or None,
+        )
+        # RESP2: [[stream, [(id, fields), ...]]], or None when the block timed out
+        entries = [entry for _stream, got in reply for entry in got] if isinstance(reply, list) else []
+        if reread:
             self._reread_own = False
-            own = [entry for _stream, got in reply for entry in got] if isinstance(reply, list) else []
-            entries = [(entry_id, fields) for entry_id, fields in own if entry_id not in held and fields][:free]
+            entries = [(entry_id, fields) for entry_id, fields in entries if entry_id not in held and fields][:free]
             if entries:
                 log.info("re-reading %d jobs delivered while Redis failed", len(entries))
-        else:
-            reply = self.client.xreadgroup(
-                wire.GROUP, self.settings.worker_id, {self.stream: ">"}, count=free, block=block_ms or None
-            )
-            # RESP2: [[stream, [(id, fields), ...]]], or None when the block timed out
-            entries = [entry for _stream, got in reply for entry in got] if isinstance(reply, list) else []
         readable = [self._decode(entry_id, fields) for entry_id, fields in entries]
         self._admit([_Admission(entry_id, job, {}) for entry_id, job in readable if job is not None])
 
