@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway.errors import InvalidRequest
-from workers.protocol import SamplingParams
+from workers.protocol import TEMPERATURE_MAX, SamplingParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_MESSAGES = 4096  # messages per chat request
@@ -92,7 +92,8 @@ class StreamOptions(_Model):
 class _Sampling(_Model):
     model: str = Field(min_length=1, max_length=256)
     # left out (or null): the model's own default, else the gateway's (``SamplingDefaults``)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False, description=_DEFAULTED)
+    temperature: float | None = Field(default=None, ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False,
+                                      description=_DEFAULTED)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False, description=_DEFAULTED)
     stop: Stop = None
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)

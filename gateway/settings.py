@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from sched_core import SchedulerConfig
 from sched_core.policies import make_policy
+from workers.protocol import TEMPERATURE_MAX, sampling_in_range
 
 
 def _gateway_id() -> str:
@@ -61,9 +62,9 @@ class GatewaySettings:
             raise ValueError("request timeout must be positive")
         if self.default_max_tokens < 1:
             raise ValueError("default max tokens must be at least 1")
-        if not 0.0 <= self.default_temperature <= 2.0:
-            raise ValueError("the default temperature must be within [0, 2], as a request's")
-        if not 0.0 < self.default_top_p <= 1.0:
+        if not sampling_in_range("temperature", self.default_temperature):
+            raise ValueError(f"the default temperature must be within [0, {TEMPERATURE_MAX:g}], as a request's")
+        if not sampling_in_range("top_p", self.default_top_p):
             raise ValueError("the default top_p must be within (0, 1], as a request's")
         if self.admin_token is not None and len(self.admin_token) < 16:
             raise ValueError("the admin token must have at least 16 characters")

