@@ -17,11 +17,12 @@ import os
 import secrets
 from pathlib import Path
 
+from gateway.settings import ADMIN_TOKEN_MIN_CHARS
+
 log = logging.getLogger("tokengate.serve")
 
 ADMIN_TOKEN_FILE = "admin-token"
 DEMO_KEY_FILE = "demo-key"
-ADMIN_TOKEN_MIN_CHARS = 16  # as ``GatewaySettings`` requires
 
 
 def read_secret(path: Path) -> str | None:

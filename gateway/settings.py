@@ -11,6 +11,8 @@ from sched_core import SchedulerConfig
 from sched_core.policies import make_policy
 from workers.protocol import TEMPERATURE_MAX, sampling_in_range
 
+ADMIN_TOKEN_MIN_CHARS = 16
+
 
 def _gateway_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -66,8 +68,8 @@ class GatewaySettings:
             raise ValueError(f"the default temperature must be within [0, {TEMPERATURE_MAX:g}], as a request's")
         if not sampling_in_range("top_p", self.default_top_p):
             raise ValueError("the default top_p must be within (0, 1], as a request's")
-        if self.admin_token is not None and len(self.admin_token) < 16:
-            raise ValueError("the admin token must have at least 16 characters")
+        if self.admin_token is not None and len(self.admin_token) < ADMIN_TOKEN_MIN_CHARS:
+            raise ValueError(f"the admin token must have at least {ADMIN_TOKEN_MIN_CHARS} characters")
         if self.auth_cache_s < 0:
             raise ValueError("the auth cache time must not be negative")
         if self.shutdown_grace_s <= 0:
