@@ -104,6 +104,11 @@ class Gateway:
         for pool in self.settings.pools:
             self.metrics.workers.labels(pool).set(sum(1 for w in workers.values() if w.pool == pool))
 
+    def serves(self, model: str, tenant: Tenant) -> bool:
+        """Whether this gateway serves ``model`` to ``tenant`` (a model it runs, in the tenant's
+        allowed models)."""
+        return model == self.settings.model_name and tenant.may_use(model)
+
     def new_rid(self) -> str:
         return secrets.token_hex(12)
 
@@ -377,7 +382,7 @@ _PARSERS: dict[str, Callable[[Any], oai.Generation]] = {
 async def models(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     tenant = await gw.auth.tenant(request.headers)
-    served = [m for m in (gw.settings.model_name,) if tenant.may_use(m)]
+    served = [m for m in (gw.settings.model_name,) if gw.serves(m, tenant)]
     return ORJSONResponse(oai.models_body(served, gw.started))
 
 
@@ -388,7 +393,7 @@ async def model(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     tenant = await gw.auth.tenant(request.headers)
     name = request.path_params["model"]
-    if name != gw.settings.model_name or not tenant.may_use(name):
+    if not gw.serves(name, tenant):
         raise ModelNotFound(f"The model '{name}' does not exist or you do not have access to it.")
     return ORJSONResponse(oai.model_card(name, gw.started))
 

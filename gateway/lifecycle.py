@@ -155,7 +155,7 @@ class RequestLife:
         gw.in_flight += 1
         self._counted = True
         try:
-            if self.gen.model != gw.settings.model_name or not tenant.may_use(self.gen.model):
+            if not gw.serves(self.gen.model, tenant):
                 raise ModelNotFound(f"The model '{self.gen.model}' does not exist.", param="model")
             ids = await gw.tokenize(self.gen, tenant)
             max_tokens = limits.output_tokens(
