@@ -204,8 +204,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"tokengate: {exc}", file=sys.stderr)
         return 2
-    finally:
-        worker_cli.before_exit()
     return 0
 
 

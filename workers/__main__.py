@@ -24,8 +24,6 @@ def main() -> int:
         cli.run(cli.settings_from_args(args))
     except KeyboardInterrupt:
         return 130
-    finally:
-        cli.before_exit()
     return 0
 
 
