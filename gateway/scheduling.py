@@ -16,6 +16,7 @@ import orjson
 
 from sched_core import BatchTimings, Contract, Dispatch, PathConfig, Reject, Request, SchedulerConfig
 from sched_core.contracts import Accuracy
+from sched_core.costmodel import COEFFICIENTS
 from sched_core.driver import Driver
 from sched_core.policies import make_policy
 from workers import protocol as p
@@ -112,6 +113,29 @@ def capacity_share(workers: dict[str, p.Heartbeat], gateways: int) -> dict[str, 
     return {pool: (math.ceil(slots[pool] / n), max(1, round(count[pool] / n))) for pool in slots}
 
 
+def measured_prior(workers: dict[str, p.Heartbeat], pool: str, base: PathConfig) -> tuple[str, PathConfig] | None:
+    """The prior of ``pool``'s step-time model from its live workers' measured profiles
+    (``workers/selfprofile.py``): each coefficient the slot-weighted mean over the workers (a
+    batch goes to whichever of them reads it first), with ``base``'s batch limit and step
+    budget. Returns a key naming the profiles it came from, or None if no worker of the pool
+    published one."""
+    found: list[tuple[str, int, dict[str, Any]]] = []
+    for wid, hb in sorted(workers.items()):
+        model = hb.profile.get("step_model") if hb.pool == pool and not hb.down else None
+        if isinstance(model, dict):
+            found.append((f"{wid}={hb.profile.get('fingerprint', '?')}", max(1, hb.slots), model))
+    if not found:
+        return None
+    total = sum(slots for _, slots, _ in found)
+    try:
+        mean = [sum(slots * float(model[name]) for _, slots, model in found) / total for name in COEFFICIENTS]
+        prior = replace(base, decode_launch=mean[0], decode_seq=mean[1], kv_token=mean[2], prefill_launch=mean[3],
+                        prefill_token=mean[4])
+        return " ".join(key for key, _, _ in found), prior
+    except (KeyError, TypeError, ValueError):  # a profile this gateway cannot read: keep the prior it has
+        return None
+
+
 class SchedulerShell:
     """The core plus what it does not keep: the jobs of queued requests and the slot leases
     of dispatched batches. Every lease ends exactly once: by the batch's report
@@ -132,6 +156,7 @@ class SchedulerShell:
         self._lease_of: dict[str, int] = {}  # request id -> batch id, while its lease lasts
         self._gpu_alive = False
         self._step_tokens: dict[str, int] = {}  # per pool, from the workers' telemetry
+        self.priors: dict[str, str] = {}  # per pool: the measured profiles its step model starts from
 
     def __len__(self) -> int:
         return self.driver.queued
@@ -144,6 +169,7 @@ class SchedulerShell:
         snapshot = getattr(self.driver.policy, "snapshot", None)
         snap: dict[str, object] = snapshot() if snapshot is not None else {"queued": self.driver.queued}
         snap["policy"] = self.policy
+        snap["priors"] = {pool: self.priors.get(pool, "packaged profile") for pool in p.POOLS}
         return snap
 
     def next_tick(self, now: float) -> float:
@@ -206,6 +232,7 @@ class SchedulerShell:
                         paths[pool] = replace(getattr(config, pool), **coef)
             if paths:
                 self.driver = Driver(make_policy(self.policy, replace(config, **paths)))
+                self.priors.clear()
         calibration = state.get("contracts")
         if isinstance(calibration, dict):
             self.driver.contracts.load(calibration)
@@ -308,11 +335,20 @@ class SchedulerShell:
         return len(self._leases)
 
     def capacity(self, workers: dict[str, p.Heartbeat], gateways: int, now: float) -> None:
+        """The live workers' slots, and the priors their measured profiles give each pool's
+        step-time model (re-seeded when the set of profiles changes)."""
         share = capacity_share(workers, gateways)
         self._gpu_alive = share["gpu"][0] > 0
+        config = getattr(self.driver.policy, "config", None)
         for pool in p.POOLS:
             slots, count = share[pool]
             self.driver.capacity(pool, slots, now, count, self._step_tokens.get(pool, 0))
+            if isinstance(config, SchedulerConfig):
+                measured = measured_prior(workers, pool, getattr(config, pool))
+                if measured is None or self.priors.get(pool) == measured[0]:
+                    continue
+                if self.driver.prior(pool, measured[1]):
+                    self.priors[pool] = measured[0]
 
     def cancel(self, rid: str, now: float) -> bool:
         """True if the request was still queued here: it will never be dispatched."""

@@ -305,11 +305,14 @@ def _worker_argv(pool: str, redis_url: str, args: argparse.Namespace, model_dir:
         "--heartbeat", str(args.heartbeat),
         "--heartbeat-ttl", str(args.heartbeat_ttl),
         "--max-deliveries", str(args.max_deliveries),
+        "--profile-s", str(args.profile_s),
         "--model", str(model_dir),
         "--model-name", model_name,
     ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.profile_dir:
+        cmd += ["--profile-dir", str(args.profile_dir)]
     if args.upstream_url:
         cmd += ["--upstream-url", args.upstream_url, "--upstream-timeout", str(args.upstream_timeout)]
         if args.upstream_model:

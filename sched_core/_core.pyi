@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from sched_core.types import BatchTimings, Contract, Dispatch, Reject, Request, SchedulerConfig
+from sched_core.types import BatchTimings, Contract, Dispatch, PathConfig, Reject, Request, SchedulerConfig
 
 IMPLEMENTATION: str
 
@@ -16,6 +16,7 @@ class Scheduler:
     def tick(self, now: float) -> list[Dispatch | Reject]: ...
     def finished(self, request_id: str, output_tokens: int, now: float) -> bool: ...
     def completed(self, timings: BatchTimings, now: float) -> None: ...
+    def set_prior(self, path: str, prior: PathConfig) -> None: ...
     def observe_steps(self, path: str, records: list[tuple[int, int, int, float]], now: float) -> None: ...
     def worker_capacity(
         self, path: str, slots: int, now: float, workers: int = 1, step_tokens: int = 0

@@ -479,6 +479,13 @@ cdef class Scheduler:
                 batch.h[i] = -1
                 self._finish(h, batch.path, outs[i] if exact else -1)
 
+    def set_prior(self, path, prior):
+        """``path``'s step-time model now starts from ``prior`` (its workers' measured
+        profiles); what it fitted stays (``StepModel.reprior``)."""
+        cdef int p = PATHS.index(path)
+        self._models[p].reprior(prior)
+        self._load_coef(p)
+
     def observe_steps(self, path, records, double now):
         """Refit ``path``'s step-time model from worker step records
         ``(prefill tokens, decode sequences, KV tokens, seconds)``."""

@@ -102,6 +102,14 @@ class StepModel:
         self._theta = self._prior
         self.observations = 0
 
+    def reprior(self, prior: PathConfig) -> None:
+        """Pull the fit toward a new prior (a worker measured itself at start): the step
+        records fitted so far stay, the penalty now centres on ``prior``."""
+        self._prior = (prior.decode_launch, prior.decode_seq, prior.kv_token,
+                       prior.prefill_launch, prior.prefill_token)
+        self._typical = typical_steps(prior)
+        self._theta = self._solve() if self.observations else self._prior
+
     def coefficients(self) -> Features:
         """The current coefficients, in ``COEFFICIENTS`` order (seconds per unit)."""
         return self._theta

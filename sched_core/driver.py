@@ -29,7 +29,17 @@ from typing import Protocol, runtime_checkable
 
 from sched_core.contracts import Accuracy, Contracts
 from sched_core.reference import RateMeter
-from sched_core.types import HOLD_SLACK, PATHS, BatchTimings, Contract, Dispatch, Reject, Request, SchedulerConfig
+from sched_core.types import (
+    HOLD_SLACK,
+    PATHS,
+    BatchTimings,
+    Contract,
+    Dispatch,
+    PathConfig,
+    Reject,
+    Request,
+    SchedulerConfig,
+)
 
 TICK_S = 0.002  # how often a policy is asked while requests wait and a slot is free
 #: A tenant over its fair share is refused (when it has an SLO) once its path's running and
@@ -65,6 +75,13 @@ class Wakes(Protocol):
     """A policy that knows when it next wants a tick (a time window closing)."""
 
     def next_wake(self, now: float) -> float: ...
+
+
+@runtime_checkable
+class Priors(Protocol):
+    """A policy with a step-time model that a measured profile can seed."""
+
+    def set_prior(self, path: str, prior: PathConfig) -> None: ...
 
 
 @runtime_checkable
@@ -256,6 +273,14 @@ class Driver:
                 del self._batch_of[rid]
             self._used[path] -= len(left)
         self.policy.completed(timings, now)
+
+    def prior(self, path: str, prior: PathConfig) -> bool:
+        """Seed ``path``'s step-time model with ``prior`` (its workers measured themselves);
+        False if the policy has no model (the baselines)."""
+        if not isinstance(self.policy, Priors):
+            return False
+        self.policy.set_prior(path, prior)
+        return True
 
     def steps(self, path: str, records: Sequence[StepRecord], now: float) -> None:
         if records:

@@ -33,6 +33,7 @@ from sched_core.types import (
     BatchTimings,
     Contract,
     Dispatch,
+    PathConfig,
     Reject,
     Request,
     SchedulerConfig,
@@ -254,6 +255,13 @@ class Scheduler:
         self._coef[p] = model.coefficients()
         done = sum(rec[0] for rec in records)
         self._pend[p] = self._pend[p] - done if self._pend[p] > done else 0.0
+
+    def set_prior(self, path: str, prior: PathConfig) -> None:
+        """``path``'s step-time model now starts from ``prior`` (its workers' measured
+        profiles); what it fitted stays (``StepModel.reprior``)."""
+        p = PATHS.index(path)
+        self._models[p].reprior(prior)
+        self._coef[p] = self._models[p].coefficients()
 
     def worker_capacity(self, path: str, slots: int, now: float, workers: int = 1,
                         step_tokens: int = 0) -> None:

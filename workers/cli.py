@@ -98,6 +98,12 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
           help="deliveries after which a batch goes to the dead-letter stream")
     _flag(parser, "--threads", setting_default("threads"), type=int,
           help="torch intra-op threads (default: torch's choice)")
+    _flag(parser, "--profile-s", setting_default("profile_s"), type=float,
+          help="seconds the worker may spend measuring its engine at start, the step-time profile "
+               "gateways price with (0: none, gateways keep the packaged priors); docs/scheduling.md")
+    _flag(parser, "--profile-dir", None, type=Path,
+          help="where measured profiles are kept per machine fingerprint, so a restart only re-checks "
+               "(default ~/.cache/tokengate/profiles)")
     _flag(parser, "--worker-id", None, help="default: hostname-pid")
 
 
@@ -123,6 +129,8 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         heartbeat_ttl_s=args.heartbeat_ttl,
         max_deliveries=args.max_deliveries,
         threads=args.threads,
+        profile_s=args.profile_s,
+        profile_dir=args.profile_dir,
         **extra,
     )
 

@@ -153,6 +153,8 @@ class Heartbeat:
     batches: tuple[str, ...] = ()  # ids of the batches this worker holds, at most HEARTBEAT_MAX_BATCHES
     down: str = ""  # why the worker takes no jobs now (its upstream does not answer); "" if it does
     upstream: dict[str, float] = dataclasses.field(default_factory=dict)  # the upstream's own gauges (vLLM)
+    # the engine's step-time profile, measured at start (workers/selfprofile.py); {} if none
+    profile: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 TELEMETRY_MAX_STEPS = 64  # a telemetry entry carries at most this many step records
@@ -333,6 +335,8 @@ def decode_heartbeat(raw: bytes) -> Heartbeat:
             known["batches"] = tuple(str(b) for b in known["batches"])
         if "upstream" in known:
             known["upstream"] = {str(k): float(v) for k, v in known["upstream"].items()}
+        if not isinstance(known.get("profile", {}), dict):
+            raise TypeError("profile must be an object")
         return Heartbeat(**known)
     except (TypeError, ValueError, AttributeError) as exc:
         raise ProtocolError(f"malformed heartbeat: {exc!r}") from exc

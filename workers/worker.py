@@ -25,6 +25,7 @@ ones, ack, exit), the second exits at once, leaving unacked entries to peers.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -33,13 +34,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
+import orjson
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from workers import protocol as p
-from workers import wire
+from workers import selfprofile, wire
 from workers.engine import Engine, Handoff, StepResult
 from workers.fencing import Fence, HandoffWrite, Progress, Publish
 from workers.retry import Outage, Retrier, backoff_policy, is_nogroup
@@ -82,6 +85,8 @@ class WorkerSettings:
     trim_every_s: float = 5.0  # how often the heartbeat thread trims the jobs stream
     telemetry_every_s: float = 0.25  # step records go out at least this often while busy
     warm_up_tokens: int = 16  # a greedy sequence of this many tokens runs before the first heartbeat (0: none)
+    profile_s: float = 10.0  # the self-profile's time budget at start (0: none; workers/selfprofile.py)
+    profile_dir: Path | None = None  # profiles kept per machine fingerprint (default ~/.cache/tokengate/profiles)
     upstream_url: str | None = None  # engine "upstream": the OpenAI-compatible server it fronts
     upstream_model: str | None = None  # the model name sent upstream (default: the first of its /v1/models)
     upstream_timeout_s: float = 60.0  # longest wait for the upstream's next chunk before it counts as down
@@ -109,6 +114,8 @@ class WorkerSettings:
             raise ValueError("the Redis timeout must exceed the blocking read time")
         if not 0 < self.retry_base_s <= self.retry_cap_s:
             raise ValueError("retry backoff needs 0 < base <= cap")
+        if not 0 <= self.profile_s < math.inf:
+            raise ValueError("the self-profile budget must be 0 (none) or a number of seconds")
 
 
 def connect(settings: WorkerSettings) -> redis.Redis:
@@ -188,6 +195,8 @@ class Worker:
         self._steps: deque[p.StepRecord] = deque()  # not yet in a telemetry entry
         self._dropped = 0  # step records left out since the last entry
         self._telemetry_at = float("-inf")  # when the last entry went out
+        self.profile: dict[str, Any] = {}  # the engine's measured profile, published with each heartbeat
+        self._profile_stored = False  # kept in wire.PROFILES_HASH yet
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -213,8 +222,22 @@ class Worker:
         self.engine.reset()
         self._publish_telemetry()
 
+    def measure_engine(self) -> None:
+        """The engine's step-time profile, measured (or a stored one re-checked) before the
+        first heartbeat, which publishes it (``workers/selfprofile.py``). An upstream
+        server's steps are not this worker's to time: gateways fit those online only."""
+        if self.engine.name == "upstream":
+            return
+        s = self.settings
+        setup = {"model": self.model, "slots": self.engine.slots, "step_tokens": self.engine.step_tokens,
+                 "echo_step_s": s.echo_step_s if self.engine.name == "echo" else 0.0}
+        self.profile = selfprofile.obtain(
+            self.engine, pool=s.pool, model=self.model, setup=setup, budget_s=s.profile_s,
+            slots=self.engine.slots, max_batch=self.engine.slots, directory=s.profile_dir) or {}
+
     def run(self) -> None:
         self.warm_up()
+        self.measure_engine()
         threads = [
             threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True),
             threading.Thread(target=self._cancel_loop, name="cancels", daemon=True),
@@ -691,6 +714,7 @@ class Worker:
             batches=tuple(b.job.batch_id for b in held[: p.HEARTBEAT_MAX_BATCHES]),
             down=self.engine.down,
             upstream=dict(self.engine.metrics),
+            profile=self.profile,
         )
 
     def _heartbeat_loop(self) -> None:
@@ -706,7 +730,10 @@ class Worker:
                 pipe = self.client.pipeline(transaction=False)
                 pipe.set(key, p.encode_heartbeat(self.heartbeat()), px=ttl_ms)
                 pipe.zadd(wire.WORKERS_ZSET, {self.settings.worker_id: time.time()})
+                if self.profile and not self._profile_stored:
+                    pipe.hset(wire.PROFILES_HASH, self.profile["fingerprint"], orjson.dumps(self.profile))
                 pipe.execute()
+                self._profile_stored = True
                 retry.succeeded(started)
                 if self._clock() - last_touch >= touch_every:
                     last_touch = self._clock()

@@ -221,3 +221,41 @@ def test_losing_everything_in_flight_frees_every_slot() -> None:
     _sends, t = _dispatched(shell, ["a", "b", "c"])
     shell.request_ended("c", t)
     assert sorted(shell.abort_all(t)) == ["a", "b"] and _used(shell) == 0 and shell.leases == 0
+
+
+def _profiled(wid: str, slots: int, prefill_token: float, fingerprint: str) -> p.Heartbeat:
+    model = {"decode_launch": 0.01, "decode_seq": 1e-3, "kv_token": 1e-6, "prefill_launch": 0.02,
+             "prefill_token": prefill_token, "max_batch": slots, "step_tokens": 64}
+    return replace(_hb(wid, "cpu", slots), profile={"fingerprint": fingerprint, "step_model": model})
+
+
+def test_the_workers_measured_profiles_seed_their_pools_step_model() -> None:
+    shell = _shell()
+    packaged = shell.snapshot()["paths"]["cpu"]["step_model"]  # type: ignore[index]
+    assert shell.snapshot()["priors"] == {"cpu": "packaged profile", "gpu": "packaged profile"}
+    # two workers, 8 and 24 slots: the prior is their slot-weighted mean
+    workers = {"a": _profiled("a", 8, 1e-3, "fa"), "b": _profiled("b", 24, 3e-3, "fb")}
+    shell.capacity(workers, gateways=1, now=1.0)
+    snap = shell.snapshot()
+    model = snap["paths"]["cpu"]["step_model"]  # type: ignore[index]
+    assert model["prefill_token"] == pytest.approx((8 * 1e-3 + 24 * 3e-3) / 32)
+    assert model["decode_launch"] == pytest.approx(0.01) != packaged["decode_launch"]
+    assert snap["priors"] == {"cpu": "a=fa b=fb", "gpu": "packaged profile"}
+    # the same profiles again change nothing; a worker gone re-seeds from the one left
+    shell.capacity(workers, gateways=1, now=2.0)
+    shell.capacity({"b": workers["b"]}, gateways=1, now=3.0)
+    assert shell.snapshot()["paths"]["cpu"]["step_model"]["prefill_token"] == pytest.approx(3e-3)  # type: ignore[index]
+
+
+def test_an_unreadable_profile_keeps_the_prior_it_has() -> None:
+    shell = _shell()
+    before = shell.snapshot()["paths"]["cpu"]["step_model"]  # type: ignore[index]
+    bad = replace(_hb("a", "cpu", 8), profile={"fingerprint": "x", "step_model": {"prefill_token": "fast"}})
+    shell.capacity({"a": bad}, gateways=1, now=1.0)
+    assert shell.snapshot()["paths"]["cpu"]["step_model"] == before  # type: ignore[index]
+
+
+def test_baseline_policies_take_no_prior() -> None:
+    shell = _shell(policy="fcfs")
+    shell.capacity({"a": _profiled("a", 8, 1e-3, "fa")}, gateways=1, now=1.0)
+    assert shell.snapshot()["priors"]["cpu"] == "packaged profile"  # type: ignore[index]

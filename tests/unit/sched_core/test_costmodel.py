@@ -209,3 +209,19 @@ def test_path_config_validates_its_priors() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         PathConfig(0.01, 1e-5, 1e-8, 0.01, 1e-6, max_batch=4, step_tokens=0)
     assert PathConfig(0.0, 1e-5, 1e-8, 0.0, 1e-6, max_batch=1).step_tokens == 256
+
+
+def test_a_new_prior_moves_the_fit_and_keeps_the_data() -> None:
+    """A worker that measured itself re-seeds the model: alone, the prior is the fit; with
+    records, the directions they identify stay where the data put them."""
+    model = StepModel(PRIOR, CONFIG)
+    measured = PathConfig(decode_launch=0.02, decode_seq=8e-5, kv_token=6e-8, prefill_launch=0.03,
+                          prefill_token=2e-6, max_batch=64, step_tokens=256)
+    model.reprior(measured)
+    assert model.coefficients() == (0.02, 8e-5, 6e-8, 0.03, 2e-6)
+    model = StepModel(PRIOR, CONFIG)
+    model.observe_many([(0, 32, 32 * 512, 0.05)] * 200)  # one decode shape, many times
+    before = model.predict(0, 32, 32 * 512)
+    model.reprior(measured)
+    assert model.predict(0, 32, 32 * 512) == pytest.approx(before, rel=0.05)
+    assert model.coefficients()[3:] == pytest.approx((0.03, 2e-6), rel=0.05)  # prefill: the new prior

@@ -200,3 +200,13 @@ def test_explain_says_when_the_per_token_slo_holds_a_request(make: Factory) -> N
     assert e["reason"] == (
         "held: starting it now would push gpu's running sequences past the 95 ms per-token "
         "SLO; it leaves when they finish or its own time-to-first-token slack runs out")
+
+
+def test_a_measured_prior_reseeds_the_path_in_both_builds(make: Factory) -> None:
+    s = make()
+    measured = PathConfig(decode_launch=0.02, decode_seq=8e-5, kv_token=6e-8, prefill_launch=0.03,
+                          prefill_token=2e-6, max_batch=8, step_tokens=64)
+    s.set_prior("cpu", measured)
+    cpu = s.snapshot()["paths"]["cpu"]
+    assert tuple(cpu["step_model"].values()) == pytest.approx((0.02, 8e-5, 6e-8, 0.03, 2e-6))
+    assert s.prefill_alone_s("cpu", 1000) == pytest.approx(0.03 + 2e-6 * 1000)

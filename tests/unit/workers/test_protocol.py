@@ -179,3 +179,13 @@ def _body(**change: object) -> bytes:
 def test_malformed_telemetry_raises_protocol_error(body: bytes) -> None:
     with pytest.raises(p.ProtocolError):
         p.decode_telemetry({b"v": VERSION, b"m": body})
+
+
+def test_heartbeat_carries_the_measured_profile() -> None:
+    profile = {"fingerprint": "ab12", "step_model": {"prefill_token": 1e-3}, "facts": {"amx": True}}
+    hb = p.Heartbeat("w1", "cpu", "cpu", "bfloat16", "transformers", "m", 8, 8, 0.0, 1.0, profile=profile)
+    assert p.decode_heartbeat(p.encode_heartbeat(hb)).profile == profile
+    doc = orjson.loads(p.encode_heartbeat(hb))
+    doc["profile"] = "fast"
+    with pytest.raises(p.ProtocolError, match="malformed"):
+        p.decode_heartbeat(orjson.dumps(doc))

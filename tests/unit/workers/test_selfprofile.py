@@ -1,0 +1,112 @@
+"""The self-profile's fit and bookkeeping (pure: synthetic step records, no model, no Redis),
+and its measurement of the echo engine (no model: microsecond steps)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from workers import selfprofile as sp
+from workers.engine import EchoEngine
+
+A, B, B2 = 0.04, 1.2e-3, 2.5e-7  # an fp32 CPU's prefill curve (the packaged profile's magnitudes)
+C, D, E = 0.044, 1.9e-3, 5e-6
+
+
+def points(noise: float = 0.0, seed: int = 0) -> dict[str, list]:
+    rng = random.Random(seed)
+
+    def jitter(x: float) -> float:
+        return x * (1.0 + rng.uniform(-noise, noise))
+
+    prefill = [{"batch": b, "tokens": n, "seconds": jitter(A + B * b * n + B2 * b * n * n)}
+               for b, n in [(1, 64), (1, 256), (1, 1024), (1, 64), (1, 256), (1, 1024), (32, 16)]]
+    decode = [{"running": n, "kv_tokens": k, "seconds": jitter(C + D * n + E * n * k)}
+              for n, k in [(1, 1025), (1, 1028), (32, 18), (32, 20), (8, 24), (8, 26)]]
+    return {"prefill": prefill, "decode": decode, "mixed": []}
+
+
+def test_the_fit_recovers_the_curves_it_was_measured_from() -> None:
+    fit = sp.fit(points())
+    assert fit["prefill"] == pytest.approx({"a": A, "b": B, "b2": B2}, rel=1e-6)
+    assert fit["decode"] == pytest.approx({"c": C, "d": D, "e": E}, rel=1e-6)
+    assert fit["noise_cv"] < 1e-9
+
+
+def test_the_scheduler_line_prices_long_prompts_within_a_third_of_the_curve() -> None:
+    """The linear prefill of the step model, fitted to the curve over the priced lengths:
+    within 30 % of the quadratic at every length from 64 to 4,096 tokens (a least-squares
+    line is 31 % under at 4,096, a linearization at one typical length 2x off at one end)."""
+    fit = sp.fit(points(noise=0.05))
+    model = sp.step_model(fit, max_batch=8, step_tokens=64)
+    for n in sp.PRICED_LENGTHS:
+        line = model["prefill_launch"] + model["prefill_token"] * n
+        assert line == pytest.approx(A + B * n + B2 * n * n, rel=0.3), n
+    assert (model["decode_launch"], model["decode_seq"]) == pytest.approx((C, D), rel=0.2)
+
+
+def test_without_decode_steps_decode_costs_the_shortest_step() -> None:
+    only = points()
+    only["decode"] = []
+    fit = sp.fit(only)
+    assert fit["decode"] == {"c": min(p["seconds"] for p in only["prefill"]), "d": 0.0, "e": 0.0}
+    model = sp.step_model(fit, 8, 0)
+    assert model["decode_seq"] > 0 and model["kv_token"] > 0 and model["step_tokens"] == 1
+
+
+def test_mixed_steps_check_the_step_model() -> None:
+    model = sp.step_model(sp.fit(points()), 8, 64)
+    exact = (model["decode_launch"] + model["decode_seq"] * 8 + model["kv_token"] * 200
+             + model["prefill_launch"] + model["prefill_token"] * 56)
+    assert sp.mixed_error(model, [[56, 8, 200, exact]]) == pytest.approx(0.0, abs=1e-12)
+    assert sp.mixed_error(model, [[56, 8, 200, exact / 2]]) == pytest.approx(1.0)
+    assert sp.mixed_error(model, []) is None
+
+
+def test_the_fingerprint_names_the_machine_and_the_settings() -> None:
+    facts = {"cpu": "Xeon", "amx": True, "dtype": "bfloat16", "threads": 2}
+    same = sp.fingerprint(dict(facts), {"step_tokens": 64})
+    assert same == sp.fingerprint(facts, {"step_tokens": 64})
+    assert same != sp.fingerprint({**facts, "amx": False}, {"step_tokens": 64})
+    assert same != sp.fingerprint({**facts, "threads": 16}, {"step_tokens": 64})
+    assert same != sp.fingerprint(facts, {"step_tokens": 256})
+
+
+def test_the_echo_engine_is_measured_stored_and_then_reused(tmp_path: Path) -> None:
+    engine = EchoEngine(tokens=16, slots=32, step_s=0.002)
+    kw = {"pool": "cpu", "model": "echo", "setup": {"step_s": 0.002}, "budget_s": 5.0, "slots": 32,
+          "max_batch": 32, "directory": tmp_path}
+    first = sp.obtain(engine, **kw)  # type: ignore[arg-type]
+    assert first is not None and first["how"] == "measured" and "points" not in first
+    assert first["facts"]["engine"] == "echo" and first["facts"]["amx_used"] is False
+    # every echo step sleeps 2 ms: the profile measured that, not the packaged CPU's 40 ms
+    assert first["fit"]["decode"]["c"] + first["fit"]["decode"]["d"] == pytest.approx(0.002, rel=0.5)
+    stored = json.loads((tmp_path / f"{first['fingerprint']}.json").read_text())
+    assert stored["points"]["decode"] and stored["fingerprint"] == first["fingerprint"]
+    assert not engine.busy
+    again = sp.obtain(engine, **kw)  # type: ignore[arg-type]
+    assert again is not None and again["how"] == "reused" and again["recheck_error"] <= sp.RECHECK_TOLERANCE
+    slower = EchoEngine(tokens=16, slots=32, step_s=0.02)  # the same fingerprint, 10x slower now
+    remeasured = sp.obtain(slower, **kw)  # type: ignore[arg-type]
+    assert remeasured is not None and remeasured["how"] == "measured again"
+    assert remeasured["summary"]["decode_step_ms"] == pytest.approx(20, rel=0.5)
+
+
+def test_no_budget_no_profile(tmp_path: Path) -> None:
+    assert sp.obtain(EchoEngine(), pool="cpu", model="echo", setup={}, budget_s=0, slots=8, max_batch=8,
+                     directory=tmp_path) is None
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_unreadable_stored_profile_is_measured_again(tmp_path: Path) -> None:
+    engine = EchoEngine(slots=8)
+    kw = {"pool": "cpu", "model": "echo", "setup": {}, "budget_s": 5.0, "slots": 8, "max_batch": 8,
+          "directory": tmp_path}
+    first = sp.obtain(engine, **kw)  # type: ignore[arg-type]
+    assert first is not None
+    (tmp_path / f"{first['fingerprint']}.json").write_text("{not json")
+    again = sp.obtain(engine, **kw)  # type: ignore[arg-type]
+    assert again is not None and again["how"] == "measured"

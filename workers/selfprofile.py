@@ -1,0 +1,427 @@
+"""A worker measures its own engine at start: the step-time profile its gateways price with.
+
+Before its first heartbeat a worker runs a few seconds of real engine steps (``measure``) and
+fits them (``fit``) into a profile in the format ``bench/profile.py`` writes and the simulator
+reads (``sched_core.simulate.profile.CostProfile``):
+
+* **prefill**, whole prompts on an idle engine (what a first request gets): one prompt of
+  64, 256 and 1,024 tokens, twice, and a batch of short prompts. Fitted as
+  ``P(B, L) = a + b·B·L + b2·B·L²`` (``b2``: attention's quadratic part);
+* **decode** steps of 1 sequence holding 1,024 KV tokens and of a batch of 32 and then 8
+  short ones: ``D(n, K) = c + d·n + e·n·K``;
+* **mixed** steps: a 256-token prompt prefilled in chunks of the step budget
+  (``--step-tokens``) beside the 8 decoding sequences, the steps a loaded worker runs; they
+  check the fit (``mixed_error``), they do not move it.
+
+The scheduler's step model is linear in prompt tokens, so its prefill line is fitted to the
+curve ``P(1, L)`` at the prompt lengths it prices (64 to 4,096 tokens), by relative error:
+long prompts are priced with attention's growth in, short ones without a launch cost they
+do not pay. Its decode coefficients are ``c, d, e`` as measured.
+
+A profile is stored per machine fingerprint (CPU model and its AMX/AVX-512 flags, torch
+threads, GPU, dtype, torch version, engine, model and step budget) under the profile
+directory; a restart with the same fingerprint re-checks it with one short prompt and a few
+decode steps and measures again only if those are off by more than ``RECHECK_TOLERANCE``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from workers.devices import AMX_FLAGS, cpu_flags
+from workers.engine import Engine
+from workers.protocol import SamplingParams, SeqJob
+
+log = logging.getLogger("tokengate.worker")
+
+PREFILL_LENGTHS = (64, 256, 1024)
+PREFILL_REPS = 2
+LONG_DECODE_STEPS = 5  # decode steps of the 1,024-token sequence
+BATCH_PROMPT = 16  # tokens of each prompt of the decode batch
+BATCH_SIZES = (32, 8)  # the decode batch, then what is left of it
+BATCH_STEPS = 4  # decode steps at each batch size
+MIXED_PROMPT = 256  # the prompt chunked beside the decoding batch
+#: prompt lengths the scheduler's linear prefill line is fitted over (its bucket bounds)
+PRICED_LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096)
+RECHECK_TOLERANCE = 0.3  # a stored profile is reused while the re-check is within 30 %
+FORMAT = 1  # the profile document's format; a stored profile of another format is measured again
+TINY = 1e-12  # the scheduler wants positive slopes
+
+
+# -- the machine ---------------------------------------------------------------------------
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def machine_facts(engine: Engine) -> dict[str, Any]:
+    """What the measurement depends on, beside the engine's own settings."""
+    flags = cpu_flags()
+    facts: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count() or 1,
+        "amx": AMX_FLAGS <= flags,
+        "avx512": "avx512f" in flags,
+        "device": engine.device,
+        "dtype": engine.dtype,
+        "engine": engine.name,
+        "threads": 0,
+        "gpu": "",
+        "torch": "",
+    }
+    if engine.name == "transformers":  # the model engine: torch is loaded already
+        import torch
+
+        facts["threads"] = torch.get_num_threads()
+        facts["torch"] = torch.__version__
+        if engine.device == "cuda":
+            facts["gpu"] = torch.cuda.get_device_name()
+    # AMX is used where the CPU has it and the engine runs bf16 on the CPU
+    facts["amx_used"] = bool(facts["amx"] and engine.device == "cpu" and engine.dtype == "bfloat16")
+    return facts
+
+
+def fingerprint(facts: dict[str, Any], setup: dict[str, Any]) -> str:
+    """Same machine, same engine, same settings: same fingerprint."""
+    doc = json.dumps({"format": FORMAT, **facts, **setup}, sort_keys=True)
+    return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+# -- measuring -----------------------------------------------------------------------------
+
+
+def _prompt(length: int, salt: int) -> tuple[int, ...]:
+    """Token ids valid in any real vocabulary, different per prompt (no prefix is shared)."""
+    return tuple(100 + (i * 7919 + salt * 104729) % 30000 for i in range(length))
+
+
+class _Run:
+    """Drives an engine with synthetic prompts and keeps each step's record."""
+
+    def __init__(self, engine: Engine, deadline: float) -> None:
+        self.engine = engine
+        self.deadline = deadline
+        self.salt = itertools.count()
+        self.prefill: list[dict[str, float]] = []  # {"batch", "tokens", "seconds"}
+        self.decode: list[dict[str, float]] = []  # {"running", "kv_tokens", "seconds"}
+        self.mixed: list[list[float]] = []  # [prefill_tokens, decode_seqs, kv_tokens, seconds]
+
+    def over(self) -> bool:
+        return time.monotonic() >= self.deadline
+
+    def add(self, n: int, length: int, max_tokens: int) -> None:
+        params = SamplingParams(max_tokens, temperature=0.0, ignore_eos=True)
+        for _ in range(n):
+            i = next(self.salt)
+            self.engine.add(SeqJob(f"profile-{i}", _prompt(length, i), params))
+
+    def step(self, batch: int = 0, length: int = 0) -> None:
+        """One engine step, filed by what it ran; ``batch``×``length``: the whole prompts it
+        prefilled, when the caller knows them."""
+        for r in self.engine.step().records():
+            seconds = r.ms / 1000.0
+            if r.prefill_tokens and not r.decode_seqs:
+                if batch * length == r.prefill_tokens:
+                    self.prefill.append({"batch": batch, "tokens": length, "seconds": seconds})
+            elif r.decode_seqs and not r.prefill_tokens:
+                self.decode.append({"running": r.decode_seqs, "kv_tokens": r.kv_tokens / r.decode_seqs,
+                                    "seconds": seconds})
+            elif r.decode_seqs:
+                self.mixed.append([r.prefill_tokens, r.decode_seqs, r.kv_tokens, seconds])
+            batch = length = 0  # only the first step prefills what was added
+
+    def drain(self) -> None:
+        while self.engine.busy:
+            self.step()
+
+    def points(self) -> dict[str, Any]:
+        return {"prefill": self.prefill, "decode": self.decode, "mixed": self.mixed}
+
+
+def measure(engine: Engine, budget_s: float, slots: int) -> dict[str, Any]:
+    """Run the profile's steps on an idle engine, stopping between points once ``budget_s``
+    is spent; the engine is idle again after."""
+    run = _Run(engine, time.monotonic() + budget_s)
+    try:
+        for _rep in range(PREFILL_REPS):
+            for length in PREFILL_LENGTHS:
+                if run.over() and run.prefill:
+                    break
+                run.add(1, length, 1)
+                run.step(1, length)
+                run.drain()
+        if not run.over():  # one long sequence decoding
+            run.add(1, PREFILL_LENGTHS[-1], LONG_DECODE_STEPS + 1)
+            run.step(1, PREFILL_LENGTHS[-1])
+            run.drain()
+        if not run.over():  # a batch decoding, then the rest of it beside a chunked prompt
+            big, small = (min(n, slots) for n in BATCH_SIZES)
+            first = BATCH_STEPS + 1
+            rest = first + BATCH_STEPS + math.ceil(MIXED_PROMPT / max(1, engine.step_tokens or MIXED_PROMPT)) + 2
+            run.add(big - small, BATCH_PROMPT, first)
+            run.add(small, BATCH_PROMPT, rest)
+            run.step(big, BATCH_PROMPT)
+            for _ in range(first - 1):
+                run.step()
+            for _ in range(2):
+                run.step()
+            if small < slots and not run.over():
+                run.add(1, MIXED_PROMPT, 1)
+            run.drain()
+    finally:
+        engine.reset()
+    return run.points()
+
+
+def recheck(engine: Engine, profile: dict[str, Any]) -> float:
+    """The largest relative error of a stored profile's fit on a few fresh steps: one
+    256-token prompt prefilled, then decoded four steps."""
+    run = _Run(engine, math.inf)
+    try:
+        run.add(1, PREFILL_LENGTHS[1], 5)
+        run.step(1, PREFILL_LENGTHS[1])
+        run.drain()
+    finally:
+        engine.reset()
+    fit_ = profile["fit"]
+    errors = [abs(_prefill_s(fit_, 1, p["tokens"]) / p["seconds"] - 1.0) for p in run.prefill if p["seconds"] > 0]
+    decode = [abs(_decode_s(fit_, d["running"], d["kv_tokens"]) / d["seconds"] - 1.0)
+              for d in run.decode if d["seconds"] > 0]
+    if decode:
+        errors.append(statistics.median(decode))
+    return max(errors) if errors else math.inf
+
+
+# -- fitting -------------------------------------------------------------------------------
+
+
+def nn_relative_fit(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+    """Least squares on relative error, coefficients >= 0: the best of the fits on every
+    subset of the columns whose coefficients all come out non-negative. Returns the
+    coefficients and the spread (standard deviation) of the relative residuals."""
+    y = np.maximum(y, 1e-9)
+    weights = 1.0 / y
+    best: tuple[float, np.ndarray] | None = None
+    for k in range(1, x.shape[1] + 1):
+        for cols in itertools.combinations(range(x.shape[1]), k):
+            sub = x[:, cols] * weights[:, None]
+            theta, *_ = np.linalg.lstsq(sub, np.ones_like(y), rcond=None)
+            if (theta < 0).any():
+                continue
+            full = np.zeros(x.shape[1])
+            full[list(cols)] = theta
+            err = float(np.sum((x @ full / y - 1.0) ** 2))
+            if best is None or err < best[0]:
+                best = (err, full)
+    if best is None:  # every subset came out negative (degenerate points): the mean, flat
+        best = (0.0, np.zeros(x.shape[1]))
+        best[1][0] = float(np.mean(y))
+    residual = x @ best[1] / y - 1.0
+    return best[1], float(np.std(residual))
+
+
+def _prefill_s(fit_: dict[str, Any], batch: float, length: float) -> float:
+    p = fit_["prefill"]
+    return float(p["a"] + p["b"] * batch * length + p["b2"] * batch * length * length)
+
+
+def _decode_s(fit_: dict[str, Any], running: float, kv_per_seq: float) -> float:
+    d = fit_["decode"]
+    return float(d["c"] + d["d"] * running + d["e"] * running * kv_per_seq)
+
+
+def fit(points: dict[str, Any]) -> dict[str, Any]:
+    """``prefill(B, L) = a + b·B·L + b2·B·L²`` and ``decode(n, K) = c + d·n + e·n·K`` by
+    relative least squares with non-negative coefficients. Without decode steps (an engine
+    that answers whole in one step) decode costs the shortest step measured."""
+    pre = points["prefill"]
+    if not pre:
+        raise ValueError("no prefill step was measured")
+    xb = np.array([[1.0, p["batch"] * p["tokens"], p["batch"] * p["tokens"] ** 2] for p in pre])
+    (a, b, b2), cv_pre = nn_relative_fit(xb, np.array([p["seconds"] for p in pre]))
+    dec = points["decode"]
+    if len(dec) >= 2:
+        xd = np.array([[1.0, d["running"], d["running"] * d["kv_tokens"]] for d in dec])
+        (c, d, e), cv_dec = nn_relative_fit(xd, np.array([d["seconds"] for d in dec]))
+    else:
+        c, d, e, cv_dec = min(p["seconds"] for p in pre), 0.0, 0.0, 0.0
+    return {"prefill": {"a": float(a), "b": float(b), "b2": float(b2)},
+            "decode": {"c": float(c), "d": float(d), "e": float(e)},
+            "noise_cv": max(cv_pre, cv_dec), "noise_cv_prefill": cv_pre, "noise_cv_decode": cv_dec}
+
+
+def minimax_line(x: np.ndarray, y: np.ndarray, rounds: int = 100) -> tuple[float, float]:
+    """``(intercept, slope) >= 0`` of the line with the smallest largest relative error
+    ``|line(x)/y − 1|`` (Lawson's iteratively reweighted least squares; a negative intercept
+    is held at zero)."""
+    columns = np.column_stack([np.ones_like(x), x])
+    weights = np.full_like(x, 1.0 / len(x))
+    theta = np.zeros(2)
+    for _ in range(rounds):
+        scale = np.sqrt(weights) / y
+        theta, *_ = np.linalg.lstsq(columns * scale[:, None], y * scale, rcond=None)
+        if theta[0] < 0.0:
+            theta = np.array([0.0, float(np.sum(scale * scale * x * y) / np.sum(scale * scale * x * x))])
+        residual = np.abs(columns @ theta / y - 1.0)
+        if residual.max() <= 1e-9:  # the curve is a line
+            break
+        weights = np.maximum(weights * residual, 1e-12)
+        weights /= weights.sum()
+    return float(theta[0]), max(0.0, float(theta[1]))
+
+
+def step_model(fit_: dict[str, Any], max_batch: int, step_tokens: int) -> dict[str, Any]:
+    """The scheduler's step-time prior (``PathConfig`` fields): decode as measured, prefill
+    the line whose largest relative error against ``P(1, L)`` over ``PRICED_LENGTHS`` is
+    smallest (a prompt of any priced length is promised within that error of the curve)."""
+    lengths = np.array(PRICED_LENGTHS, dtype=float)
+    curve = np.array([_prefill_s(fit_, 1, n) for n in lengths])
+    pl, pt = minimax_line(lengths, curve)
+    d = fit_["decode"]
+    decode_launch, decode_seq = float(d["c"]), max(TINY, float(d["d"]))
+    if decode_launch + decode_seq <= 0.0:
+        decode_launch = TINY
+    return {"decode_launch": decode_launch, "decode_seq": decode_seq, "kv_token": max(TINY, float(d["e"])),
+            "prefill_launch": float(pl), "prefill_token": max(TINY, float(pt)),
+            "max_batch": max_batch, "step_tokens": max(1, step_tokens)}
+
+
+def mixed_error(model: dict[str, Any], mixed: list[list[float]]) -> float | None:
+    """Median relative error of the step model on the measured mixed steps (None: none ran)."""
+    errors = []
+    for prefill, seqs, kv, seconds in mixed:
+        predicted = (model["decode_launch"] + model["decode_seq"] * seqs + model["kv_token"] * kv
+                     + model["prefill_launch"] + model["prefill_token"] * prefill)
+        if seconds > 0:
+            errors.append(abs(predicted / seconds - 1.0))
+    return statistics.median(errors) if errors else None
+
+
+def summary(fit_: dict[str, Any]) -> dict[str, float]:
+    """The two figures an operator reads: prefill tokens/s of a 512-token prompt, and the
+    decode step of one sequence holding 256 KV tokens."""
+    return {"prefill_tokens_per_s": 512.0 / max(_prefill_s(fit_, 1, 512), 1e-9),
+            "decode_step_ms": _decode_s(fit_, 1, 256) * 1000.0}
+
+
+# -- start-up ------------------------------------------------------------------------------
+
+
+def build(points: dict[str, Any], facts: dict[str, Any], setup: dict[str, Any], pool: str, model: str,
+          max_batch: int, measured_s: float) -> dict[str, Any]:
+    """The profile document (``bench/profile.py``'s format plus the machine's facts)."""
+    fit_ = fit(points)
+    steps = step_model(fit_, max_batch, int(setup.get("step_tokens") or 0) or 8192)
+    amx = "AMX bf16" if facts["amx_used"] else facts["dtype"]
+    where = facts["gpu"] or facts["cpu"]
+    return {
+        "format": FORMAT,
+        "name": f"{pool}-{facts['engine']}-{fingerprint(facts, setup)}",
+        "fingerprint": fingerprint(facts, setup),
+        "device": f"{where}, {facts['threads'] or '?'} threads ({amx})",
+        "model": model,
+        "dtype": facts["dtype"],
+        "derived": False,
+        "pool": pool,
+        "source": f"measured by the worker at start ({time.strftime('%Y-%m-%d %H:%M')})",
+        "measured_at": time.time(),
+        "measured_s": measured_s,
+        "facts": facts,
+        "setup": setup,
+        "fit": fit_,
+        "step_model": steps,
+        "mixed_error": mixed_error(steps, points["mixed"]),
+        "summary": summary(fit_),
+        "points": points,
+    }
+
+
+def published(profile: dict[str, Any], how: str) -> dict[str, Any]:
+    """What a heartbeat carries: the profile without its raw points, and how it was had
+    (measured, reused after a re-check, measured again)."""
+    doc = {k: v for k, v in profile.items() if k != "points"}
+    doc["how"] = how
+    return doc
+
+
+def default_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tokengate" / "profiles"
+
+
+def obtain(engine: Engine, *, pool: str, model: str, setup: dict[str, Any], budget_s: float, slots: int,
+           max_batch: int, directory: Path | None) -> dict[str, Any] | None:
+    """The engine's profile: the stored one for this fingerprint if a re-check confirms it,
+    else a fresh measurement (stored for the next start). None if the budget is 0 or the
+    measurement could not be fitted (the gateways keep their packaged priors)."""
+    if budget_s <= 0:
+        return None
+    facts = machine_facts(engine)
+    key = fingerprint(facts, setup)
+    path = (directory or default_dir()) / f"{key}.json"
+    t0 = time.perf_counter()
+    stored = _read(path)
+    how = "measured"
+    if stored is not None:
+        error = recheck(engine, stored)
+        if error <= RECHECK_TOLERANCE:
+            stored = {**stored, "recheck_error": error}
+            log.info("profile %s reused (re-check %.0f%% off, %.1f s): %s", key, error * 100,
+                     time.perf_counter() - t0, _describe(stored))
+            return published(stored, "reused")
+        log.info("profile %s is %.0f%% off on this start: measuring again", key, error * 100)
+        how = "measured again"
+    points = measure(engine, budget_s, slots)
+    try:
+        profile = build(points, facts, setup, pool, model, max_batch, time.perf_counter() - t0)
+    except ValueError as exc:
+        log.warning("self-profile failed (%s): gateways keep their packaged priors", exc)
+        return None
+    _write(path, profile)
+    log.info("profile %s %s in %.1f s: %s", key, how, profile["measured_s"], _describe(profile))
+    return published(profile, how)
+
+
+def _describe(profile: dict[str, Any]) -> str:
+    s = profile["summary"]
+    return (f"{profile['device']}: prefill {s['prefill_tokens_per_s']:.0f} tokens/s at 512, "
+            f"decode step {s['decode_step_ms']:.1f} ms")
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("format") == FORMAT and "fit" in doc else None
+
+
+def _write(path: Path, profile: dict[str, Any]) -> None:
+    """Atomically (a peer worker on the same machine may read it meanwhile); a failure to
+    store only costs the next start a measurement."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(profile, indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("could not store the profile at %s: %s", path, exc)
