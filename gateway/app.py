@@ -103,6 +103,7 @@ class Gateway:
     def _count_workers(self, workers: dict[str, p.Heartbeat]) -> None:
         for pool in self.settings.pools:
             self.metrics.workers.labels(pool).set(sum(1 for w in workers.values() if w.pool == pool))
+        self.metrics.observe_profiles(workers)
 
     def serves(self, model: str, tenant: Tenant) -> bool:
         """Whether this gateway serves ``model`` to ``tenant`` (a model it runs, in the tenant's

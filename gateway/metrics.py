@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from sched_core.contracts import Accuracy
+from workers import protocol as p
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -59,12 +60,46 @@ class Metrics:
         self.workers = Gauge(
             "tokengate_workers_alive", "Workers with a live heartbeat, by pool", ["pool"], registry=self.registry
         )
+        labels = ["worker", "pool", "device", "dtype", "amx"]
+        self.worker_prefill = Gauge(
+            "tokengate_worker_prefill_tokens_per_second",
+            "Each live worker's prefill speed on a 512-token prompt, measured by the worker at start",
+            labels, registry=self.registry,
+        )
+        self.worker_decode = Gauge(
+            "tokengate_worker_decode_step_seconds",
+            "Each live worker's decode step of one sequence holding 256 KV tokens, measured at start",
+            labels, registry=self.registry,
+        )
+        self.worker_profile = Gauge(
+            "tokengate_worker_profile_seconds",
+            "What each live worker's start-up self-profile cost (a re-check of a stored one is short)",
+            labels, registry=self.registry,
+        )
         self.budget_wait = Histogram(
             "tokengate_budget_wait_seconds",
             "How long admitted requests waited for their tenant's token budget (waits > 0 only)",
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+
+    def observe_profiles(self, workers: dict[str, p.Heartbeat]) -> None:
+        """The live workers' measured profiles (workers/selfprofile.py); a gone worker's
+        series go with it."""
+        gauges = (self.worker_prefill, self.worker_decode, self.worker_profile)
+        for gauge in gauges:
+            gauge.clear()
+        for wid, hb in workers.items():
+            summary, facts = hb.profile.get("summary"), hb.profile.get("facts")
+            if not isinstance(summary, dict) or not isinstance(facts, dict):
+                continue
+            labels = (wid, hb.pool, hb.device, hb.dtype, "true" if facts.get("amx_used") else "false")
+            try:
+                self.worker_prefill.labels(*labels).set(float(summary["prefill_tokens_per_s"]))
+                self.worker_decode.labels(*labels).set(float(summary["decode_step_ms"]) / 1000.0)
+                self.worker_profile.labels(*labels).set(float(hb.profile.get("cost_s", 0.0)))
+            except (KeyError, TypeError, ValueError):
+                continue
 
     def observe_contract(self, acc: Accuracy | None) -> None:
         """How a finished request's promise fared (None: it had none, or did not finish)."""

@@ -128,9 +128,10 @@ def measured_prior(workers: dict[str, p.Heartbeat], pool: str, base: PathConfig)
         return None
     total = sum(slots for _, slots, _ in found)
     try:
-        mean = [sum(slots * float(model[name]) for _, slots, model in found) / total for name in COEFFICIENTS]
+        names = (*COEFFICIENTS, "prefill_attention")
+        mean = [sum(slots * float(model.get(name, 0.0)) for _, slots, model in found) / total for name in names]
         prior = replace(base, decode_launch=mean[0], decode_seq=mean[1], kv_token=mean[2], prefill_launch=mean[3],
-                        prefill_token=mean[4])
+                        prefill_token=mean[4], prefill_attention=mean[5])
         return " ".join(key for key, _, _ in found), prior
     except (KeyError, TypeError, ValueError):  # a profile this gateway cannot read: keep the prior it has
         return None
@@ -157,6 +158,7 @@ class SchedulerShell:
         self._gpu_alive = False
         self._step_tokens: dict[str, int] = {}  # per pool, from the workers' telemetry
         self.priors: dict[str, str] = {}  # per pool: the measured profiles its step model starts from
+        self._attention: dict[str, float] = {}  # per pool: the prior's prefill_attention (s per squared token)
 
     def __len__(self) -> int:
         return self.driver.queued
@@ -233,6 +235,7 @@ class SchedulerShell:
             if paths:
                 self.driver = Driver(make_policy(self.policy, replace(config, **paths)))
                 self.priors.clear()
+                self._attention = {pool: cfg.prefill_attention for pool, cfg in paths.items()}
         calibration = state.get("contracts")
         if isinstance(calibration, dict):
             self.driver.contracts.load(calibration)
@@ -313,7 +316,9 @@ class SchedulerShell:
         if t.pool not in p.POOLS:
             return
         self._step_tokens[t.pool] = t.step_tokens
-        self.driver.steps(t.pool, [(s.prefill_tokens, s.decode_seqs, s.kv_tokens, s.ms / 1000.0) for s in t.steps], now)
+        q = self._attention.get(t.pool, 0.0)
+        self.driver.steps(t.pool, [(s.prefill_tokens, s.decode_seqs, s.kv_tokens, _linear_part(s, q)) for s in t.steps],
+                          now)
 
     def request_ended(self, rid: str, now: float) -> None:
         """The request is over here (answered, failed, timed out, cancelled): once a batch
@@ -349,6 +354,7 @@ class SchedulerShell:
                     continue
                 if self.driver.prior(pool, measured[1]):
                     self.priors[pool] = measured[0]
+                    self._attention[pool] = measured[1].prefill_attention
 
     def cancel(self, rid: str, now: float) -> bool:
         """True if the request was still queued here: it will never be dispatched."""
@@ -357,6 +363,17 @@ class SchedulerShell:
             self._seqs.pop(rid, None)
             return True
         return False
+
+
+def _linear_part(step: p.StepRecord, attention: float) -> float:
+    """A step's seconds less the attention share the prior prices apart (``prefill_attention``),
+    for the online fit of the linear terms: exact for a whole prompt prefilled alone; a chunk
+    beside decoding sequences keeps its share (it is small, and its prompt's length is not
+    in the record). Never below half the step."""
+    seconds = step.ms / 1000.0
+    if attention <= 0.0 or step.decode_seqs or not step.prefill_tokens:
+        return seconds
+    return max(0.5 * seconds, seconds - attention * step.prefill_tokens * step.prefill_tokens)
 
 
 def _known_output(params: p.SamplingParams) -> int:

@@ -306,6 +306,7 @@ def _worker_argv(pool: str, redis_url: str, args: argparse.Namespace, model_dir:
         "--heartbeat-ttl", str(args.heartbeat_ttl),
         "--max-deliveries", str(args.max_deliveries),
         "--profile-s", str(args.profile_s),
+        "--dtype", args.dtype,
         "--model", str(model_dir),
         "--model-name", model_name,
     ]

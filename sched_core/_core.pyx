@@ -220,6 +220,7 @@ cdef class Scheduler:
     cdef int nb
     cdef int* bounds
     cdef double coef[2][5]
+    cdef double quad[2]         # prefill_attention: s per squared prompt token
     cdef long long maxb[2]
     cdef long long cap[2]
     cdef long long used[2]      # sequences dispatched and not finished
@@ -306,6 +307,8 @@ cdef class Scheduler:
         self._models = (StepModel(cfg.cpu, cfg), StepModel(cfg.gpu, cfg))
         self._load_coef(CPU)
         self._load_coef(GPU)
+        self.quad[CPU] = cfg.cpu.prefill_attention
+        self.quad[GPU] = cfg.gpu.prefill_attention
         self.maxb[CPU] = cfg.cpu.max_batch
         self.maxb[GPU] = cfg.gpu.max_batch
         self.workers[CPU] = 1
@@ -485,6 +488,7 @@ cdef class Scheduler:
         cdef int p = PATHS.index(path)
         self._models[p].reprior(prior)
         self._load_coef(p)
+        self.quad[p] = prior.prefill_attention
 
     def observe_steps(self, path, records, double now):
         """Refit ``path``'s step-time model from worker step records
@@ -546,8 +550,8 @@ cdef class Scheduler:
                 "workers": self.workers[p], "step_tokens": self.budget[p],
                 "pending_prefill": self.pend[p],
                 "max_batch": self.maxb[p], "fitted_steps": self._models[p].observations,
-                "step_model": dict(zip(COEFFICIENTS, [self.coef[p][i] for i in range(5)],
-                                       strict=True)),
+                "step_model": {**dict(zip(COEFFICIENTS, [self.coef[p][i] for i in range(5)],
+                                          strict=True)), "prefill_attention": self.quad[p]},
                 "step_s": self._step_s(p, 0.0, u, kv),
             })
         tenants = {
@@ -563,7 +567,8 @@ cdef class Scheduler:
         """The fitted time to prefill ``prompt_tokens`` on an idle worker of ``path``: the part
         of a first token that no queue adds."""
         cdef int p = PATHS.index(path)
-        return self.coef[p][3] + self.coef[p][4] * prompt_tokens
+        return (self.coef[p][3] + self.coef[p][4] * prompt_tokens
+                + self.quad[p] * <double>prompt_tokens * <double>prompt_tokens)
 
     def explain(self, request_id):
         """Why a request waits, what is ahead of it, where it goes; None if unknown."""
@@ -714,7 +719,8 @@ cdef class Scheduler:
         r.path = p
         r.wait = wait
         # its prompt is prefilled after those before it, in the same chunked passes
-        r.prefill = self._prefill_s(p, before / <double>w + <double>prompt + <double>(run - 1) * lbar, u, kv)
+        r.prefill = (self._prefill_s(p, before / <double>w + <double>prompt + <double>(run - 1) * lbar, u, kv)
+                     + self.quad[p] * (<double>prompt * <double>prompt + <double>(run - 1) * lbar * lbar))
         cdef double kv_run = kv + <double>run * length
         r.decode = out * self._step_s(p, 0.0, u + run, kv_run)
         cdef double hi = u + run if u + run > per else <double>per

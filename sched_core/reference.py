@@ -116,6 +116,7 @@ class Scheduler:
         nb = len(self._bounds)
         self._models = (StepModel(cfg.cpu, cfg), StepModel(cfg.gpu, cfg))
         self._coef = [m.coefficients() for m in self._models]
+        self._quad = [cfg.cpu.prefill_attention, cfg.gpu.prefill_attention]  # s per squared prompt token
         self._max_batch = (cfg.cpu.max_batch, cfg.gpu.max_batch)
         self._cap = [0, 0]
         self._used = [0, 0]  # sequences dispatched and not finished
@@ -262,6 +263,7 @@ class Scheduler:
         p = PATHS.index(path)
         self._models[p].reprior(prior)
         self._coef[p] = self._models[p].coefficients()
+        self._quad[p] = prior.prefill_attention
 
     def worker_capacity(self, path: str, slots: int, now: float, workers: int = 1,
                         step_tokens: int = 0) -> None:
@@ -307,7 +309,8 @@ class Scheduler:
                 "workers": self._workers[p], "step_tokens": self._budget[p],
                 "pending_prefill": self._pend[p],
                 "max_batch": self._max_batch[p], "fitted_steps": model.observations,
-                "step_model": dict(zip(COEFFICIENTS, self._coef[p], strict=True)),
+                "step_model": {**dict(zip(COEFFICIENTS, self._coef[p], strict=True)),
+                               "prefill_attention": self._quad[p]},
                 "step_s": self._step_s(p, 0.0, u, kv),
             })
         tenants = {
@@ -322,8 +325,9 @@ class Scheduler:
     def prefill_alone_s(self, path: str, prompt_tokens: int) -> float:
         """The fitted time to prefill ``prompt_tokens`` on an idle worker of ``path``: the part
         of a first token that no queue adds."""
-        _, _, _, pl, pt = self._coef[PATHS.index(path)]
-        return pl + pt * prompt_tokens
+        p = PATHS.index(path)
+        _, _, _, pl, pt = self._coef[p]
+        return pl + pt * prompt_tokens + self._quad[p] * prompt_tokens * prompt_tokens
 
     def explain(self, request_id: str) -> dict[str, Any] | None:
         """Why a request waits, what is ahead of it, where it goes; None if unknown."""
@@ -429,7 +433,8 @@ class Scheduler:
         before = self._pend[p] + (ahead_prompt * free / ahead_n if ahead_n > free else ahead_prompt)
         run = min(n, self._max_batch[p])
         # its prompt is prefilled after those before it, in the same chunked passes
-        prefill = self._prefill_s(p, before / w + prompt + (run - 1) * lbar, u, kv)
+        prefill = (self._prefill_s(p, before / w + prompt + (run - 1) * lbar, u, kv)
+                   + self._quad[p] * (prompt * prompt + (run - 1) * lbar * lbar))  # attention's growth
         kv_run = kv + run * length
         decode = out * self._step_s(p, 0.0, u + run, kv_run)
         hi = u + run if u + run > per else float(per)

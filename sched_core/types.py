@@ -167,6 +167,9 @@ class PathConfig:
     ``kv_tokens`` being the KV-cache tokens held by the decoding sequences. The scheduler refits
     all five online; these values seed the fit and hold its shape. ``step_tokens`` is the
     workers' per-step token budget (decode tokens plus the prefill chunk).
+    ``prefill_attention`` (s per squared prompt token) is attention's quadratic share of one
+    prompt's prefill, ``prefill_attention·L²`` beyond the line, chunked or not: measured by
+    a worker at start (``workers/selfprofile.py``), not refitted online; 0 leaves it out.
     """
 
     decode_launch: float
@@ -176,10 +179,11 @@ class PathConfig:
     prefill_token: float
     max_batch: int
     step_tokens: int = 256
+    prefill_attention: float = 0.0
 
     def __post_init__(self) -> None:
         coefficients = (self.decode_launch, self.decode_seq, self.kv_token, self.prefill_launch,
-                        self.prefill_token)
+                        self.prefill_token, self.prefill_attention)
         if not all(math.isfinite(c) for c in coefficients):
             raise ValueError("cost priors must be finite")
         if min(coefficients) < 0.0:

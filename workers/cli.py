@@ -11,6 +11,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from workers.devices import DTYPES
 from workers.worker import ENGINES, WorkerSettings
 
 log = logging.getLogger("tokengate.worker")
@@ -98,6 +99,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
           help="deliveries after which a batch goes to the dead-letter stream")
     _flag(parser, "--threads", setting_default("threads"), type=int,
           help="torch intra-op threads (default: torch's choice)")
+    _flag(parser, "--dtype", setting_default("dtype"), choices=DTYPES,
+          help="a CPU worker's dtype; auto: bf16 where AMX or AVX512-BF16 runs it, else fp32 "
+               "(a GPU worker runs bf16, or fp16 where bf16 is unsupported)")
     _flag(parser, "--profile-s", setting_default("profile_s"), type=float,
           help="seconds the worker may spend measuring its engine at start, the step-time profile "
                "gateways price with (0: none, gateways keep the packaged priors); docs/scheduling.md")
@@ -129,6 +133,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         heartbeat_ttl_s=args.heartbeat_ttl,
         max_deliveries=args.max_deliveries,
         threads=args.threads,
+        dtype=args.dtype,
         profile_s=args.profile_s,
         profile_dir=args.profile_dir,
         **extra,
@@ -165,7 +170,7 @@ def run(settings: WorkerSettings) -> None:
             torch.set_num_threads(settings.threads)
         cache = settings.cache_dir or model_store.default_cache_dir()
         spec = model_store.resolve(settings.model, cache, settings.model_name)
-        choice = probe(settings.pool)
+        choice = probe(settings.pool, settings.dtype)
         log.info("model %s from %s; %s", spec.name, spec.path, choice.reason)
         engine = HFEngine(spec.path, choice, slots=settings.slots, step_tokens=settings.step_tokens)
         model_name = spec.name

@@ -5,18 +5,19 @@ fits them (``fit``) into a profile in the format ``bench/profile.py`` writes and
 reads (``sched_core.simulate.profile.CostProfile``):
 
 * **prefill**, whole prompts on an idle engine (what a first request gets): one prompt of
-  64, 256 and 1,024 tokens, twice, and a batch of short prompts. Fitted as
+  64, 256 and 1,024 tokens, twice (the second 1,024 a 2,048 where the budget has room), one
+  of 512 and a batch of short prompts. Fitted as
   ``P(B, L) = a + b·B·L + b2·B·L²`` (``b2``: attention's quadratic part);
-* **decode** steps of 1 sequence holding 1,024 KV tokens and of a batch of 32 and then 8
+* **decode** steps of 1 sequence holding 512 KV tokens and of a batch of 32 and then 8
   short ones: ``D(n, K) = c + d·n + e·n·K``;
 * **mixed** steps: a 256-token prompt prefilled in chunks of the step budget
   (``--step-tokens``) beside the 8 decoding sequences, the steps a loaded worker runs; they
   check the fit (``mixed_error``), they do not move it.
 
-The scheduler's step model is linear in prompt tokens, so its prefill line is fitted to the
-curve ``P(1, L)`` at the prompt lengths it prices (64 to 4,096 tokens), by relative error:
-long prompts are priced with attention's growth in, short ones without a launch cost they
-do not pay. Its decode coefficients are ``c, d, e`` as measured.
+The scheduler's step model takes the fit term for term: ``prefill_launch = a``,
+``prefill_token = b``, ``prefill_attention = b2`` (attention's quadratic share of one
+prompt, which the online fit leaves as measured), ``decode_launch, decode_seq, kv_token =
+c, d, e``.
 
 A profile is stored per machine fingerprint (CPU model and its AMX/AVX-512 flags, torch
 threads, GPU, dtype, torch version, engine, model and step budget) under the profile
@@ -46,15 +47,14 @@ from workers.protocol import SamplingParams, SeqJob
 
 log = logging.getLogger("tokengate.worker")
 
-PREFILL_LENGTHS = (64, 256, 1024)
-PREFILL_REPS = 2
-LONG_DECODE_STEPS = 5  # decode steps of the 1,024-token sequence
+PREFILL_LENGTHS = (64, 256, 1024)  # each measured twice (the longest: or LONG_PROMPT once)
+LONG_PROMPT = 2048
+LONG_DECODE_PROMPT = 512  # the sequence decoding alone holds this many KV tokens
+LONG_DECODE_STEPS = 5
 BATCH_PROMPT = 16  # tokens of each prompt of the decode batch
 BATCH_SIZES = (32, 8)  # the decode batch, then what is left of it
 BATCH_STEPS = 4  # decode steps at each batch size
 MIXED_PROMPT = 256  # the prompt chunked beside the decoding batch
-#: prompt lengths the scheduler's linear prefill line is fitted over (its bucket bounds)
-PRICED_LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096)
 RECHECK_TOLERANCE = 0.3  # a stored profile is reused while the re-check is within 30 %
 FORMAT = 1  # the profile document's format; a stored profile of another format is measured again
 TINY = 1e-12  # the scheduler wants positive slopes
@@ -160,19 +160,32 @@ class _Run:
 def measure(engine: Engine, budget_s: float, slots: int) -> dict[str, Any]:
     """Run the profile's steps on an idle engine, stopping between points once ``budget_s``
     is spent; the engine is idle again after."""
-    run = _Run(engine, time.monotonic() + budget_s)
+    t0 = time.monotonic()
+    run = _Run(engine, t0 + budget_s)
+
+    def prefill(length: int, max_tokens: int = 1) -> float:
+        started = time.monotonic()
+        run.add(1, length, max_tokens)
+        run.step(1, length)
+        run.drain()
+        return time.monotonic() - started
+
     try:
-        for _rep in range(PREFILL_REPS):
-            for length in PREFILL_LENGTHS:
-                if run.over() and run.prefill:
-                    break
-                run.add(1, length, 1)
-                run.step(1, length)
-                run.drain()
+        for length in PREFILL_LENGTHS:
+            if run.over() and run.prefill:
+                break
+            longest = prefill(length)
+        # attention's growth shows best on a long prompt: one of LONG_PROMPT tokens where the
+        # budget leaves room for it (≈ 2.2x the longest so far) and for the decode phases
+        # (≈ 3x it), else the longest once more
+        left = t0 + budget_s - time.monotonic()
+        if not run.over():
+            prefill(LONG_PROMPT if 2.2 * longest + 3 * longest <= left else PREFILL_LENGTHS[-1])
+        for length in PREFILL_LENGTHS[:-1]:
+            if not run.over():
+                prefill(length)
         if not run.over():  # one long sequence decoding
-            run.add(1, PREFILL_LENGTHS[-1], LONG_DECODE_STEPS + 1)
-            run.step(1, PREFILL_LENGTHS[-1])
-            run.drain()
+            prefill(LONG_DECODE_PROMPT, LONG_DECODE_STEPS + 1)
         if not run.over():  # a batch decoding, then the rest of it beside a chunked prompt
             big, small = (min(n, slots) for n in BATCH_SIZES)
             first = BATCH_STEPS + 1
@@ -180,9 +193,7 @@ def measure(engine: Engine, budget_s: float, slots: int) -> dict[str, Any]:
             run.add(big - small, BATCH_PROMPT, first)
             run.add(small, BATCH_PROMPT, rest)
             run.step(big, BATCH_PROMPT)
-            for _ in range(first - 1):
-                run.step()
-            for _ in range(2):
+            for _ in range(first + 1):
                 run.step()
             if small < slots and not run.over():
                 run.add(1, MIXED_PROMPT, 1)
@@ -269,40 +280,19 @@ def fit(points: dict[str, Any]) -> dict[str, Any]:
             "noise_cv": max(cv_pre, cv_dec), "noise_cv_prefill": cv_pre, "noise_cv_decode": cv_dec}
 
 
-def minimax_line(x: np.ndarray, y: np.ndarray, rounds: int = 100) -> tuple[float, float]:
-    """``(intercept, slope) >= 0`` of the line with the smallest largest relative error
-    ``|line(x)/y − 1|`` (Lawson's iteratively reweighted least squares; a negative intercept
-    is held at zero)."""
-    columns = np.column_stack([np.ones_like(x), x])
-    weights = np.full_like(x, 1.0 / len(x))
-    theta = np.zeros(2)
-    for _ in range(rounds):
-        scale = np.sqrt(weights) / y
-        theta, *_ = np.linalg.lstsq(columns * scale[:, None], y * scale, rcond=None)
-        if theta[0] < 0.0:
-            theta = np.array([0.0, float(np.sum(scale * scale * x * y) / np.sum(scale * scale * x * x))])
-        residual = np.abs(columns @ theta / y - 1.0)
-        if residual.max() <= 1e-9:  # the curve is a line
-            break
-        weights = np.maximum(weights * residual, 1e-12)
-        weights /= weights.sum()
-    return float(theta[0]), max(0.0, float(theta[1]))
-
-
 def step_model(fit_: dict[str, Any], max_batch: int, step_tokens: int) -> dict[str, Any]:
-    """The scheduler's step-time prior (``PathConfig`` fields): decode as measured, prefill
-    the line whose largest relative error against ``P(1, L)`` over ``PRICED_LENGTHS`` is
-    smallest (a prompt of any priced length is promised within that error of the curve)."""
-    lengths = np.array(PRICED_LENGTHS, dtype=float)
-    curve = np.array([_prefill_s(fit_, 1, n) for n in lengths])
-    pl, pt = minimax_line(lengths, curve)
-    d = fit_["decode"]
+    """The scheduler's step-time prior (``PathConfig`` fields), term for term: decode
+    ``c, d, e``; prefill ``a, b`` and attention's ``b2`` (``prefill_attention``)."""
+    p, d = fit_["prefill"], fit_["decode"]
+    pl, pt = float(p["a"]), float(p["b"])
+    if pl + pt <= 0.0:
+        pt = TINY
     decode_launch, decode_seq = float(d["c"]), max(TINY, float(d["d"]))
     if decode_launch + decode_seq <= 0.0:
         decode_launch = TINY
     return {"decode_launch": decode_launch, "decode_seq": decode_seq, "kv_token": max(TINY, float(d["e"])),
-            "prefill_launch": float(pl), "prefill_token": max(TINY, float(pt)),
-            "max_batch": max_batch, "step_tokens": max(1, step_tokens)}
+            "prefill_launch": pl, "prefill_token": max(TINY, pt), "prefill_attention": float(p["b2"]),
+            "max_batch": max_batch, "step_tokens": step_tokens}  # 0: whole prompts, as the engine runs
 
 
 def mixed_error(model: dict[str, Any], mixed: list[list[float]]) -> float | None:
@@ -310,7 +300,7 @@ def mixed_error(model: dict[str, Any], mixed: list[list[float]]) -> float | None
     errors = []
     for prefill, seqs, kv, seconds in mixed:
         predicted = (model["decode_launch"] + model["decode_seq"] * seqs + model["kv_token"] * kv
-                     + model["prefill_launch"] + model["prefill_token"] * prefill)
+                     + model["prefill_launch"] + model["prefill_token"] * prefill)  # attention: a chunk's is small
         if seconds > 0:
             errors.append(abs(predicted / seconds - 1.0))
     return statistics.median(errors) if errors else None
@@ -330,7 +320,7 @@ def build(points: dict[str, Any], facts: dict[str, Any], setup: dict[str, Any], 
           max_batch: int, measured_s: float) -> dict[str, Any]:
     """The profile document (``bench/profile.py``'s format plus the machine's facts)."""
     fit_ = fit(points)
-    steps = step_model(fit_, max_batch, int(setup.get("step_tokens") or 0) or 8192)
+    steps = step_model(fit_, max_batch, int(setup.get("step_tokens") or 0))
     amx = "AMX bf16" if facts["amx_used"] else facts["dtype"]
     where = facts["gpu"] or facts["cpu"]
     return {
@@ -356,8 +346,9 @@ def build(points: dict[str, Any], facts: dict[str, Any], setup: dict[str, Any], 
 
 
 def published(profile: dict[str, Any], how: str) -> dict[str, Any]:
-    """What a heartbeat carries: the profile without its raw points, and how it was had
-    (measured, reused after a re-check, measured again)."""
+    """What a heartbeat carries: the profile without its raw points, how it was had
+    (measured, reused after a re-check, measured again) and what that cost this start
+    (``cost_s``)."""
     doc = {k: v for k, v in profile.items() if k != "points"}
     doc["how"] = how
     return doc
@@ -383,10 +374,11 @@ def obtain(engine: Engine, *, pool: str, model: str, setup: dict[str, Any], budg
     how = "measured"
     if stored is not None:
         error = recheck(engine, stored)
-        if error <= RECHECK_TOLERANCE:
-            stored = {**stored, "recheck_error": error}
+        if error <= RECHECK_TOLERANCE:  # the step model is derived again: this version's rules
+            steps = step_model(stored["fit"], max_batch, int(setup.get("step_tokens") or 0))
+            stored = {**stored, "step_model": steps, "recheck_error": error, "cost_s": time.perf_counter() - t0}
             log.info("profile %s reused (re-check %.0f%% off, %.1f s): %s", key, error * 100,
-                     time.perf_counter() - t0, _describe(stored))
+                     stored["cost_s"], _describe(stored))
             return published(stored, "reused")
         log.info("profile %s is %.0f%% off on this start: measuring again", key, error * 100)
         how = "measured again"
@@ -398,7 +390,7 @@ def obtain(engine: Engine, *, pool: str, model: str, setup: dict[str, Any], budg
         return None
     _write(path, profile)
     log.info("profile %s %s in %.1f s: %s", key, how, profile["measured_s"], _describe(profile))
-    return published(profile, how)
+    return published({**profile, "cost_s": profile["measured_s"]}, how)
 
 
 def _describe(profile: dict[str, Any]) -> str:

@@ -43,6 +43,7 @@ from redis.retry import Retry
 
 from workers import protocol as p
 from workers import selfprofile, wire
+from workers.devices import DTYPES
 from workers.engine import Engine, Handoff, StepResult
 from workers.fencing import Fence, HandoffWrite, Progress, Publish
 from workers.retry import Outage, Retrier, backoff_policy, is_nogroup
@@ -72,6 +73,7 @@ class WorkerSettings:
     echo_tokens: int = 16
     echo_step_s: float = 0.0
     threads: int | None = None
+    dtype: str = "auto"  # a CPU worker's dtype (workers.devices.DTYPES)
     heartbeat_s: float = 1.0
     heartbeat_ttl_s: float = 5.0
     block_ms: int = 100  # an idle read's block: a stop signal is noticed within it (it cannot cut it short)
@@ -94,6 +96,8 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         if self.pool not in p.POOLS:
             raise ValueError(f"pool must be one of {p.POOLS}, not {self.pool!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, not {self.dtype!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, not {self.engine!r}")
         if (self.engine == "upstream") != (self.upstream_url is not None):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sched_core import BatchTimings, Dispatch, PathConfig, SchedulerConfig
+from sched_core import BatchTimings, Contract, Dispatch, PathConfig, SchedulerConfig
 
 from .conftest import Factory
 from .support import batch_line, req, timings
@@ -17,7 +17,7 @@ LAUNCH_GPU = PathConfig(0.01, 0.0002, 0.0, 0.01, 0.0, max_batch=64, step_tokens=
 
 
 def prior(c: PathConfig) -> dict[str, float]:
-    return {name: getattr(c, name) for name in COEFFICIENTS}
+    return {name: getattr(c, name) for name in (*COEFFICIENTS, "prefill_attention")}
 
 
 def reported(path: dict[str, object]) -> PathConfig:
@@ -205,8 +205,16 @@ def test_explain_says_when_the_per_token_slo_holds_a_request(make: Factory) -> N
 def test_a_measured_prior_reseeds_the_path_in_both_builds(make: Factory) -> None:
     s = make()
     measured = PathConfig(decode_launch=0.02, decode_seq=8e-5, kv_token=6e-8, prefill_launch=0.03,
-                          prefill_token=2e-6, max_batch=8, step_tokens=64)
+                          prefill_token=2e-6, max_batch=8, step_tokens=64, prefill_attention=1e-9)
     s.set_prior("cpu", measured)
     cpu = s.snapshot()["paths"]["cpu"]
-    assert tuple(cpu["step_model"].values()) == pytest.approx((0.02, 8e-5, 6e-8, 0.03, 2e-6))
-    assert s.prefill_alone_s("cpu", 1000) == pytest.approx(0.03 + 2e-6 * 1000)
+    assert tuple(cpu["step_model"].values()) == pytest.approx((0.02, 8e-5, 6e-8, 0.03, 2e-6, 1e-9))
+    assert s.prefill_alone_s("cpu", 1000) == pytest.approx(0.03 + 2e-6 * 1000 + 1e-9 * 1000**2)
+    # an idle worker's first token is promised the measured curve, attention's growth in
+    for prompt in (250, 2000, 4000):
+        s = make()
+        s.set_prior("cpu", measured)
+        s.worker_capacity("cpu", 8, 0.0)
+        c = s.arrive(req(f"r{prompt}", prompt=prompt, max_tokens=1, out=1), 0.0)
+        assert isinstance(c, Contract)
+        assert c.ttft_s == pytest.approx(0.03 + 2e-6 * prompt + 1e-9 * prompt**2)

@@ -22,6 +22,22 @@ def test_cpu_with_amx_runs_bf16_with_ipex_when_installed() -> None:
     assert "not installed" in c.reason
 
 
+def test_avx512_bf16_without_amx_runs_bf16_and_says_why() -> None:
+    c = choose("cpu", NO_AMX | {"avx512_bf16"}, cuda=False, ipex_installed=True)
+    assert (c.device, c.dtype, c.ipex) == ("cpu", "bfloat16", False)
+    assert "AVX512-BF16" in c.reason and "no AMX" in c.reason
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_dtype_asked_for_is_taken(dtype: str) -> None:
+    for flags in (NO_AMX, AMX, NO_AMX | {"avx512_bf16"}):
+        c = choose("cpu", flags, cuda=False, ipex_installed=True, dtype=dtype)
+        assert (c.device, c.dtype, c.ipex) == ("cpu", dtype, False) and "as asked" in c.reason
+    assert choose("gpu", NO_AMX, cuda=True, ipex_installed=False, dtype="float32").device == "cuda"
+    with pytest.raises(ValueError, match="dtype must be"):
+        choose("cpu", NO_AMX, cuda=False, ipex_installed=False, dtype="int4")
+
+
 def test_amx_needs_both_flags() -> None:
     assert choose("cpu", NO_AMX | {"amx_tile"}, cuda=False, ipex_installed=False).dtype == "float32"
 

@@ -36,16 +36,13 @@ def test_the_fit_recovers_the_curves_it_was_measured_from() -> None:
     assert fit["noise_cv"] < 1e-9
 
 
-def test_the_scheduler_line_prices_long_prompts_within_a_third_of_the_curve() -> None:
-    """The linear prefill of the step model, fitted to the curve over the priced lengths:
-    within 30 % of the quadratic at every length from 64 to 4,096 tokens (a least-squares
-    line is 31 % under at 4,096, a linearization at one typical length 2x off at one end)."""
-    fit = sp.fit(points(noise=0.05))
-    model = sp.step_model(fit, max_batch=8, step_tokens=64)
-    for n in sp.PRICED_LENGTHS:
-        line = model["prefill_launch"] + model["prefill_token"] * n
-        assert line == pytest.approx(A + B * n + B2 * n * n, rel=0.3), n
-    assert (model["decode_launch"], model["decode_seq"]) == pytest.approx((C, D), rel=0.2)
+def test_the_step_model_takes_the_fit_term_for_term() -> None:
+    model = sp.step_model(sp.fit(points()), max_batch=8, step_tokens=64)
+    assert (model["prefill_launch"], model["prefill_token"], model["prefill_attention"]) == pytest.approx((A, B, B2))
+    assert (model["decode_launch"], model["decode_seq"], model["kv_token"]) == pytest.approx((C, D, E))
+    for n in (250, 2000, 4000):  # an idle worker's first token, priced as the curve measured
+        priced = model["prefill_launch"] + model["prefill_token"] * n + model["prefill_attention"] * n * n
+        assert priced == pytest.approx(A + B * n + B2 * n * n)
 
 
 def test_without_decode_steps_decode_costs_the_shortest_step() -> None:
@@ -54,7 +51,7 @@ def test_without_decode_steps_decode_costs_the_shortest_step() -> None:
     fit = sp.fit(only)
     assert fit["decode"] == {"c": min(p["seconds"] for p in only["prefill"]), "d": 0.0, "e": 0.0}
     model = sp.step_model(fit, 8, 0)
-    assert model["decode_seq"] > 0 and model["kv_token"] > 0 and model["step_tokens"] == 1
+    assert model["decode_seq"] > 0 and model["kv_token"] > 0 and model["step_tokens"] == 0
 
 
 def test_mixed_steps_check_the_step_model() -> None:
