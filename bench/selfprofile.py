@@ -89,8 +89,13 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=setting_default("profile_s"), help="the profile's budget, s")
     parser.add_argument("--starts", type=int, default=3)
     parser.add_argument("--reuse", action="store_true", help="one profile directory for every start")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     console = Console()
     starts = []
     with tempfile.TemporaryDirectory() as shared:
