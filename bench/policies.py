@@ -21,13 +21,15 @@ Per policy and load: SLO attainment (TTFT and time per later token both within t
 (requests/s meeting it), TTFT and TPOT p50/p95/p99, throughput, and Jain's index of the three
 tenants' served tokens per budget over the whole run (a fairness figure only where all three
 stay backlogged, i.e. at overload; below it the index just reflects the traffic mix). The same
-slice goes through the simulator with the packaged measured CPU profile, for ``fcfs`` and
-``tokengate``, and the simulator's relative error is printed beside the live figures. The
-worker's step records of every run are checked against that profile (per kind of step) and
-the profile's formulas refit on them; the simulator is run again with the refit, to tell the
-profile's error from the rest of the model's. With ``--json`` the last line is one object
-with ``attainment_margin_90`` (tokengate minus the best other policy at the load nearest 0.9),
-``goodput_ratio_150`` (tokengate ÷ fcfs at the load nearest 1.5), ``sim_error_max`` and
+slice goes through the simulator, for ``fcfs`` and ``tokengate``, with the profile the live
+worker measured of itself at start (``workers/selfprofile.py``, read from its heartbeat), and
+again with the packaged CPU profile; each simulator's relative error is printed beside the
+live figures. The worker's step records of every run are checked against the measured
+profile (per kind of step) and the profile's formulas refit on them; the simulator is run
+again with the refit, to tell the profile's error from the rest of the model's. With
+``--json`` the last line is one object with ``attainment_margin_90`` (tokengate minus the best
+other policy at the load nearest 0.9), ``goodput_ratio_150`` (tokengate ÷ fcfs at the load
+nearest 1.5), ``sim_error_max`` (the measured profile), ``sim_error_max_packaged`` and
 ``sim_error_max_refit``. Tables go to stdout, plots to ``bench/out/policies_*.png``.
 """
 
@@ -134,12 +136,29 @@ def figures(run: Run, slo: Slo) -> Figures:
     return out
 
 
-def simulated(policy: str, rows: list[Row], slo: Slo, aging: float, fit: dict[str, float] | None = None
-              ) -> dict[str, float]:
-    """The same arrivals through the simulator: one CPU worker of ``SLOTS`` slots, the packaged
-    measured profile (or its cost formulas replaced by ``fit``, see ``step_check``), the
-    workers' default step budget; the policy built as the gateway builds it."""
-    profile = CostProfile.from_dict(packaged_profile(DEFAULT_PROFILES["cpu"]))
+def worker_profile(redis_url: str) -> CostProfile:
+    """The profile the live worker measured at start, from its heartbeat."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        for _ in range(100):
+            for wid in client.zrange(wire.WORKERS_ZSET, 0, -1):
+                raw = client.get(wire.worker_key(wire.text(wid)))
+                if isinstance(raw, bytes) and protocol.decode_heartbeat(raw).profile:
+                    return CostProfile.from_dict(protocol.decode_heartbeat(raw).profile)
+            time.sleep(0.1)
+    finally:
+        client.close()
+    raise RuntimeError("the worker published no profile (is --profile-s 0?)")
+
+
+PACKAGED = CostProfile.from_dict(packaged_profile(DEFAULT_PROFILES["cpu"]))
+
+
+def simulated(policy: str, rows: list[Row], slo: Slo, aging: float, profile: CostProfile,
+              fit: dict[str, float] | None = None) -> dict[str, float]:
+    """The same arrivals through the simulator: one CPU worker of ``SLOTS`` slots, ``profile``
+    (or its cost formulas replaced by ``fit``, see ``step_check``), the workers' default step
+    budget; the policy built as the gateway builds it."""
     if fit is not None:
         profile = replace(profile, prefill_a=fit["a"], prefill_b=fit["b"], prefill_b2=0.0,
                           decode_c=fit["c"], decode_d=fit["d"], decode_e=fit["e"])
@@ -184,9 +203,12 @@ def main() -> None:
 
     runs: list[Figures] = []
     sims: Sims = {}
+    packaged: Sims = {}
     loads = [float(x) for x in args.loads.split(",")]
     with backend("hf", slots=SLOTS, model_dir=model_dir) as (redis_url, procs):
         live = Live(redis_url, procs, model_dir, slo, aging)
+        measured = worker_profile(redis_url)
+        print(f"the worker's profile, measured at start: {measured.label}, {measured.device}")
         with live.gateway("fcfs") as base:  # capacity: a closed loop, every slot busy
             capacity = asyncio.run(closed_loop(base, live.keys, rows, args.seed, SLOTS))
         live.steps.clear()
@@ -200,14 +222,17 @@ def main() -> None:
                 print(orjson.dumps(runs[-1]).decode() if args.json else f"  {policy} at {load}x: "
                       f"SLO {runs[-1]['slo_attainment']:.1%}, goodput {runs[-1]['goodput_rps']:.2f}/s")
             for policy in ("fcfs", "tokengate"):
-                sims[(policy, load)] = simulated(policy, arrivals, slo, aging)
+                sims[(policy, load)] = simulated(policy, arrivals, slo, aging, measured)
+                packaged[(policy, load)] = simulated(policy, arrivals, slo, aging, PACKAGED)
     print(f"live runs took {time.perf_counter() - started:.0f} s")
-    check = step_check(live.steps)
-    refit: Sims = {(policy, load): simulated(policy, scaled(rows, load * capacity), slo, aging, check.fit)
+    check = step_check(live.steps, measured)
+    refit: Sims = {(policy, load): simulated(policy, scaled(rows, load * capacity), slo, aging, measured, check.fit)
                    for load in loads for policy in ("fcfs", "tokengate")}
 
     _tables(runs, sims, slo)
-    table(f"live worker steps vs the packaged cpu profile ({check.steps} steps of every run)",
+    table("simulator with the packaged cpu profile vs live", ["policy", "load", "figure", "live", "simulated",
+          "relative error"], _sim_errors(runs, packaged))
+    table(f"live worker steps vs the profile it measured at start ({check.steps} steps of every run)",
           ["step", "count", "median ms", "median measured / profile"], check.rows)
     print("the profile's formulas refit on the live steps: "
           + ", ".join(f"{k} = {v:.3g}" for k, v in check.fit.items()))
@@ -215,6 +240,7 @@ def main() -> None:
           "relative error"], _sim_errors(runs, refit))
     _plots(runs)
     summary = _summary(runs, sims, refit, capacity, time.perf_counter() - started)
+    summary["sim_error_max_packaged"] = max((float(e[-1]) for e in _sim_errors(runs, packaged)), default=math.nan)
     print(orjson.dumps(summary).decode() if args.json else summary)
 
 
@@ -225,13 +251,12 @@ class StepCheck:
     steps: int
 
 
-def step_check(steps: list[protocol.StepRecord]) -> StepCheck:
-    """The live workers' step times against the packaged CPU profile the simulator uses (its
+def step_check(steps: list[protocol.StepRecord], prof: CostProfile) -> StepCheck:
+    """The live workers' step times against the profile the simulator uses (its
     ``fit``: ``decode = c + d·n + e·KV``, ``prefill = a + b·T + b2·T²``, a mixed step the
     sum): per kind of step, how many, the median measured time and the median ratio measured
     ÷ profile. Then the same fit by least squares on these steps (non-negative, relative
     error), so the simulator can be rerun with it."""
-    prof = CostProfile.from_dict(packaged_profile(DEFAULT_PROFILES["cpu"]))
     rows: list[list[object]] = []
     kinds = {"decode only": lambda s: s.decode_seqs > 0 and not s.prefill_tokens,
              "prefill only": lambda s: s.prefill_tokens > 0 and not s.decode_seqs,
@@ -312,7 +337,7 @@ def _tables(runs: list[Figures], sims: Sims, slo: Slo) -> None:
         table("the design notes' batcher grid (avg / p95 latency, throughput)",
               ["load", "setting", "avg ms", "p95 ms", "req/s"],
               [[r["load"], r["policy"], r["avg_ms"], r["p95_ms"], r["throughput_rps"]] for r in grid])
-    table("simulator vs live (same arrivals, measured cpu profile)",
+    table("simulator vs live (same arrivals, the profile the worker measured at start)",
           ["policy", "load", "figure", "live", "simulated", "relative error"], _sim_errors(runs, sims))
 
 

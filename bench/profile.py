@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ import numpy as np
 
 from bench.common import OUT, ROOT, table
 from workers import model_store
+from workers.selfprofile import cpu_model, fit, nn_relative_fit, synthetic_prompt
 
 PROFILES = ROOT / "sched_core" / "profiles"
 PREFILL_GRID = [(1, 32), (1, 128), (1, 512), (1, 1024), (1, 2048), (4, 32), (4, 128), (4, 512),
@@ -58,10 +58,6 @@ STEP_TOKENS = 256
 
 
 # -- measuring ---------------------------------------------------------------------------
-
-
-def _prompt(length: int, salt: int) -> tuple[int, ...]:
-    return tuple(100 + (i * 7919 + salt * 104729) % 30000 for i in range(length))
 
 
 def measure(pool: str, reps: int) -> dict[str, Any]:
@@ -79,7 +75,7 @@ def measure(pool: str, reps: int) -> dict[str, Any]:
         params = SamplingParams(tokens, temperature=0.0, ignore_eos=True)
         for _ in range(n):
             i = next(salt)
-            engine.add(SeqJob(f"s{i}", _prompt(length, i), params))
+            engine.add(SeqJob(f"s{i}", synthetic_prompt(length, i), params))
 
     def timed_step() -> float:
         if choice.device == "cuda":
@@ -124,7 +120,7 @@ def measure(pool: str, reps: int) -> dict[str, Any]:
     import torch
 
     return {
-        "device": f"{_cpu_name()}, {torch.get_num_threads()} torch threads ({choice.reason})",
+        "device": f"{cpu_model()}, {torch.get_num_threads()} torch threads ({choice.reason})",
         "torch": torch.__version__,
         "dtype": choice.dtype,
         "model": spec.name,
@@ -132,49 +128,7 @@ def measure(pool: str, reps: int) -> dict[str, Any]:
     }
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
 # -- fitting -----------------------------------------------------------------------------
-
-
-def nn_relative_fit(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
-    """Least squares on relative error, coefficients >= 0: the best of the fits on every
-    subset of the columns whose coefficients all come out non-negative."""
-    weights = 1.0 / y
-    best: tuple[float, np.ndarray] | None = None
-    for k in range(1, x.shape[1] + 1):
-        for cols in itertools.combinations(range(x.shape[1]), k):
-            sub = x[:, cols] * weights[:, None]
-            theta, *_ = np.linalg.lstsq(sub, np.ones_like(y), rcond=None)
-            if (theta < 0).any():
-                continue
-            full = np.zeros(x.shape[1])
-            full[list(cols)] = theta
-            err = float(np.sum((x @ full / y - 1.0) ** 2))
-            if best is None or err < best[0]:
-                best = (err, full)
-    assert best is not None
-    residual = x @ best[1] / y - 1.0
-    return best[1], float(np.std(residual))
-
-
-def fit(points: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
-    pre = points["prefill"]
-    xb = np.array([[1.0, p["batch"] * p["tokens"], p["batch"] * p["tokens"] ** 2] for p in pre])
-    (a, b, b2), cv_pre = nn_relative_fit(xb, np.array([p["seconds"] for p in pre]))
-    dec = points["decode"]
-    xd = np.array([[1.0, d["running"], d["running"] * d["kv_tokens"]] for d in dec])
-    (c, d, e), cv_dec = nn_relative_fit(xd, np.array([d["seconds"] for d in dec]))
-    return {"prefill": {"a": a, "b": b, "b2": b2}, "decode": {"c": c, "d": d, "e": e},
-            "noise_cv": max(cv_pre, cv_dec), "noise_cv_prefill": cv_pre, "noise_cv_decode": cv_dec}
 
 
 def fit_step_model(points: dict[str, list[dict[str, float]]], pool: str) -> dict[str, Any]:

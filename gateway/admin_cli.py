@@ -1,4 +1,4 @@
-"""`tokengate tenants …` and `tokengate keys …`: the admin API from the command line.
+"""`tokengate tenants …`, `tokengate keys …` and `tokengate workers …`: the admin API from the command line.
 
 Each command is one HTTP call to a running gateway (``--url``, ``--admin-token``, or
 ``TOKENGATE_URL``, ``TOKENGATE_ADMIN_TOKEN``); the reply is printed as JSON. An error
@@ -14,6 +14,7 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from workers.cli import env_default
@@ -147,6 +148,14 @@ def add_commands(sub: Any) -> None:
         "prefix"
     )
 
+    workers = sub.add_parser("workers", help="live workers: device, dtype, AMX, measured speed; their profiles")
+    wsub = workers.add_subparsers(dest="action", required=True)
+    wsub.add_parser("list", parents=[conn], help="each live worker, with what it measured of itself at start")
+    profiles = wsub.add_parser("profiles", parents=[conn],
+                               help="the live workers' measured profiles, one per pool, as `tokengate simulate "
+                                    "--fleet FILE` replays them")
+    profiles.add_argument("--out", type=Path, help="write them to this file (default: print)")
+
 
 def tenant_body(args: argparse.Namespace) -> dict[str, Any]:
     """The JSON body of `tenants create|update`: only the options given."""
@@ -165,6 +174,8 @@ def tenant_body(args: argparse.Namespace) -> dict[str, Any]:
 def request_for(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
     """(method, path, body) of a command."""
     q = urllib.parse.quote
+    if args.command == "workers":
+        return "GET", "/admin/workers", None
     if args.command == "keys":
         if args.action == "issue":
             return "POST", f"/admin/tenants/{q(args.tenant)}/keys", {"name": args.name}
@@ -209,5 +220,39 @@ def run(args: argparse.Namespace) -> int:
     except (urllib.error.URLError, OSError) as exc:
         print(f"tokengate: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 2
+    if args.command == "workers":
+        return _workers(args, result["data"])
     print(json.dumps(result, indent=2))
+    return 0
+
+
+def worker_summary(hb: dict[str, Any]) -> dict[str, Any]:
+    """One live worker as `tokengate workers list` prints it."""
+    prof = hb.get("profile") or {}
+    facts, summary = prof.get("facts", {}), prof.get("summary", {})
+    return {"worker": hb["worker"], "pool": hb["pool"], "engine": hb["engine"], "device": hb["device"],
+            "gpu": facts.get("gpu", ""), "cpu": facts.get("cpu", ""), "dtype": hb["dtype"],
+            "amx": bool(facts.get("amx_used")), "why": hb.get("choice", ""),
+            "slots": hb["slots"], "free": hb["free"],
+            "prefill_tokens_per_s": summary.get("prefill_tokens_per_s"),
+            "decode_step_ms": summary.get("decode_step_ms"),
+            "profile": prof.get("how", "none"), "profile_cost_s": prof.get("cost_s")}
+
+
+def _workers(args: argparse.Namespace, beats: list[dict[str, Any]]) -> int:
+    if args.action == "list":
+        print(json.dumps([worker_summary(hb) for hb in beats], indent=2))
+        return 0
+    from workers.selfprofile import by_pool  # numpy: only for this command
+
+    fleet = by_pool([hb["profile"] for hb in beats if hb.get("profile")])
+    if not fleet:
+        print("tokengate: no live worker published a profile", file=sys.stderr)
+        return 1
+    text = json.dumps(fleet, indent=1)
+    if args.out is None:
+        print(text)
+    else:
+        args.out.write_text(text + "\n")
+        print(f"wrote the profiles of pools {', '.join(sorted(fleet))} to {args.out}", file=sys.stderr)
     return 0

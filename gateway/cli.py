@@ -184,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    if args.command in ("tenants", "keys"):
+    if args.command in ("tenants", "keys", "workers"):
         return admin_cli.run(args)
     if args.command == "simulate":
         return simulate_cli.run(args)

@@ -35,6 +35,7 @@ from gateway.settings import GatewaySettings
 from gateway.shutdown import FORCED_EXIT_S, Interrupted, StopSignals, exit_within
 from gateway.supervisor import POLL_S, Supervisor, gateway_child, worker_child
 from workers import model_store
+from workers import protocol as p
 
 if TYPE_CHECKING:
     import uvicorn
@@ -97,7 +98,7 @@ async def _run_gateway(
     settings: GatewaySettings,
     model_dir: Path,
     signals: StopSignals,
-    ready: Callable[[], None] | None = None,
+    ready: Callable[[dict[str, p.Heartbeat]], None] | None = None,
     supervisor: Supervisor | None = None,
     reuse_port: bool = False,
 ) -> None:
@@ -158,7 +159,7 @@ async def _run_gateway(
         if ready is not None:
             while not task.done():
                 if server.started and gw.dispatcher.workers:
-                    ready()
+                    ready(gw.dispatcher.workers)
                     break
                 if supervisor is not None and supervisor.workers_exited():
                     log.error("every worker exited before becoming ready; stopping")
@@ -353,13 +354,29 @@ async def _demo_key(redis_url: str, saved: str | None) -> str | None:
         await client.aclose()
 
 
-def _banner(settings: GatewaySettings, pools: list[str], key: str, key_file: Path, token_from: str) -> str:
+def worker_line(hb: p.Heartbeat) -> str:
+    """One worker as the banner shows it: the path it took (AMX bf16, bf16, fp32, a GPU) and
+    why, and what it measured of itself at start."""
+    facts = hb.profile.get("facts", {})
+    path = "AMX bf16" if facts.get("amx_used") else hb.dtype
+    line = f"  {hb.pool} worker {hb.worker}: {hb.engine} on {hb.device}, {path} ({hb.choice})"
+    summary = hb.profile.get("summary")
+    if isinstance(summary, dict):
+        line += (f"; measured at start ({hb.profile.get('how', '?')}, {hb.profile.get('cost_s', 0.0):.1f} s): "
+                 f"prefill {summary.get('prefill_tokens_per_s', 0.0):.0f} tokens/s, "
+                 f"decode step {summary.get('decode_step_ms', 0.0):.1f} ms")
+    return line
+
+
+def _banner(settings: GatewaySettings, pools: list[str], key: str, key_file: Path, token_from: str,
+            workers: dict[str, p.Heartbeat]) -> str:
     """``token_from``: where the admin token came from (its file, or the flag)."""
     base = f"http://{settings.host}:{settings.port}"
     model = settings.model_name
     body = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Say hello in five words."}}]}}'
     return (
         f"\ntokengate is ready at {base}  (model {model}; workers: {', '.join(pools)}; redis {settings.redis_url})\n"
+        + "".join(worker_line(hb) + "\n" for _, hb in sorted(workers.items())) +
         f"Tenant '{DEMO_TENANT}', API key: {key}  (kept in {key_file})\n"
         f"Admin token (for /admin and `tokengate tenants|keys`): {settings.admin_token}  ({token_from})\n"
         f"Try:\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
@@ -410,8 +427,8 @@ def serve(args: argparse.Namespace) -> None:
             key = issued or saved
             assert key is not None
 
-            def banner() -> None:
-                print(_banner(settings, pools, key, key_file, token_from), flush=True)
+            def banner(workers: dict[str, p.Heartbeat]) -> None:
+                print(_banner(settings, pools, key, key_file, token_from, workers), flush=True)
 
             uvloop.run(_run_gateway(settings, spec.path, signals, ready=banner, supervisor=supervisor,
                                     reuse_port=args.gateways > 1))

@@ -54,6 +54,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help=f"a profile JSON or a packaged profile's name (default {DEFAULT_CPU})")
     p.add_argument("--profile-gpu", type=Path,
                    help=f"a profile JSON or a packaged profile's name (default {DEFAULT_GPU})")
+    p.add_argument("--fleet",
+                   help="the profiles a running deployment's workers measured at start: a file written by "
+                        "`tokengate workers profiles --out FILE`, or its Redis URL (redis://host:port/db); "
+                        "each pool it has replaces the packaged profile (--profile-cpu/--profile-gpu win)")
     p.add_argument("--cpu-workers", type=int, default=2)
     p.add_argument("--gpu-workers", type=int, default=1)
     p.add_argument("--cpu-slots", type=int, default=8)
@@ -102,6 +106,40 @@ def _profile(path: Path | None, default: str) -> CostProfile:
     return CostProfile.from_dict(json.loads(text))
 
 
+def fleet_profiles(source: str) -> dict[str, CostProfile]:
+    """Per pool, the profile a deployment's workers measured (``workers/selfprofile.py``):
+    from a file of ``tokengate workers profiles``, or from Redis: the live workers'
+    heartbeats, else every profile kept there (``wire.PROFILES_HASH``), newest per pool."""
+    from workers.selfprofile import by_pool
+
+    if source.startswith(("redis://", "rediss://", "unix://")):
+        import redis
+
+        from workers import protocol as wp
+        from workers import wire
+
+        client = redis.Redis.from_url(source, socket_timeout=5)
+        try:
+            ids = [w for w in client.zrange(wire.WORKERS_ZSET, 0, -1) if isinstance(w, bytes | str)]
+            beats = [client.get(wire.worker_key(wire.text(w))) for w in ids]
+            found = [wp.decode_heartbeat(b).profile for b in beats if isinstance(b, bytes)]
+            if not any(found):
+                found = [json.loads(v) for v in client.hvals(wire.PROFILES_HASH)]
+        except redis.RedisError as exc:
+            raise ValueError(f"--fleet {source}: {exc}") from None
+        finally:
+            client.close()
+        doc = by_pool([f for f in found if f])
+    else:
+        try:
+            doc = json.loads(Path(source).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--fleet {source}: {exc}") from None
+    if not isinstance(doc, dict) or not doc:
+        raise ValueError(f"--fleet {source}: no worker profile found")
+    return {pool: CostProfile.from_dict(prof) for pool, prof in doc.items() if pool in ("cpu", "gpu")}
+
+
 def estimate_capacity(pools: tuple[Pool, ...], prompt: float, output: float) -> float:
     """A rough requests/s ceiling of the pools, only to place the automatic sweep: per step a
     worker admits what fits its prefill budget and turns over slots/output sequences."""
@@ -128,7 +166,9 @@ def _run(args: argparse.Namespace) -> int:
     unknown = [p for p in policies if p not in ex.POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {', '.join(ex.POLICIES)}")
-    cpu, gpu = _profile(args.profile_cpu, DEFAULT_CPU), _profile(args.profile_gpu, DEFAULT_GPU)
+    fleet = fleet_profiles(args.fleet) if args.fleet else {}
+    cpu = fleet["cpu"] if "cpu" in fleet and args.profile_cpu is None else _profile(args.profile_cpu, DEFAULT_CPU)
+    gpu = fleet["gpu"] if "gpu" in fleet and args.profile_gpu is None else _profile(args.profile_gpu, DEFAULT_GPU)
     pools = tuple(p for p in (
         Pool("cpu", args.cpu_workers, args.cpu_slots, cpu, args.cpu_step_tokens or cpu.step_tokens or 256),
         Pool("gpu", args.gpu_workers, args.gpu_slots, gpu, args.gpu_step_tokens or gpu.step_tokens or 8192),

@@ -46,7 +46,7 @@ class CostProfile:
                         self.decode_d, self.decode_e, self.noise_cv)
         if any(not math.isfinite(x) or x < 0.0 for x in coefficients):
             raise ValueError(f"profile {self.name!r}: coefficients must be finite and >= 0")
-        if self.prefill_b + self.prefill_b2 <= 0.0 or self.decode_c + self.decode_d <= 0.0:
+        if self.prefill_a + self.prefill_b + self.prefill_b2 <= 0.0 or self.decode_c + self.decode_d <= 0.0:
             raise ValueError(f"profile {self.name!r}: prefill and decode must take time")
 
     @property

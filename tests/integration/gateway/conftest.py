@@ -78,7 +78,10 @@ async def make_harness(
     client = redis_client(config)
     gw = Gateway(config, prompts, client)
     app = create_app(gw)
-    with running_worker(redis_url, engine or EchoEngine(tokens=ECHO_TOKENS)):
+    # no self-profile: an instant echo engine would measure microsecond steps and every contract
+    # would read 0 ms; these tests check the contracts' mechanics on the packaged priors (the
+    # self-profile's own path is tests/e2e/test_worker_profiles.py)
+    with running_worker(redis_url, engine or EchoEngine(tokens=ECHO_TOKENS), profile_s=0):
         await gw.dispatcher.start()
         deadline = time.monotonic() + 10
         while not gw.dispatcher.workers:

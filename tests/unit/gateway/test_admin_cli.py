@@ -65,6 +65,8 @@ def test_update_can_clear_a_limit() -> None:
         ),
         (("keys", "list", "acme"), ("GET", "/admin/tenants/acme/keys", None)),
         (("keys", "revoke", "0123abcd"), ("DELETE", "/admin/keys/0123abcd", None)),
+        (("workers", "list"), ("GET", "/admin/workers", None)),
+        (("workers", "profiles", "--out", "f.json"), ("GET", "/admin/workers", None)),
     ],
 )
 def test_commands_map_to_admin_routes(argv: tuple[str, ...], want: tuple[str, str, object]) -> None:

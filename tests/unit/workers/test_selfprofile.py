@@ -107,3 +107,11 @@ def test_an_unreadable_stored_profile_is_measured_again(tmp_path: Path) -> None:
     (tmp_path / f"{first['fingerprint']}.json").write_text("{not json")
     again = sp.obtain(engine, **kw)  # type: ignore[arg-type]
     assert again is not None and again["how"] == "measured"
+
+
+def test_the_fleet_has_the_newest_profile_of_each_pool() -> None:
+    old = {"pool": "cpu", "fit": {}, "measured_at": 1.0, "name": "old"}
+    new = {"pool": "cpu", "fit": {}, "measured_at": 2.0, "name": "new"}
+    gpu = {"pool": "gpu", "fit": {}, "measured_at": 0.5, "name": "gpu"}
+    fleet = sp.by_pool([old, gpu, new, {"pool": "cpu", "name": "no fit"}])
+    assert {pool: prof["name"] for pool, prof in fleet.items()} == {"cpu": "new", "gpu": "gpu"}
