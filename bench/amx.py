@@ -11,9 +11,9 @@ forward pass of the model (``transformers``, eager PyTorch, the worker's own cod
 * prefill: one prompt of L tokens, tokens/s (median of --reps after a warm-up);
 * decode: one token for each of B sequences holding 128 KV tokens each, ms per step.
 
-bf16 is measured only where the CPU has AMX (``amx_tile`` and ``amx_bf16``), unless
-``--force-bf16``: without AMX, oneDNN runs bf16 on AVX-512 or emulates it, which is not the
-path a worker takes (``workers/devices.py`` picks fp32 there). ``--variants`` adds bf16
+bf16 is measured where a CPU worker runs it (``workers/devices.py``: AMX, or AVX512-BF16
+without AMX), and elsewhere only with ``--force-bf16`` (oneDNN then emulates it, which is
+not the path a worker takes); where AMX is absent the run says so. ``--variants`` adds bf16
 prefill with the attention implementations ``sdpa`` and ``eager``, with ``torch.compile``
 and with half the threads, each as a ratio to plain bf16, so what measures better can be
 kept. Timings of one run compare with each other only.
@@ -33,7 +33,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from workers.devices import AMX_FLAGS, cpu_flags
+from workers.devices import AMX_FLAGS, choose, cpu_flags
 from workers.selfprofile import cpu_model
 
 KV = 128  # KV tokens each decoding sequence holds
@@ -144,7 +144,9 @@ def main() -> None:
     console = Console()
     console.print("CPU: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
     dtypes = {"fp32": torch.float32}
-    if facts["amx"] or args.force_bf16:
+    worker = choose("cpu", cpu_flags(), cuda=False, ipex_installed=False)
+    console.print(f"a CPU worker here runs {worker.dtype}: {worker.reason}")
+    if worker.dtype == "bfloat16" or args.force_bf16:
         dtypes["bf16"] = torch.bfloat16
     else:
         console.print(f"no AMX on this CPU (missing {', '.join(sorted(AMX_FLAGS - cpu_flags()))}): fp32 only")

@@ -5,8 +5,9 @@ fits them (``fit``) into a profile in the format ``bench/profile.py`` writes and
 reads (``sched_core.simulate.profile.CostProfile``):
 
 * **prefill**, whole prompts on an idle engine (what a first request gets): one prompt of
-  64, 256 and 1,024 tokens, twice (the second 1,024 a 2,048 where the budget has room), one
-  of 512 and a batch of short prompts. Fitted as
+  64, 256 and 1,024 tokens, then of 72, 264 and 2,048 (1,032 where the budget has no room
+  for 2,048; each length new to the process, as a client's are), one of 512 and a batch of
+  short prompts. Fitted as
   ``P(B, L) = a + b·B·L + b2·B·L²`` (``b2``: attention's quadratic part);
 * **decode** steps of 1 sequence holding 512 KV tokens and of a batch of 32 and then 8
   short ones: ``D(n, K) = c + d·n + e·n·K``;
@@ -52,6 +53,10 @@ from workers.protocol import SamplingParams, SeqJob
 log = logging.getLogger("tokengate.worker")
 
 PREFILL_LENGTHS = (64, 256, 1024)  # each measured twice (the longest: or LONG_PROMPT once)
+#: the second time a length is measured it is this much longer: every prompt is a shape the
+#: process has not run yet, as a client's prompts are (oneDNN's bf16 kernels and CUDA's are
+#: chosen per shape on its first call: 30-80 ms more for a 250-token prompt on AMX and H200)
+SHAPE_STEP = 8
 LONG_PROMPT = 2048
 LONG_DECODE_PROMPT = 512  # the sequence decoding alone holds this many KV tokens
 LONG_DECODE_STEPS = 5
@@ -184,10 +189,10 @@ def measure(engine: Engine, budget_s: float, slots: int) -> dict[str, Any]:
         # (≈ 3x it), else the longest once more
         left = t0 + budget_s - time.monotonic()
         if not run.over():
-            prefill(LONG_PROMPT if 2.2 * longest + 3 * longest <= left else PREFILL_LENGTHS[-1])
+            prefill(LONG_PROMPT if 2.2 * longest + 3 * longest <= left else PREFILL_LENGTHS[-1] + SHAPE_STEP)
         for length in PREFILL_LENGTHS[:-1]:
             if not run.over():
-                prefill(length)
+                prefill(length + SHAPE_STEP)
         if not run.over():  # one long sequence decoding
             prefill(LONG_DECODE_PROMPT, LONG_DECODE_STEPS + 1)
         if not run.over():  # a batch decoding, then the rest of it beside a chunked prompt
