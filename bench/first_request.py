@@ -68,17 +68,22 @@ def fresh_serve() -> Iterator[tuple[str, str, str]]:
             stop([proc])
 
 
+def timed_post(url: str, key: str, body: dict[str, Any]) -> tuple[httpx.Response, float]:
+    """The response of one request, and the seconds the client waited for it."""
+    t0 = time.perf_counter()
+    r = httpx.post(url, json=body, headers={"authorization": f"Bearer {key}"}, timeout=120)
+    took = time.perf_counter() - t0
+    r.raise_for_status()
+    return r, took
+
+
 def one(temperature: float | None) -> tuple[float, float, float, int, int]:
     """(promised s, p99 s, took s, tokens, tokens assumed) of a fresh serve's first request."""
     with fresh_serve() as (base, key, _):
-        body: dict[str, object] = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}]}
+        body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}]}
         if temperature is not None:
             body["temperature"] = temperature
-        t0 = time.perf_counter()
-        r = httpx.post(base + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"},
-                       timeout=120)
-        took = time.perf_counter() - t0
-        r.raise_for_status()
+        r, took = timed_post(base + "/v1/chat/completions", key, body)
         h = r.headers
         return (float(h["x-tokengate-latency-ms"]) / 1000, float(h["x-tokengate-p99-ms"]) / 1000, took,
                 int(r.json()["usage"]["completion_tokens"]), int(h["x-tokengate-output-tokens"]))
@@ -93,11 +98,7 @@ def prompts(start: int) -> list[dict[str, Any]]:
         for words, max_tokens in LONG_PROMPTS:
             text = " ".join(WORDS[i % len(WORDS)] for i in range(words)) if words else PROMPT
             body = {"model": MODEL, "prompt": text, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
-            t0 = time.perf_counter()
-            r = httpx.post(base + "/v1/completions", json=body, headers={"authorization": f"Bearer {key}"},
-                           timeout=120)
-            took = time.perf_counter() - t0
-            r.raise_for_status()
+            r, took = timed_post(base + "/v1/completions", key, body)
             h = r.headers
             first = max_tokens == 1  # one token out: its whole time is its first token's
             promised = float(h["x-tokengate-ttft-ms" if first else "x-tokengate-latency-ms"]) / 1000
