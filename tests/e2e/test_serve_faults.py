@@ -27,8 +27,9 @@ def _child(served: Served, marker: str) -> psutil.Process:
 
 
 def _listens_on(redis_server: psutil.Process) -> str:
-    """redis-server's process title: "<binary> <host>:<port>"."""
-    return next(word for word in " ".join(redis_server.cmdline()).split() if word.startswith("127.0.0.1:"))
+    """redis-server's process title: "<binary> <host>:<port>"; "" until redis-server has set
+    it (a process just started still shows the command line it was started with)."""
+    return next((word for word in " ".join(redis_server.cmdline()).split() if word.startswith("127.0.0.1:")), "")
 
 
 def _eventually(check: Callable[[], bool], what: str, served: Served, timeout_s: float = 30) -> None:
@@ -66,6 +67,7 @@ def test_a_killed_redis_server_comes_back_with_its_tenants_and_keys(tmp_path: Pa
 
         redis_server = _child(served, "redis-server")
         address = _listens_on(redis_server)
+        assert address, redis_server.cmdline()  # serve is ready: its redis-server has set its title
         redis_server.send_signal(signal.SIGKILL)
         redis_server.wait(5)
 
