@@ -51,7 +51,7 @@ test-fast: install
 	$(PY) -m pytest -m "not model and not slow and not e2e"
 
 lint: install
-	$(VENV)/bin/ruff check gateway sched_core workers tests bench
+	$(VENV)/bin/ruff check common gateway sched_core workers tests bench
 	$(VENV)/bin/mypy
 
 clean:

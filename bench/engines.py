@@ -31,12 +31,12 @@ import torch
 
 from bench.common import table
 from bench.model import PROMPTS
+from common.protocol import Finished, SamplingParams, SeqJob
 from workers import model_store
 from workers.cli import setting_default
 from workers.devices import probe
 from workers.hf_engine import HFEngine
 from workers.memory import retain_freed_memory
-from workers.protocol import Finished, SamplingParams, SeqJob
 
 
 def _prompts(engine: HFEngine, n: int) -> list[list[int]]:

@@ -17,9 +17,9 @@ from urllib.parse import urlparse
 import orjson
 
 from bench.common import RawClient, auth, stack, table
+from common.protocol import Finished, SamplingParams, SeqJob
 from workers import model_store
 from workers.devices import probe
-from workers.protocol import Finished, SamplingParams, SeqJob
 
 PROMPTS = [
     "Explain why the sky is blue.",

@@ -25,8 +25,8 @@ import orjson
 import redis.asyncio as aioredis
 
 from bench.common import RawClient, auth, floor_server, open_loop, pct, save_plot, stack, table
-from workers import protocol as p
-from workers import wire
+from common import protocol as p
+from common import wire
 from workers.engine import EchoEngine
 
 GATEWAY_CPUS, REST_CPUS = (0,), (1,)  # the floor and the gateway alone on core 0; the rest on core 1

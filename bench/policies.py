@@ -63,6 +63,7 @@ from bench.traffic import (
     replay,
     scaled,
 )
+from common import protocol, wire
 from sched_core.policies import make_policy
 from sched_core.simulate import experiment as ex
 from sched_core.simulate.engine import Pool, simulate
@@ -70,7 +71,7 @@ from sched_core.simulate.metrics import Slo, summarize
 from sched_core.simulate.profile import CostProfile
 from sched_core.simulate.workload import Arrival, Tenant, Workload
 from sched_core.types import DEFAULT_PROFILES, SchedulerConfig, packaged_profile
-from workers import model_store, protocol, wire
+from workers import model_store
 
 Figures = dict[str, float | str]  # one run's figures, as printed and as JSON
 Sims = dict[tuple[str, float], dict[str, float]]  # (policy, load) -> the simulator's figures

@@ -61,9 +61,9 @@ STEP_TOKENS = 256
 
 
 def measure(pool: str, reps: int) -> dict[str, Any]:
+    from common.protocol import SamplingParams, SeqJob
     from workers.devices import probe
     from workers.hf_engine import HFEngine
-    from workers.protocol import SamplingParams, SeqJob
 
     model_store.offline()
     spec = model_store.resolve(None, model_store.default_cache_dir())

@@ -37,9 +37,9 @@ if __package__ in (None, ""):
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from common.pools import POOLS
 from sched_core import (  # noqa: E402
     IMPLEMENTATIONS,
-    PATHS,
     BatchTimings,
     Dispatch,
     Request,
@@ -81,7 +81,7 @@ class Workload:
 
 def _timings(d: Dispatch, rng: random.Random) -> BatchTimings:
     """What a worker would report: the batch timed by the default priors (the fit stays put)."""
-    cost = SchedulerConfig().path(PATHS.index(d.path))
+    cost = SchedulerConfig().path(POOLS.index(d.path))
     size = len(d.request_ids)
     length = BUCKETS[d.bucket]
     outputs = tuple(rng.randint(1, 256) for _ in range(size))

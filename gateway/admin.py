@@ -18,7 +18,7 @@ from gateway.tenants import to_doc
 from gateway.web import ORJSONResponse, read_json
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
+    from gateway.services import Gateway
 
 _ADMIN_BODY_LIMIT = 64 * 1024
 

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from workers.cli import env_default
+from common.settings import env_default
 
 _LIMITS = ("max_prompt_tokens", "max_output_tokens", "max_concurrent")
 #: (option, field, help): a tenant's latency defaults, in milliseconds; 'none' removes one

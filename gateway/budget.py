@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
+from common import wire
 from gateway import gcra
 from gateway.errors import RETRY_AFTER_S, GatewayError, RateLimited, TokensRateLimited, Unauthorized
 from gateway.keys import KeyRef
@@ -24,7 +25,6 @@ from gateway.limits import over_burst
 from gateway.redis_batch import AutoPipeline
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant
-from workers import wire
 
 _CLOCK = """
 local function num(x) return string.format('%.17g', x) end

@@ -32,15 +32,15 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from common import protocol as p
+from common import wire
+from common.retry import Outage, backoff_policy
 from gateway.liveness import Liveness
 from gateway.redis_batch import AutoPipeline
 from gateway.scheduling import Origin, SchedulerShell, Send
 from gateway.settings import GatewaySettings
 from sched_core import Contract, Reject, SchedulerConfig
 from sched_core.contracts import Accuracy
-from workers import protocol as p
-from workers import wire
-from workers.retry import Outage, backoff_policy
 
 log = logging.getLogger("tokengate.dispatch")
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import orjson
 from redis.exceptions import RedisError
 
+from common import protocol as p
 from gateway import limits
 from gateway import openai_protocol as oai
 from gateway.budget import Admission
@@ -45,16 +46,15 @@ from gateway.errors import (
 )
 from gateway.meter import Meter
 from gateway.scheduling import Origin
+from gateway.services import CANCEL_DRAIN_S
 from sched_core import Contract, Reject
-from workers import protocol as p
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
     from gateway.auth import Caller
+    from gateway.services import Gateway
 
 log = logging.getLogger("tokengate.requests")
 
-CANCEL_DRAIN_S = 5.0  # how long a cancelled request's final token count is awaited
 
 
 def _ms(ms: float | None) -> float | None:

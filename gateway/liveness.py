@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from common import protocol as p
+from common import wire
 from gateway.budget import SWEEP
 from gateway.settings import GatewaySettings
-from workers import protocol as p
-from workers import wire
 
 log = logging.getLogger("tokengate.liveness")
 

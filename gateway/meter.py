@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from common import protocol as p
 from sched_core import Contract
-from workers import protocol as p
 
 Outcome = Literal["done", "cancelled", "failed"]
 

@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from common.protocol import TEMPERATURE_MAX, SamplingParams
 from gateway.errors import InvalidRequest
-from workers.protocol import TEMPERATURE_MAX, SamplingParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_MESSAGES = 4096  # messages per chat request

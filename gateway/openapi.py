@@ -23,12 +23,12 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
+from common.protocol import Heartbeat
 from gateway import admin
 from gateway import admin_protocol as ap
 from gateway import openai_protocol as oai
 from gateway.settings import GatewaySettings
 from gateway.tenants import SLO_MS_MIN
-from workers.protocol import Heartbeat
 
 OPENAPI_PATH = "/openapi.json"
 REF = "#/components/schemas/{model}"

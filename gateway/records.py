@@ -13,8 +13,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from common import wire
 from gateway.errors import NotFound
-from workers import wire
 
 _INTS = ("prompt_tokens", "reserved_tokens", "charged_tokens")
 _FLOATS = (

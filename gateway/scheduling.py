@@ -14,12 +14,13 @@ from typing import Any
 
 import orjson
 
+from common import protocol as p
+from common.pools import POOLS
 from sched_core import BatchTimings, Contract, Dispatch, PathConfig, Reject, Request, SchedulerConfig
 from sched_core.contracts import Accuracy
 from sched_core.costmodel import COEFFICIENTS
 from sched_core.driver import Driver
 from sched_core.policies import make_policy
-from workers import protocol as p
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,11 +77,11 @@ def scheduler_config(priors_path: str | None, **fields: Any) -> SchedulerConfig:
         raise ValueError(f"cost priors {priors_path}: {exc}") from None
     priors: object = doc.get("priors", doc) if isinstance(doc, dict) else None
     if isinstance(doc, dict) and "step_model" in doc:
-        if doc.get("pool") not in p.POOLS:
-            raise ValueError(f"cost priors {priors_path}: a profile needs a pool among {', '.join(p.POOLS)}")
+        if doc.get("pool") not in POOLS:
+            raise ValueError(f"cost priors {priors_path}: a profile needs a pool among {', '.join(POOLS)}")
         priors = {doc["pool"]: doc["step_model"]}
-    if not isinstance(priors, dict) or not set(priors) <= set(p.POOLS):
-        raise ValueError(f"cost priors {priors_path}: expected an object with keys among {', '.join(p.POOLS)}")
+    if not isinstance(priors, dict) or not set(priors) <= set(POOLS):
+        raise ValueError(f"cost priors {priors_path}: expected an object with keys among {', '.join(POOLS)}")
     paths = {}
     for pool, fields in priors.items():
         known = {f.name for f in dataclasses.fields(PathConfig)}
@@ -102,8 +103,8 @@ def capacity_share(workers: dict[str, p.Heartbeat], gateways: int) -> dict[str, 
     Every gateway runs its own scheduler; each gets an equal share (rounded up, so a small
     pool is never shared down to nothing). Workers queue any excess internally.
     """
-    slots: dict[str, int] = {pool: 0 for pool in p.POOLS}
-    count: dict[str, int] = {pool: 0 for pool in p.POOLS}
+    slots: dict[str, int] = {pool: 0 for pool in POOLS}
+    count: dict[str, int] = {pool: 0 for pool in POOLS}
     for hb in workers.values():
         if hb.down:  # alive, but its upstream does not answer: it takes no job
             continue
@@ -171,7 +172,7 @@ class SchedulerShell:
         snapshot = getattr(self.driver.policy, "snapshot", None)
         snap: dict[str, object] = snapshot() if snapshot is not None else {"queued": self.driver.queued}
         snap["policy"] = self.policy
-        snap["priors"] = {pool: self.priors.get(pool, "packaged profile") for pool in p.POOLS}
+        snap["priors"] = {pool: self.priors.get(pool, "packaged profile") for pool in POOLS}
         return snap
 
     def next_tick(self, now: float) -> float:
@@ -229,7 +230,7 @@ class SchedulerShell:
         if isinstance(config, SchedulerConfig) and isinstance(fitted, dict) and self.driver.queued == 0:
             paths = {}
             for pool, coef in fitted.items():
-                if pool in p.POOLS and isinstance(coef, dict):
+                if pool in POOLS and isinstance(coef, dict):
                     with contextlib.suppress(TypeError, ValueError):
                         paths[pool] = replace(getattr(config, pool), **coef)
             if paths:
@@ -313,7 +314,7 @@ class SchedulerShell:
     def telemetry(self, t: p.Telemetry, now: float) -> None:
         """A worker's step records refit its pool's step-time model; its step budget is
         passed on with the pool's capacity."""
-        if t.pool not in p.POOLS:
+        if t.pool not in POOLS:
             return
         self._step_tokens[t.pool] = t.step_tokens
         q = self._attention.get(t.pool, 0.0)
@@ -345,7 +346,7 @@ class SchedulerShell:
         share = capacity_share(workers, gateways)
         self._gpu_alive = share["gpu"][0] > 0
         config = getattr(self.driver.policy, "config", None)
-        for pool in p.POOLS:
+        for pool in POOLS:
             slots, count = share[pool]
             self.driver.capacity(pool, slots, now, count, self._step_tokens.get(pool, 0))
             if isinstance(config, SchedulerConfig):

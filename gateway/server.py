@@ -27,15 +27,16 @@ from typing import TYPE_CHECKING
 
 import uvloop
 
+from common import protocol as p
+from common.pools import POOLS
 from gateway import processes, serve_state
-from gateway.cli import GATEWAY_FLAGS, SETTING_FLAGS
 from gateway.embedded_redis import EmbeddedRedis, default_data_dir
+from gateway.flags import GATEWAY_FLAGS, SETTING_FLAGS
 from gateway.scheduling import scheduler_config
 from gateway.settings import GatewaySettings
 from gateway.shutdown import FORCED_EXIT_S, Interrupted, StopSignals, exit_within
 from gateway.supervisor import POLL_S, Supervisor, gateway_child, worker_child
 from workers import model_store
-from workers import protocol as p
 
 if TYPE_CHECKING:
     import uvicorn
@@ -108,9 +109,10 @@ async def _run_gateway(
     import uvicorn
 
     from gateway import openai_protocol as oai
-    from gateway.app import Gateway, create_app, redis_client
+    from gateway.app import create_app
     from gateway.http_protocol import ConnectionLimits, protocol_class
     from gateway.prompts import PromptBuilder
+    from gateway.services import Gateway, redis_client
     from gateway.shutdown import Drain, QuietServer, expire_after_grace
 
     prompts = PromptBuilder.load(model_dir)
@@ -279,7 +281,7 @@ def _pools(choice: str, upstream: bool = False) -> list[str]:
     no model here, so auto is the cpu pool alone."""
     if choice != "auto":
         pools = [x.strip() for x in choice.split(",") if x.strip()]
-        bad = [x for x in pools if x not in ("cpu", "gpu")]
+        bad = [x for x in pools if x not in POOLS]
         if bad or not pools:
             raise ValueError(f"--pools: expected auto or a list of cpu/gpu, got {choice!r}")
         return pools

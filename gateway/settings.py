@@ -7,9 +7,10 @@ import secrets
 import socket
 from dataclasses import dataclass, field
 
+from common.pools import POOLS
+from common.protocol import TEMPERATURE_MAX, sampling_in_range
 from sched_core import SchedulerConfig
 from sched_core.policies import make_policy
-from workers.protocol import TEMPERATURE_MAX, sampling_in_range
 
 ADMIN_TOKEN_MIN_CHARS = 16
 
@@ -32,7 +33,7 @@ class GatewaySettings:
     # SmolLM2's model card's (at 1.0 the default model answers the README's request with nonsense)
     default_temperature: float = 0.2
     default_top_p: float = 0.9
-    pools: tuple[str, ...] = ("cpu", "gpu")
+    pools: tuple[str, ...] = POOLS
     admin_token: str | None = field(default=None, repr=False)  # None: the admin API refuses all
     usage_retention_s: int = 7 * 86400  # per-minute usage counters live this long
     request_record_ttl_s: int = 300  # how long a request's owner and state stay readable

@@ -16,9 +16,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from common.pools import POOLS
 from sched_core.simulate import experiment as ex
 from sched_core.simulate import workload as wl
-from sched_core.simulate.engine import Pool, Result, simulate
+from sched_core.simulate.engine import Pool, simulate
 from sched_core.simulate.metrics import Slo
 from sched_core.simulate.profile import CostProfile
 
@@ -115,8 +116,8 @@ def fleet_profiles(source: str) -> dict[str, CostProfile]:
     if source.startswith(("redis://", "rediss://", "unix://")):
         import redis
 
-        from workers import protocol as wp
-        from workers import wire
+        from common import protocol as wp
+        from common import wire
 
         client = redis.Redis.from_url(source, socket_timeout=5)
         try:
@@ -137,7 +138,7 @@ def fleet_profiles(source: str) -> dict[str, CostProfile]:
             raise ValueError(f"--fleet {source}: {exc}") from None
     if not isinstance(doc, dict) or not doc:
         raise ValueError(f"--fleet {source}: no worker profile found")
-    return {pool: CostProfile.from_dict(prof) for pool, prof in doc.items() if pool in ("cpu", "gpu")}
+    return {pool: CostProfile.from_dict(prof) for pool, prof in doc.items() if pool in POOLS}
 
 
 def estimate_capacity(pools: tuple[Pool, ...], prompt: float, output: float) -> float:
@@ -368,17 +369,3 @@ def _print_targets(summary: dict[str, Any]) -> None:
               f"{t['latency_rate_rps']:g} req/s, throughput at {t['throughput_rate_rps']:g}): "
               + "; ".join(parts) + " -> ordering "
               + ("reproduces" if t["ordering_reproduces"] else "does not reproduce"))
-
-
-def service_series(result: Result, weights: tuple[float, float] = (1.0, 2.0)
-                   ) -> dict[str, tuple[list[float], list[float]]]:
-    """Per tenant: times and cumulative weighted service divided by the tenant's budget."""
-    out = {}
-    for tenant, entries in result.service.items():
-        total, xs, ys = 0.0, [], []
-        for t, p, o in sorted(entries):
-            total += (weights[0] * p + weights[1] * o) / result.budgets[tenant]
-            xs.append(t)
-            ys.append(total)
-        out[tenant] = (xs, ys)
-    return out

@@ -66,7 +66,6 @@ def write_all(out: Path, rows: list[dict[str, Any]], service: dict[str, Result],
     written.append(_save(fig, plt, out / "slo_vs_load.png"))
 
     if service:
-        from gateway.simulate_cli import service_series
 
         fig, axes = plt.subplots(1, len(service), figsize=(4.0 * len(service), 3.6), dpi=80,
                                  sharey=True, squeeze=False)
@@ -89,3 +88,17 @@ def _save(fig: Any, plt: Any, path: Path) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def service_series(result: Result, weights: tuple[float, float] = (1.0, 2.0)
+                   ) -> dict[str, tuple[list[float], list[float]]]:
+    """Per tenant: times and cumulative weighted service divided by the tenant's budget."""
+    out = {}
+    for tenant, entries in result.service.items():
+        total, xs, ys = 0.0, [], []
+        for t, p, o in sorted(entries):
+            total += (weights[0] * p + weights[1] * o) / result.budgets[tenant]
+            xs.append(t)
+            ys.append(total)
+        out[tenant] = (xs, ys)
+    return out

@@ -1,4 +1,4 @@
-"""Tenants and their API keys in Redis (key schema: ``workers.wire``, docs/tenants.md).
+"""Tenants and their API keys in Redis (key schema: ``common.wire``, docs/tenants.md).
 
 Every write that must not race (a unique name, a key for a tenant that is being deleted)
 is one Lua script; reads are plain commands. Only key prefixes and digests are stored.
@@ -14,10 +14,10 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
+from common import wire
 from gateway import keys
 from gateway.errors import Conflict, NotFound
 from gateway.tenants import Tenant, from_doc, is_id, to_doc
-from workers import wire
 
 # KEYS: names, tenant doc, ids. ARGV: id, name, doc, expected old doc ('' to create), old name
 _SAVE = """

@@ -11,8 +11,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from common import wire
 from gateway.errors import InvalidRequest
-from workers import wire
 
 FIELDS = ("requests", "rate_limited", "prompt_tokens", "completion_tokens")
 MAX_MINUTES = 7 * 24 * 60

@@ -7,7 +7,6 @@ fails: there is deliberately no silent fallback to the reference implementation.
 from sched_core._core import Scheduler
 from sched_core.reference import Scheduler as ReferenceScheduler
 from sched_core.types import (
-    PATHS,
     BatchTimings,
     Contract,
     Dispatch,
@@ -23,7 +22,6 @@ IMPLEMENTATIONS: dict[str, type[Scheduler] | type[ReferenceScheduler]] = {
 }
 
 __all__ = [
-    "PATHS",
     "BatchTimings",
     "Contract",
     "Dispatch",

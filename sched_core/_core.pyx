@@ -18,6 +18,7 @@ from libc.string cimport memmove
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 
+from common.pools import POOLS
 from sched_core._fast cimport Meter, meter_add, meter_rate, new_instance, put, slot, slot_offset
 from sched_core._idtable cimport IdTable, idt_find, idt_free, idt_init, idt_insert, idt_remove
 from sched_core._heap cimport (
@@ -28,7 +29,7 @@ from sched_core.costmodel import COEFFICIENTS, StepModel
 from sched_core.report import queued_explanation, route_reason, snapshot_dict, thresholds
 from sched_core.types import HOLD_SLACK as _HOLD_SLACK
 from sched_core.types import LN100 as _LN100
-from sched_core.types import PATHS, Contract, Dispatch, Reject, Request, SchedulerConfig
+from sched_core.types import Contract, Dispatch, Reject, Request, SchedulerConfig
 
 IMPLEMENTATION = "cython"
 
@@ -60,7 +61,7 @@ cdef object _contract(str rid, int bucket, int path, double ttft, double total, 
     cdef object c = new_instance(Contract)
     put(c, _CONTRACT[0], rid)
     put(c, _CONTRACT[1], bucket)
-    put(c, _CONTRACT[2], PATHS[path])
+    put(c, _CONTRACT[2], POOLS[path])
     put(c, _CONTRACT[3], ttft)
     put(c, _CONTRACT[4], total)
     put(c, _CONTRACT[5], p99)
@@ -485,7 +486,7 @@ cdef class Scheduler:
     def set_prior(self, path, prior):
         """``path``'s step-time model now starts from ``prior`` (its workers' measured
         profiles); what it fitted stays (``StepModel.reprior``)."""
-        cdef int p = PATHS.index(path)
+        cdef int p = POOLS.index(path)
         self._models[p].reprior(prior)
         self._load_coef(p)
         self.quad[p] = prior.prefill_attention
@@ -494,7 +495,7 @@ cdef class Scheduler:
         """Refit ``path``'s step-time model from worker step records
         ``(prefill tokens, decode sequences, KV tokens, seconds)``."""
         self.now = now
-        cdef int p = PATHS.index(path)
+        cdef int p = POOLS.index(path)
         self._models[p].observe_many(records)
         self._load_coef(p)
         cdef double done = 0.0
@@ -505,10 +506,10 @@ cdef class Scheduler:
     def worker_capacity(self, path, slots, double now, workers=1, step_tokens=0):
         """``path``'s live workers, ``workers`` of them, offer ``slots`` sequence slots in all
         (in use ones included); ``step_tokens`` > 0 is their per-step token budget."""
-        if path not in PATHS or slots < 0 or workers < 0 or step_tokens < 0:
+        if path not in POOLS or slots < 0 or workers < 0 or step_tokens < 0:
             raise ValueError(f"unknown path {path!r}, or negative slots, workers or step tokens")
         self.now = now
-        cdef int p = PATHS.index(path)
+        cdef int p = POOLS.index(path)
         self.cap[p] = slots
         self.workers[p] = workers if workers > 0 else 1
         if step_tokens > 0:
@@ -566,7 +567,7 @@ cdef class Scheduler:
     def prefill_alone_s(self, path, int prompt_tokens):
         """The fitted time to prefill ``prompt_tokens`` on an idle worker of ``path``: the part
         of a first token that no queue adds."""
-        cdef int p = PATHS.index(path)
+        cdef int p = POOLS.index(path)
         return (self.coef[p][3] + self.coef[p][4] * prompt_tokens
                 + self.quad[p] * <double>prompt_tokens * <double>prompt_tokens)
 
@@ -587,7 +588,7 @@ cdef class Scheduler:
                 for i in range(batch.n):
                     if batch.h[i] == h:
                         return {"request_id": request_id, "state": "dispatched",
-                                "bucket": k, "batch_id": bid, "path": PATHS[batch.path]}
+                                "bucket": k, "batch_id": bid, "path": POOLS[batch.path]}
         cdef double now = self.now
         mine = (c.key, self.arr[h], request_id)
         cdef long long ahead_n = 0, ahead_tok = 0, ahead_prompt = 0
@@ -1346,7 +1347,7 @@ cdef class Scheduler:
             meter_add(&self.cpu_meter, now, size, self.tau)
         cdef object d = new_instance(Dispatch)
         put(d, _DISPATCH[0], bid)
-        put(d, _DISPATCH[1], PATHS[p])
+        put(d, _DISPATCH[1], POOLS[p])
         put(d, _DISPATCH[2], k)
         put(d, _DISPATCH[3], request_ids)
         put(d, _DISPATCH[4], predicted)

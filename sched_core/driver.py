@@ -27,11 +27,11 @@ import math
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+from common.pools import POOLS
 from sched_core.contracts import Accuracy, Contracts
 from sched_core.reference import RateMeter
 from sched_core.types import (
     HOLD_SLACK,
-    PATHS,
     BatchTimings,
     Contract,
     Dispatch,
@@ -139,8 +139,8 @@ class Driver:
             config = SchedulerConfig()
         self.contracts = Contracts(config.bucket_bounds, config.default_output_tokens)
         self.shares = Shares(config.rate_window_s)
-        self._cap = dict.fromkeys(PATHS, 0)
-        self._used = dict.fromkeys(PATHS, 0)
+        self._cap = dict.fromkeys(POOLS, 0)
+        self._used = dict.fromkeys(POOLS, 0)
         self._open: dict[int, tuple[str, set[str]]] = {}  # batch -> (path, unfinished requests)
         self._batch_of: dict[str, int] = {}
 
@@ -304,6 +304,6 @@ class Driver:
             return math.inf
         if self._wakes is not None:
             return self._wakes.next_wake(now)
-        if any(self._cap[p] > self._used[p] for p in PATHS):
+        if any(self._cap[p] > self._used[p] for p in POOLS):
             return now + self.tick_s
         return math.inf

@@ -16,10 +16,11 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from common.pools import POOLS
 from sched_core._core import Scheduler
 from sched_core.driver import Policy
 from sched_core.reference import RateMeter
-from sched_core.types import PATHS, BatchTimings, Dispatch, Reject, Request, SchedulerConfig
+from sched_core.types import BatchTimings, Dispatch, Reject, Request, SchedulerConfig
 
 if TYPE_CHECKING:  # the simulator's package imports this module
     from sched_core.simulate.profile import CostProfile
@@ -34,8 +35,8 @@ class FifoPolicy:
         self.paths = tuple(paths)
         self.max_batch = dict(max_batch)
         self._queue: deque[Request] = deque()
-        self._cap = dict.fromkeys(PATHS, 0)
-        self._used = dict.fromkeys(PATHS, 0)
+        self._cap = dict.fromkeys(POOLS, 0)
+        self._used = dict.fromkeys(POOLS, 0)
         self._path_of: dict[str, str] = {}
         self._batches: dict[int, tuple[str, ...]] = {}
         self._next_batch = 1
@@ -229,7 +230,7 @@ def make_policy(spec: str, config: SchedulerConfig) -> Policy:
     ``fixed:batch=B,window_ms=W`` (a dynamic batcher, Triton's: a batch of B leaves when B
     requests wait or when the oldest waited W ms). Raises ValueError with the accepted forms."""
     name, _, args = spec.partition(":")
-    max_batch = {p: config.path(i).max_batch for i, p in enumerate(PATHS)}
+    max_batch = {p: config.path(i).max_batch for i, p in enumerate(POOLS)}
     if name == "tokengate" and not args:
         return Scheduler(config)
     if name == "fcfs" and not args:

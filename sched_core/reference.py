@@ -24,12 +24,12 @@ from bisect import bisect_left
 from collections import deque
 from typing import Any
 
+from common.pools import POOLS
 from sched_core.costmodel import COEFFICIENTS, StepModel
 from sched_core.report import queued_explanation, route_reason, snapshot_dict, thresholds
 from sched_core.types import (
     HOLD_SLACK,
     LN100,
-    PATHS,
     BatchTimings,
     Contract,
     Dispatch,
@@ -194,7 +194,7 @@ class Scheduler:
                           f"misses the deadline by {req.arrival + total - req.deadline:.3f}s",
                           wait, total)
         self._enqueue(req, t, k, out, prefill + decode, now)
-        return Contract(rid, k, PATHS[p], ttft, total, bw + tail + decode_hi, ahead, bw,
+        return Contract(rid, k, POOLS[p], ttft, total, bw + tail + decode_hi, ahead, bw,
                         decode / out, out, bw + tail, decode_hi / out)
 
     def tick(self, now: float) -> list[Dispatch | Reject]:
@@ -250,7 +250,7 @@ class Scheduler:
         """Refit ``path``'s step-time model from worker step records
         ``(prefill tokens, decode sequences, KV tokens, seconds)``."""
         self._now = now
-        p = PATHS.index(path)
+        p = POOLS.index(path)
         model = self._models[p]
         model.observe_many(records)
         self._coef[p] = model.coefficients()
@@ -260,7 +260,7 @@ class Scheduler:
     def set_prior(self, path: str, prior: PathConfig) -> None:
         """``path``'s step-time model now starts from ``prior`` (its workers' measured
         profiles); what it fitted stays (``StepModel.reprior``)."""
-        p = PATHS.index(path)
+        p = POOLS.index(path)
         self._models[p].reprior(prior)
         self._coef[p] = self._models[p].coefficients()
         self._quad[p] = prior.prefill_attention
@@ -269,10 +269,10 @@ class Scheduler:
                         step_tokens: int = 0) -> None:
         """``path``'s live workers, ``workers`` of them, offer ``slots`` sequence slots in all
         (in use ones included); ``step_tokens`` > 0 is their per-step token budget."""
-        if path not in PATHS or slots < 0 or workers < 0 or step_tokens < 0:
+        if path not in POOLS or slots < 0 or workers < 0 or step_tokens < 0:
             raise ValueError(f"unknown path {path!r}, or negative slots, workers or step tokens")
         self._now = now
-        p = PATHS.index(path)
+        p = POOLS.index(path)
         self._cap[p] = slots
         self._workers[p] = workers if workers > 0 else 1
         if step_tokens > 0:
@@ -325,7 +325,7 @@ class Scheduler:
     def prefill_alone_s(self, path: str, prompt_tokens: int) -> float:
         """The fitted time to prefill ``prompt_tokens`` on an idle worker of ``path``: the part
         of a first token that no queue adds."""
-        p = PATHS.index(path)
+        p = POOLS.index(path)
         _, _, _, pl, pt = self._coef[p]
         return pl + pt * prompt_tokens + self._quad[p] * prompt_tokens * prompt_tokens
 
@@ -337,7 +337,7 @@ class Scheduler:
         k, t = r.bucket, r.tenant
         if r.state == INFLIGHT:
             return {"request_id": request_id, "state": "dispatched", "bucket": k,
-                    "batch_id": r.batch, "path": PATHS[self._inflight[r.batch].path]}
+                    "batch_id": r.batch, "path": POOLS[self._inflight[r.batch].path]}
         now = self._now
         mine = (r.key, r.req.arrival, request_id)
         ahead_n = ahead_tok = ahead_prompt = 0
@@ -865,7 +865,7 @@ class Scheduler:
         self._inflight[bid] = _Batch(p, batch, now + predicted)
         if p == CPU:
             self._cpu_meter.add(now, float(size))
-        out.append(Dispatch(bid, PATHS[p], k, tuple(r.req.id for r in batch), predicted))
+        out.append(Dispatch(bid, POOLS[p], k, tuple(r.req.id for r in batch), predicted))
 
     def _finish(self, r: _Req, p: int, produced: int) -> None:
         """A dispatched request is over: its slot and KV come back; ``produced`` ≥ 0 is

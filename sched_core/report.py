@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from sched_core.types import PATHS
+from common.pools import POOLS
 
 
 def finite(x: float) -> float | None:
@@ -49,7 +49,7 @@ def route_reason(
     """Which path a queued request is headed for, and why it is still waiting."""
     if overdue and capacity[0] > 0:
         return "cpu", "waited past T_cut: the tail cut sends it to cpu at the next free slot"
-    name = PATHS[target]
+    name = POOLS[target]
     if not eligible:
         return name, "its tenant is ahead of its fair share and waits for the others"
     if capacity[target] <= 0:
@@ -83,7 +83,7 @@ def snapshot_dict(
         "now": now,
         "queued": queued,
         "buckets": buckets,
-        "paths": dict(zip(PATHS, paths, strict=True)),
+        "paths": dict(zip(POOLS, paths, strict=True)),
         "tail_cut": {
             "t_cut_s": finite(t_cut),
             "mu_cpu": mu_cpu,

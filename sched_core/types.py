@@ -14,9 +14,6 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-#: The two execution paths, in the index order both implementations use internally.
-PATHS: tuple[str, str] = ("cpu", "gpu")
-
 #: ln(100): the factor between the mean and the 99th percentile of an exponential tail.
 #: Defined once here so that the Python and the compiled core use the very same double.
 LN100: float = math.log(100.0)
@@ -295,5 +292,5 @@ class SchedulerConfig:
             raise ValueError("max_queued and default_output_tokens must be at least 1")
 
     def path(self, index: int) -> PathConfig:
-        """The config of path ``PATHS[index]``."""
+        """The config of path ``POOLS[index]``."""
         return self.gpu if index else self.cpu

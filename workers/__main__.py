@@ -6,14 +6,15 @@ import argparse
 import logging
 import sys
 
+from common.settings import HelpFormatter, env_default
 from workers import cli
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m workers", formatter_class=cli.HelpFormatter)
-    parser.add_argument("--log-level", default=cli.env_default("log_level", "INFO"),
+    parser = argparse.ArgumentParser(prog="python -m workers", formatter_class=HelpFormatter)
+    parser.add_argument("--log-level", default=env_default("log_level", "INFO"),
                         help="DEBUG, INFO, WARNING or ERROR")
-    redis_url = cli.env_default("redis_url")
+    redis_url = env_default("redis_url")
     parser.add_argument("--redis-url", default=redis_url, required=redis_url is None,
                         help="the shared Redis (required, unless TOKENGATE_REDIS_URL is set)")
     cli.add_model_args(parser)

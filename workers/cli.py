@@ -6,33 +6,16 @@ import argparse
 import dataclasses
 import gc
 import logging
-import os
 import signal
 from pathlib import Path
 from typing import Any
 
+from common.pools import POOLS
+from common.settings import env_default
 from workers.devices import DTYPES
 from workers.worker import ENGINES, WorkerSettings
 
 log = logging.getLogger("tokengate.worker")
-
-
-def env_default(name: str, default: Any = None) -> Any:
-    """Every flag is also an environment variable: TOKENGATE_<NAME>."""
-    return os.environ.get(f"TOKENGATE_{name.upper().replace('-', '_')}", default)
-
-
-SECRET_FLAGS = frozenset({"admin_token"})  # dests whose value --help never shows (it may come from the environment)
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` shows every flag's default (the value ``TOKENGATE_<FLAG>`` sets, where it is
-    set), except a secret's, and None's: such a flag's help says what its absence means."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.dest in SECRET_FLAGS:
-            return action.help
-        return super()._get_help_string(action)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +50,7 @@ def _flag(parser: argparse.ArgumentParser, flag: str, default: Any, **kw: Any) -
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    _flag(parser, "--pool", setting_default("pool"), choices=("cpu", "gpu"),
+    _flag(parser, "--pool", setting_default("pool"), choices=POOLS,
           help="the pool this worker serves (`serve` starts one per pool of --pools)")
     _flag(parser, "--engine", setting_default("engine"), choices=ENGINES,
           help="hf: the transformers model; echo: a model-free engine for benchmarks; "

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from workers.protocol import Delta, Failed, Finished, SeqJob, StepRecord
+from common.protocol import Delta, Failed, Finished, SeqJob, StepRecord
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,8 @@ from typing import Any
 
 import redis
 
-from workers import protocol as p
-from workers import wire
+from common import protocol as p
+from common import wire
 
 # KEYS: 1 jobs stream, 2 reply stream, then n_prog progress keys to write, n_del keys to
 #       delete, n_h KV keys and n_h target job streams for hand-overs

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from common.protocol import Delta, Finished, SeqJob
 from workers.devices import DeviceChoice
 from workers.engine import Handoff, Prefill, StepResult
-from workers.protocol import Delta, Finished, SeqJob
 from workers.text import IncrementalText
 
 log = logging.getLogger("tokengate.engine")

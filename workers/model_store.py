@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.protocol import sampling_in_range
+from common.protocol import sampling_in_range
 
 log = logging.getLogger("tokengate.model")
 

@@ -46,9 +46,9 @@ from typing import Any
 
 import numpy as np
 
+from common.protocol import SamplingParams, SeqJob
 from workers.devices import AMX_FLAGS, cpu_flags
 from workers.engine import Engine
-from workers.protocol import SamplingParams, SeqJob
 
 log = logging.getLogger("tokengate.worker")
 

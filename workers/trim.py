@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import redis
 
-from workers import wire
+from common import wire
 
 StreamId = tuple[int, int]
 

@@ -49,8 +49,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from common.protocol import Delta, Failed, Finished, SeqJob, StepRecord
 from workers.engine import Prefill, StepResult
-from workers.protocol import Delta, Failed, Finished, SeqJob, StepRecord
 
 log = logging.getLogger("tokengate.upstream")
 

@@ -14,7 +14,7 @@ Delivery is at least once, effects exactly once (see ``workers/fencing.py``):
   whoever reclaims it runs it alone on an idle engine, reading nothing new meanwhile, so a
   poison job reaches dead letter without taking the jobs it was read with along.
 
-Redis faults never end a worker (``workers/retry.py``): every loop backs off and tries
+Redis faults never end a worker (``common/retry.py``): every loop backs off and tries
 again; batches whose replies cannot be written are abandoned to redelivery; a consumer
 group lost with Redis's data is created again.
 
@@ -41,12 +41,14 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from workers import protocol as p
-from workers import selfprofile, wire
+from common import protocol as p
+from common import wire
+from common.pools import POOLS
+from common.retry import Outage, Retrier, backoff_policy, is_nogroup
+from workers import selfprofile
 from workers.devices import DTYPES
 from workers.engine import Engine, Handoff, StepResult
 from workers.fencing import Fence, HandoffWrite, Progress, Publish
-from workers.retry import Outage, Retrier, backoff_policy, is_nogroup
 from workers.trim import trim_jobs_stream
 
 log = logging.getLogger("tokengate.worker")
@@ -94,8 +96,8 @@ class WorkerSettings:
     upstream_timeout_s: float = 60.0  # longest wait for the upstream's next chunk before it counts as down
 
     def __post_init__(self) -> None:
-        if self.pool not in p.POOLS:
-            raise ValueError(f"pool must be one of {p.POOLS}, not {self.pool!r}")
+        if self.pool not in POOLS:
+            raise ValueError(f"pool must be one of {POOLS}, not {self.pool!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, not {self.dtype!r}")
         if self.engine not in ENGINES:
@@ -125,7 +127,7 @@ class WorkerSettings:
 def connect(settings: WorkerSettings) -> redis.Redis:
     """The worker's Redis client. redis-py retries nothing itself: a pipeline re-sent after
     a timeout could run a fenced publish twice (the same reply written twice); the
-    worker's loops retry instead, each with its own backoff (``workers/retry.py``)."""
+    worker's loops retry instead, each with its own backoff (``common/retry.py``)."""
     return redis.Redis.from_url(
         settings.redis_url,
         socket_timeout=settings.redis_timeout_s,

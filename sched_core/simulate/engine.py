@@ -27,11 +27,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast, runtime_checkable
 
+from common.pools import POOLS
 from sched_core.contracts import Accuracy
 from sched_core.driver import Driver, Policy
 from sched_core.simulate.profile import CostProfile
 from sched_core.simulate.workload import Arrival, Workload
-from sched_core.types import PATHS, BatchTimings, Contract, Dispatch, Reject, Request
+from sched_core.types import BatchTimings, Contract, Dispatch, Reject, Request
 
 __all__ = ["Outcome", "Policy", "Pool", "Result", "SimConfig", "Simulation", "simulate"]
 
@@ -52,7 +53,7 @@ class Pool:
     step_tokens: int = 256  # tokens per step: decode tokens plus the prefill chunk
 
     def __post_init__(self) -> None:
-        if self.path not in PATHS or self.workers < 0 or self.slots < 1:
+        if self.path not in POOLS or self.workers < 0 or self.slots < 1:
             raise ValueError(f"pool {self.path!r}: unknown path, or workers < 0, or slots < 1")
 
 
@@ -187,8 +188,8 @@ class Simulation:
         self._outcomes = {a.id: Outcome(a) for a in workload.arrivals}
         self._batches: dict[int, _Batch] = {}
         self._seqs: dict[int, list[_Seq]] = {}
-        self._streams: dict[str, deque[int]] = {p: deque() for p in PATHS}
-        self._workers: dict[str, list[_Worker]] = {p: [] for p in PATHS}
+        self._streams: dict[str, deque[int]] = {p: deque() for p in POOLS}
+        self._workers: dict[str, list[_Worker]] = {p: [] for p in POOLS}
         for pool in config.pools:
             self._workers[pool.path] = [_Worker(pool, i) for i in range(pool.workers)]
         self._backlog: dict[str, list[tuple[float, int]]] = {t: [] for t in self._budget}

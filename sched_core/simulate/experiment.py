@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import sched_core
+from common.pools import POOLS
 from sched_core.policies import BOTH, FifoPolicy, FixedBatch, ThreeRegime, TimeWindow
 from sched_core.simulate.engine import Policy, Pool, SimConfig, simulate
 from sched_core.simulate.metrics import Slo, summarize
@@ -42,7 +43,7 @@ class Setup:
 
     def max_batch(self) -> dict[str, int]:
         return {p.path: p.slots for p in self.pools} | {
-            p: 1 for p in ("cpu", "gpu") if all(q.path != p for q in self.pools)}
+            p: 1 for p in POOLS if all(q.path != p for q in self.pools)}
 
 
 def scheduler_config(setup: Setup, workload: Workload) -> SchedulerConfig:

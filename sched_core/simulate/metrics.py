@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from common.pools import POOLS
 from sched_core.simulate.engine import Outcome, Result
 
 CONTRACT_FIGURES = ("within_ttft_bound", "within_p99_bound", "mape_ttft", "mape", "raw_mape_ttft", "raw_mape")
@@ -148,7 +149,7 @@ def summarize(result: Result, slo: Slo, windows: int = 20) -> dict[str, Any]:
             "raw_mape_ttft": sum(a.raw_ttft_ape or 0.0 for a in acc) / n,
             "raw_mape": sum(a.raw_total_ape for a in acc) / n,
         }
-    paths = {p: sum(1 for o in done if o.path == p) for p in ("cpu", "gpu")}
+    paths = {p: sum(1 for o in done if o.path == p) for p in POOLS}
     return {
         "requests": len(outs),
         "completed": len(done),

@@ -8,8 +8,8 @@ from contextlib import contextmanager
 
 import redis
 
-from workers import protocol as p
-from workers import wire
+from common import protocol as p
+from common import wire
 from workers.engine import Engine
 from workers.worker import Worker, WorkerSettings, connect
 

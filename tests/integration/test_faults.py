@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from workers import protocol as p
-from workers import wire
+from common import protocol as p
+from common import wire
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from common import protocol as p
+from common import wire
 from tests.integration.test_faults import REPLIES, Workers, _read_all
-from workers import protocol as p
-from workers import wire
 from workers.model_store import ModelSpec
 
 pytestmark = [pytest.mark.redis, pytest.mark.model, pytest.mark.slow]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.protocol import Delta, Finished, SamplingParams, SeqJob
 from workers.devices import DeviceChoice
 from workers.hf_engine import HFEngine
 from workers.model_store import ModelSpec
-from workers.protocol import Delta, Finished, SamplingParams, SeqJob
 
 pytestmark = pytest.mark.model
 

@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
+from common import protocol as p
+from common import wire
 from gateway.embedded_redis import EmbeddedRedis
 from tests.integration.helpers import collect, running_worker, send
-from workers import protocol as p
-from workers import wire
 from workers.engine import EchoEngine
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]

@@ -7,9 +7,9 @@ import time
 import pytest
 import redis
 
+from common import protocol as p
+from common import wire
 from tests.integration.helpers import collect, running_worker, send
-from workers import protocol as p
-from workers import wire
 from workers.engine import EchoEngine
 from workers.fencing import Fence
 from workers.trim import trim_jobs_stream

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from bench.llamacpp import LlamaServer
+from common import protocol as p
 from gateway.embedded_redis import free_port
-from workers import protocol as p
 from workers.engine import StepResult
 from workers.upstream import UpstreamEngine
 

@@ -9,9 +9,9 @@ from collections.abc import Callable
 import pytest
 import redis
 
+from common import protocol as p
+from common import wire
 from tests.integration.helpers import collect, running_worker, send
-from workers import protocol as p
-from workers import wire
 from workers.engine import EchoEngine
 
 pytestmark = pytest.mark.redis

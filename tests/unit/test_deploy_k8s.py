@@ -1,6 +1,6 @@
 """deploy/k8s: every document matches the Kubernetes schema (offline, from kubernetes-validate's
 bundle), and each KEDA object, which the bundle does not know, scales a worker Deployment on the
-stream and consumer group that the Deployment's workers read (workers/wire.py)."""
+stream and consumer group that the Deployment's workers read (common/wire.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from urllib.parse import urlsplit
 import kubernetes_validate
 import pytest
 
+from common import wire
 from tests.unit.test_deploy import LAUNCHES, k8s_documents, start
-from workers import wire
 
 VERSION = kubernetes_validate.latest_version()  # the newest Kubernetes the installed bundle describes
 KEDA = "keda.sh/v1alpha1"

@@ -13,8 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import Gateway, create_app, redis_client
+from gateway.app import create_app
 from gateway.prompts import PromptBuilder
+from gateway.services import Gateway, redis_client
 from gateway.settings import GatewaySettings
 from tests.integration.helpers import running_worker
 from workers.engine import EchoEngine, Engine

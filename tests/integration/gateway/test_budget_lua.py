@@ -23,12 +23,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from common import wire
 from gateway.budget import Budget
 from gateway.gcra import BucketModel
 from gateway.liveness import Liveness
 from gateway.settings import GatewaySettings
 from gateway.tenants import Limits, Tenant
-from workers import wire
 
 pytestmark = pytest.mark.redis
 

@@ -12,11 +12,11 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common import wire
 from gateway.dispatch import Dispatcher
 from gateway.settings import GatewaySettings
 from sched_core import SchedulerConfig
 from tests.integration.gateway.conftest import Harness
-from workers import wire
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 

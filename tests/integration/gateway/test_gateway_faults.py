@@ -13,12 +13,12 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from common import protocol as p
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.limits import RefusalBucket
 from gateway.prompts import PromptBuilder
 from gateway.scheduling import Origin
 from tests.integration.gateway.conftest import Harness, make_harness
-from workers import protocol as p
 from workers.engine import EchoEngine
 from workers.model_store import ModelSpec
 

@@ -9,9 +9,9 @@ import orjson
 import pytest
 import redis
 
+from common import wire
 from tests.integration.gateway.conftest import ECHO_TOKENS, Harness
 from tests.redis_text import everything
-from workers import wire
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 

@@ -10,11 +10,11 @@ import redis.asyncio as aioredis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common import wire
 from gateway.budget import Budget
 from gateway.liveness import Liveness, classify
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant
-from workers import wire
 
 pytestmark = pytest.mark.redis
 

@@ -9,11 +9,11 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from common import wire
 from gateway import admin_protocol as ap
 from gateway.errors import Conflict, NotFound
 from gateway.tenant_store import TenantStore
 from tests.redis_text import everything
-from workers import wire
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 

@@ -9,12 +9,12 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
+from common import protocol as p
 from gateway.budget import headers, refusal
 from gateway.errors import GatewayError, InvalidRequest, error_response
 from gateway.gcra import Verdict
 from gateway.meter import Meter
 from gateway.tenants import Limits, Tenant
-from workers import protocol as p
 
 T = Tenant("tn_0000000000000000", "acme", 10.0, 100, limits=Limits(max_concurrent=4))
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import build_parser, setting_default
+from gateway.cli import build_parser
+from gateway.flags import setting_default
 from gateway.settings import GatewaySettings
 
 # flag -> field, for every GatewaySettings field that has a flag

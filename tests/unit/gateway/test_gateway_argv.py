@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import GATEWAY_FLAGS, SETTING_FLAGS, build_parser, setting_default
+from gateway.cli import build_parser
+from gateway.flags import GATEWAY_FLAGS, SETTING_FLAGS, setting_default
 from gateway.server import gateway_argv, gateway_env
 
 TOKEN = "unit-admin-token-0123456789"

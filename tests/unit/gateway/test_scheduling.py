@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from common import protocol as p
 from gateway.scheduling import Origin, SchedulerShell, capacity_share, scheduler_config
 from sched_core import Contract, Reject, SchedulerConfig
 from sched_core.types import DEFAULT_PROFILES
-from workers import protocol as p
 
 WHO = Origin(tenant="t1", weight=1000.0)
 

@@ -19,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import sched_core
+from common.pools import POOLS
 from sched_core import (
     BatchTimings,
     Contract,
@@ -80,7 +81,7 @@ class Lockstep:
                 d.request_ids)
             self.open -= set(d.request_ids)
             size = len(d.request_ids)
-            assert 1 <= size <= self.config.path(sched_core.PATHS.index(d.path)).max_batch
+            assert 1 <= size <= self.config.path(POOLS.index(d.path)).max_batch
             assert self.used[d.path] + size <= self.capacity[d.path]
             self.used[d.path] += size
             self.running[d.batch_id] = d

@@ -1,5 +1,5 @@
+from common.protocol import Delta, Finished, SamplingParams, SeqJob
 from workers.engine import EchoEngine
-from workers.protocol import Delta, Finished, SamplingParams, SeqJob
 
 
 def test_echo_answers_a_fixed_number_of_tokens() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers import protocol as p
+from common import protocol as p
 from workers.upstream import parse_metrics, request_body
 
 GREEDY = p.SamplingParams(12, temperature=0.0)

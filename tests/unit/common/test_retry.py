@@ -9,8 +9,8 @@ from typing import Any, cast
 import pytest
 import redis
 
+from common.retry import Outage, Retrier, backoff_policy, is_nogroup
 from workers.engine import EchoEngine
-from workers.retry import Outage, Retrier, backoff_policy, is_nogroup
 from workers.worker import Worker, WorkerSettings
 
 NOGROUP = redis.ResponseError("NOGROUP No such key 'tg:jobs:cpu' or consumer group 'workers' in XREADGROUP")

@@ -1,8 +1,8 @@
 import orjson
 import pytest
 
-from workers import protocol as p
-from workers import wire
+from common import protocol as p
+from common import wire
 
 VERSION = str(p.VERSION).encode()
 

@@ -15,7 +15,6 @@ import orjson
 
 VERSION = 2  # 2: the step telemetry stream (docs/protocol.md)
 
-POOLS = ("cpu", "gpu")
 
 
 class ProtocolError(ValueError):

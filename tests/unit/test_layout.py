@@ -1,0 +1,101 @@
+"""The house's rules, checked from the source: no import cycle between modules (imports
+inside functions and under ``TYPE_CHECKING`` counted: a cycle is a cycle), and ``common``
+imports none of the packages that build on it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("common", "gateway", "sched_core", "workers")
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports() -> dict[str, set[str]]:
+    """Each module of the packages, and the modules of the packages it imports."""
+    modules = {_module(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    for pyx in (ROOT / "sched_core").glob("*.pyx"):
+        modules[_module(pyx)] = pyx
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        source = path.read_text()
+        if path.suffix == ".pyx":  # Cython: read its Python import lines only
+            source = "\n".join(line for line in source.splitlines() if line.startswith(("import ", "from ")))
+            source = "\n".join(line for line in source.splitlines() if " cimport " not in line)
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: up from the module's package
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    found.add(target)
+        graph[name] = found
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_module_imports_itself_round_a_cycle() -> None:
+    assert cycles(imports()) == []
+
+
+def test_common_imports_nothing_that_builds_on_it() -> None:
+    above = ("gateway", "sched_core", "workers")
+    leaks = {m: sorted(t for t in ts if t.split(".")[0] in above) for m, ts in imports().items()
+             if m.split(".")[0] == "common"}
+    assert all(not t for t in leaks.values()), leaks
+
+
+def test_the_walk_sees_imports_in_functions_and_relative_ones() -> None:
+    graph = imports()
+    assert "gateway.server" in graph["gateway.cli"]  # `serve` imports it inside main()
+    assert graph["sched_core"] >= {"sched_core._core", "sched_core.reference"}
