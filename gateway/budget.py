@@ -22,23 +22,13 @@ from gateway import gcra
 from gateway.errors import RETRY_AFTER_S, GatewayError, RateLimited, TokensRateLimited, Unauthorized
 from gateway.keys import KeyRef
 from gateway.limits import over_burst
+from gateway.lua import CLOCK
 from gateway.redis_batch import AutoPipeline
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant
 
-_CLOCK = """
-local function num(x) return string.format('%.17g', x) end
-local now
-if ARGV[#ARGV] ~= '' then
-  now = tonumber(ARGV[#ARGV])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
-"""
-
 _PRELUDE = (
-    _CLOCK
+    CLOCK
     + """
 local tat = tonumber(redis.call('GET', KEYS[1]))
 local start = now
@@ -117,7 +107,7 @@ end
 # ARGV: rate, rid, delta tokens, state, charged prompt tokens, charged completion tokens,
 #       usage ttl s, then field/value pairs for the request record, now ('' for Redis TIME)
 SETTLE = (
-    _CLOCK
+    CLOCK
     + _SETTLE_ONE
     + """
 local charged = tonumber(ARGV[5]) + tonumber(ARGV[6])
@@ -144,7 +134,7 @@ return 1
 # KEYS: gateways zset, the gateway's requests, its reply stream, its gone marker
 # ARGV: gateway id, dead after s, gone marker ttl s, now ('' for Redis TIME)
 SWEEP = (
-    _CLOCK
+    CLOCK
     + _SETTLE_ONE
     + f"""
 local seen = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1]))

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from common import protocol as p
 from common import wire
 from gateway.budget import SWEEP
+from gateway.lua import CLOCK
 from gateway.settings import GatewaySettings
 
 log = logging.getLogger("tokengate.liveness")
@@ -29,20 +30,13 @@ GONE_TTL_S = 3600  # workers drop a dead gateway's jobs this long after its swee
 
 # KEYS: gateways zset, this gateway's reply stream
 # ARGV: gateway id, reply stream ttl ms, dead after s, now ('' for Redis TIME)
-RENEW = """
-local now
-if ARGV[4] ~= '' then
-  now = tonumber(ARGV[4])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
+RENEW = CLOCK + """
 local known = redis.call('ZSCORE', KEYS[1], ARGV[1])
 redis.call('ZADD', KEYS[1], now, ARGV[1])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 local horizon = now - tonumber(ARGV[3])
-local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%.17g', horizon))
-local alive = redis.call('ZCOUNT', KEYS[1], string.format('%.17g', horizon), '+inf')
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. num(horizon))
+local alive = redis.call('ZCOUNT', KEYS[1], num(horizon), '+inf')
 return {known and 1 or 0, alive, dead}
 """
 
