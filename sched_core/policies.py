@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from common.pools import POOLS
 from sched_core._core import Scheduler
-from sched_core.driver import Policy
+from sched_core.driver import TICK_S, Policy
 from sched_core.reference import RateMeter
 from sched_core.types import BatchTimings, Dispatch, Reject, Request, SchedulerConfig
 
@@ -162,7 +162,7 @@ class ThreeRegime(FifoPolicy):
 
     def __init__(self, profiles: Mapping[str, CostProfile], max_batch: Mapping[str, int],
                  rate_window_s: float = 10.0, default_output: int = 64,
-                 tick_s: float = 0.002) -> None:
+                 tick_s: float = TICK_S) -> None:
         super().__init__(max_batch, BOTH)
         self.profiles = dict(profiles)
         self.tick_s = tick_s

@@ -28,6 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from common.protocol import Delta, Finished, SeqJob
+from common.steps import IDLE_PREFILL_TOKENS, prefill_room
 from workers.devices import DeviceChoice
 from workers.engine import Handoff, Prefill, StepResult
 from workers.text import IncrementalText
@@ -66,7 +67,7 @@ class HFEngine:
         model_dir: Path,
         choice: DeviceChoice,
         slots: int = 32,
-        max_prefill_tokens: int = 8192,
+        max_prefill_tokens: int = IDLE_PREFILL_TOKENS,
         step_tokens: int = 0,
     ) -> None:
         self.slots = slots
@@ -119,14 +120,9 @@ class HFEngine:
         return queued
 
     def prefill_budget(self, decoding: int) -> int:
-        """Prompt tokens (padding counted) one step may prefill beside ``decoding`` decode
-        tokens: the budget's rest, but at least a quarter of it so prefill always moves.
-        The budget protects decoding sequences: with none, nobody waits on the prefill and
-        a step takes up to ``max_prefill_tokens`` (a burst into an idle worker is
-        prefilled at once, as without a budget)."""
-        if not self.step_tokens or decoding == 0:
-            return self.max_prefill_tokens
-        return min(self.max_prefill_tokens, max(self.step_tokens - decoding, self.step_tokens // 4, 1))
+        """Prompt tokens one step may prefill beside ``decoding`` decode tokens
+        (``common.steps.prefill_room``)."""
+        return prefill_room(self.step_tokens, decoding, self.max_prefill_tokens)
 
     def add(self, job: SeqJob, kv: dict[str, Any] | None = None) -> None:
         generator = None

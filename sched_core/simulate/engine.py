@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from typing import Protocol, cast, runtime_checkable
 
 from common.pools import POOLS
+from common.steps import prefill_room
 from sched_core.contracts import Accuracy
-from sched_core.driver import Driver, Policy
+from sched_core.driver import TICK_S, Driver, Policy
 from sched_core.simulate.profile import CostProfile
 from sched_core.simulate.workload import Arrival, Workload
 from sched_core.types import BatchTimings, Contract, Dispatch, Reject, Request
@@ -61,7 +62,7 @@ class Pool:
 class SimConfig:
     pools: tuple[Pool, ...]
     hop_s: float = 0.0005  # one Redis stream hop (XADD to a blocked reader ~0.15-0.5 ms)
-    tick_s: float = 0.002  # the gateway's TICK_S
+    tick_s: float = TICK_S  # the gateway's
     seed: int = 0
     known_output: bool = False  # tell the scheduler each request's exact output length
     # jobs a worker takes from its stream per loop while it has a free slot; 0: as many as
@@ -115,7 +116,6 @@ class Result:
 # -- workers -------------------------------------------------------------------------------
 
 ARRIVE, JOB, STEP, REPORT, TICK, FINISH, STEPS = range(7)
-IDLE_PREFILL_TOKENS = 8192  # HFEngine.max_prefill_tokens: with nothing decoding, the budget does not bind
 
 
 @dataclass(slots=True)
@@ -321,7 +321,7 @@ class Simulation:
             kv = sum(s.outcome.arrival.prompt_tokens + s.generated for s in decoded)
             decode_s = self._noisy(profile.decode_step_s(len(decoded), width), profile)
         budget = w.pool.step_tokens
-        room = max(budget - len(decoded), budget // 4) if decoded else IDLE_PREFILL_TOKENS
+        room = prefill_room(budget, len(decoded))
         parts, longest, tokens, admitted = self._admit(w, room, len(decoded))
         prefill_s = self._noisy(profile.prefill_s(parts, longest), profile) if parts else 0.0
         step = _Step(decoded, admitted, decode_s, prefill_s, longest, tokens, kv)

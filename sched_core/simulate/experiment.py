@@ -11,6 +11,7 @@ from typing import Any
 
 import sched_core
 from common.pools import POOLS
+from sched_core.driver import TICK_S
 from sched_core.policies import BOTH, FifoPolicy, FixedBatch, ThreeRegime, TimeWindow
 from sched_core.simulate.engine import Policy, Pool, SimConfig, simulate
 from sched_core.simulate.metrics import Slo, summarize
@@ -27,7 +28,7 @@ class Setup:
     slo: Slo = Slo()
     seed: int = 0
     hop_s: float = 0.0005
-    tick_s: float = 0.002
+    tick_s: float = TICK_S
     known_output: bool = False
     fixed_sizes: tuple[int, ...] = (4, 8, 16, 32)
     windows_s: tuple[float, ...] = (0.002, 0.01, 0.05)
