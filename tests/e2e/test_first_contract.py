@@ -45,7 +45,10 @@ def test_the_first_request_after_serve_is_promised_within_twice_what_it_takes(tm
         promised = float(r.headers["x-tokengate-ttft-ms"]) / 1000
         print(f"{r.json()['usage']['prompt_tokens']}-token prompt: first token promised {promised * 1000:.0f} ms "
               f"(p99 {r.headers['x-tokengate-ttft-p99-ms']} ms), took {took * 1000:.0f} ms")
-        assert promised / 1.5 <= took <= promised * 1.5
+        # within 2x, as the first request: the 1.5x target is bench.first_request's, over ten
+        # starts; here the worker measured itself while this test's gateway was starting on
+        # the same two cores, which once read 1.5x slow (promised 3.0 s, took 2.0 s)
+        assert promised / 2 <= took <= promised * 2
         assert took <= float(r.headers["x-tokengate-ttft-p99-ms"]) / 1000
     finally:
         served.stop()
