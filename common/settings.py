@@ -24,3 +24,16 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.dest in SECRET_FLAGS:
             return action.help
         return super()._get_help_string(action)
+
+
+SHARED_REDIS = "the shared Redis, e.g. redis://host:6379/0 (required, unless TOKENGATE_REDIS_URL is set)"
+
+
+def add_redis_url(parser: argparse.ArgumentParser, private: str | None = None) -> None:
+    """``--redis-url`` (``TOKENGATE_REDIS_URL``): the shared Redis a gateway or worker needs,
+    or, given ``private`` (what happens without one), an optional one (`serve`)."""
+    default = env_default("redis_url")
+    if private is None:
+        parser.add_argument("--redis-url", default=default, required=default is None, help=SHARED_REDIS)
+    else:
+        parser.add_argument("--redis-url", default=default, help=private)

@@ -8,13 +8,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from common.settings import HelpFormatter, env_default
+from common.settings import HelpFormatter, add_redis_url, env_default
 from gateway import admin_cli, simulate_cli
 from gateway.embedded_redis import FSYNC_CHOICES, default_data_dir
 from gateway.flags import add_gateway_args
 from workers import cli as worker_cli
-
-SHARED_REDIS = "the shared Redis, e.g. redis://host:6379/0 (required, unless TOKENGATE_REDIS_URL is set)"
 
 
 def _processes(text: str) -> int:
@@ -33,8 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="the whole product on one machine: Redis, gateway, workers",
                            formatter_class=helpful)
-    serve.add_argument("--redis-url", default=env_default("redis_url"),
-                       help="use this Redis instead of starting a private redis-server (default: start one)")
+    add_redis_url(serve, private="use this Redis instead of starting a private redis-server (default: start one)")
     serve.add_argument("--pools", default=env_default("pools", "auto"),
                        help="worker pools to start: auto (cpu, plus gpu when CUDA is present) or e.g. cpu,gpu")
     serve.add_argument("--data-dir", type=Path, default=env_default("data_dir"),
@@ -51,8 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker_cli.add_worker_args(serve)
 
     gateway = sub.add_parser("gateway", help="the HTTP gateway alone, against a shared Redis", formatter_class=helpful)
-    gateway.add_argument("--redis-url", default=env_default("redis_url"), required=env_default("redis_url") is None,
-                         help=SHARED_REDIS)
+    add_redis_url(gateway)
     add_gateway_args(gateway)
     gateway.add_argument("--workers", type=_processes, default=env_default("workers", 1),
                          help="gateway processes sharing the port (SO_REUSEPORT), one per core you give it; "
@@ -63,8 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="one pool worker, against a shared Redis (any host)",
                             formatter_class=helpful)
-    worker.add_argument("--redis-url", default=env_default("redis_url"), required=env_default("redis_url") is None,
-                        help=SHARED_REDIS)
+    add_redis_url(worker)
     worker_cli.add_model_args(worker)
     worker_cli.add_worker_args(worker)
 

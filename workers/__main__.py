@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from common.settings import HelpFormatter, env_default
+from common.settings import HelpFormatter, add_redis_url, env_default
 from workers import cli
 
 
@@ -14,9 +14,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m workers", formatter_class=HelpFormatter)
     parser.add_argument("--log-level", default=env_default("log_level", "INFO"),
                         help="DEBUG, INFO, WARNING or ERROR")
-    redis_url = env_default("redis_url")
-    parser.add_argument("--redis-url", default=redis_url, required=redis_url is None,
-                        help="the shared Redis (required, unless TOKENGATE_REDIS_URL is set)")
+    add_redis_url(parser)
     cli.add_model_args(parser)
     cli.add_worker_args(parser)
     args = parser.parse_args()
