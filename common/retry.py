@@ -68,20 +68,27 @@ class Outage:
 
 
 class Retrier:
-    """One loop's consecutive failures, and the wait its policy gives each."""
+    """One loop's consecutive failures, and the wait its policy gives each. A thread's loop
+    calls ``failed`` (which sleeps); an asyncio loop calls ``count`` and awaits the delay."""
 
-    def __init__(self, policy: AbstractBackoff, outage: Outage, sleep: Callable[[float], object]) -> None:
+    def __init__(self, policy: AbstractBackoff, outage: Outage,
+                 sleep: Callable[[float], object] | None = None) -> None:
         self.policy = policy
         self.outage = outage
         self.sleep = sleep
         self.failures = 0
 
-    def failed(self, exc: BaseException) -> float:
-        """Count the failure, wait the policy's delay for it, return that delay."""
+    def count(self, exc: BaseException) -> float:
+        """Count the failure (one warning per outage); the policy's delay for it."""
         self.failures += 1
         if not self.outage.failed(exc):
             log.debug("Redis call failed again (%d in a row): %s", self.failures, exc)
-        delay = self.policy.compute(self.failures)
+        return self.policy.compute(self.failures)
+
+    def failed(self, exc: BaseException) -> float:
+        """Count the failure, wait the policy's delay for it, return that delay."""
+        delay = self.count(exc)
+        assert self.sleep is not None, "a Retrier without sleep: count() and wait yourself"
         self.sleep(delay)
         return delay
 

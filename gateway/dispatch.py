@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 
 from common import protocol as p
 from common import wire
-from common.retry import Outage, backoff_policy
+from common.retry import Outage, Retrier, backoff_policy
 from gateway.liveness import Liveness
 from gateway.redis_batch import AutoPipeline
 from gateway.scheduling import Origin, SchedulerShell, Send
@@ -294,7 +294,7 @@ class Dispatcher:
         re-read every turn would miss whatever arrived while the replies kept the read from
         blocking."""
         last = {self.replies: b"0-0", wire.TELEMETRY_STREAM: await self._telemetry_start()}
-        failures = 0
+        retry = Retrier(BACKOFF, self._outage)
         trimmed = time.monotonic()
         while not self._closing:
             started = time.monotonic()
@@ -303,12 +303,9 @@ class Dispatcher:
                     "XREAD", "COUNT", 1000, "BLOCK", READ_BLOCK_MS, "STREAMS", *last, *last.values()
                 )
             except RedisError as exc:
-                failures += 1
-                self._outage.failed(exc)
-                await asyncio.sleep(BACKOFF.compute(failures))
+                await asyncio.sleep(retry.count(exc))
                 continue
-            failures = 0
-            self._outage.recovered(started)
+            retry.succeeded(started)
             for stream, entries in reply or []:
                 telemetry = wire.text(stream) == wire.TELEMETRY_STREAM
                 for entry_id, flat in entries:
@@ -398,10 +395,11 @@ class Dispatcher:
             self._on_workers(workers)
 
     async def _watch_loop(self) -> None:
-        failures = 0
+        retry = Retrier(BACKOFF, self._outage)
+        wait = WATCH_S
         saved = time.monotonic()
         while not self._closing:
-            await asyncio.sleep(BACKOFF.compute(failures) if failures else WATCH_S)
+            await asyncio.sleep(wait)
             expired = self.shell.expire(time.monotonic())
             for rid in expired:
                 self._route_event(p.Failed(rid, "lost", "The request's batch was lost; retry it."))
@@ -414,8 +412,7 @@ class Dispatcher:
                     saved = started
                     await self._save_model()
             except RedisError as exc:
-                failures += 1
-                self._outage.failed(exc)
+                wait = retry.count(exc)
                 continue
-            failures = 0
-            self._outage.recovered(started)
+            wait = WATCH_S
+            retry.succeeded(started)

@@ -179,3 +179,13 @@ def test_a_drain_ends_the_loop_once_the_engine_is_idle() -> None:
     assert worker.tick()
     worker.request_stop()
     assert not worker.tick()
+
+
+def test_an_asyncio_loop_counts_and_waits_itself() -> None:
+    """``count`` is ``failed`` without the sleep: the same delays, one warning per outage."""
+    outage = Outage()
+    retry = Retrier(backoff_policy(0.05, 2.0), outage)
+    delays = [retry.count(ConnectionError("down")) for _ in range(3)]
+    assert delays == [0.1, 0.2, 0.4] and outage.down
+    retry.succeeded(float("inf"))
+    assert retry.failures == 0 and not outage.down
