@@ -36,6 +36,7 @@ from gateway.scheduling import scheduler_config
 from gateway.settings import GatewaySettings
 from gateway.shutdown import FORCED_EXIT_S, Interrupted, StopSignals, exit_within
 from gateway.supervisor import POLL_S, Supervisor, gateway_child, worker_child
+from workers import cli as worker_cli
 from workers import model_store
 
 if TYPE_CHECKING:
@@ -294,34 +295,8 @@ def _pools(choice: str, upstream: bool = False) -> list[str]:
 
 def _worker_argv(pool: str, redis_url: str, args: argparse.Namespace, model_dir: Path, model_name: str,
                  log_level: str) -> list[str]:
-    cmd = [
-        sys.executable, "-m", "workers",
-        "--log-level", log_level,
-        "--redis-url", redis_url,
-        "--pool", pool,
-        "--engine", args.engine,
-        "--slots", str(args.slots),
-        "--step-tokens", str(args.step_tokens),
-        "--echo-tokens", str(args.echo_tokens),
-        "--echo-step-ms", str(args.echo_step_ms),
-        "--claim-idle", str(args.claim_idle),
-        "--heartbeat", str(args.heartbeat),
-        "--heartbeat-ttl", str(args.heartbeat_ttl),
-        "--max-deliveries", str(args.max_deliveries),
-        "--profile-s", str(args.profile_s),
-        "--dtype", args.dtype,
-        "--model", str(model_dir),
-        "--model-name", model_name,
-    ]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    if args.profile_dir:
-        cmd += ["--profile-dir", str(args.profile_dir)]
-    if args.upstream_url:
-        cmd += ["--upstream-url", args.upstream_url, "--upstream-timeout", str(args.upstream_timeout)]
-        if args.upstream_model:
-            cmd += ["--upstream-model", args.upstream_model]
-    return cmd
+    return [sys.executable, "-m", "workers", "--log-level", log_level, "--redis-url", redis_url, "--pool", pool,
+            *worker_cli.worker_argv(args), "--model", str(model_dir), "--model-name", model_name]
 
 
 async def _demo_key(redis_url: str, saved: str | None) -> str | None:

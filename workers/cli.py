@@ -35,6 +35,43 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: The worker's flags: (flag, ``WorkerSettings`` field, help, argparse extras). Each default is
+#: the field's (``scale`` converts the flag's unit to the field's), ``TOKENGATE_<FLAG>``
+#: overrides it; `tokengate worker`, `python -m workers` and `serve` add them from here, and
+#: `serve` passes them on to the workers it starts (``worker_argv``).
+WORKER_FLAGS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
+    ("pool", "pool", "the pool this worker serves (`serve` starts one per pool of --pools)", {"choices": POOLS}),
+    ("engine", "engine", "hf: the transformers model; echo: a model-free engine for benchmarks; "
+     "upstream: an OpenAI-compatible server (--upstream-url), docs/operations.md", {"choices": ENGINES}),
+    ("upstream-url", "upstream_url", "the OpenAI-compatible server an upstream worker fronts, e.g. "
+     "http://127.0.0.1:8000 (implies --engine upstream)", {}),
+    ("upstream-timeout", "upstream_timeout_s",
+     "seconds to wait for the upstream's next chunk before it counts as down", {}),
+    ("upstream-model", "upstream_model", "the model name sent upstream (default: the first of its /v1/models)", {}),
+    ("slots", "slots", "sequences decoded together (continuous batching); upstream: concurrent upstream "
+     "streams, the upstream's own parallelism", {}),
+    ("step-tokens", "step_tokens", "tokens one engine step may run: the running sequences' decode tokens plus "
+     "prefill, a long prompt in chunks (0: prompts prefilled whole)", {}),
+    ("echo-tokens", "echo_tokens", "echo engine: tokens it answers per request (fewer if max_tokens is lower)", {}),
+    ("echo-step-ms", "echo_step_s", "echo engine: 0 answers at once; >0 emits one token per step of this length",
+     {"scale": 1000.0}),
+    ("claim-idle", "claim_idle_s", "seconds after which a silent worker's pending batches are taken over", {}),
+    ("heartbeat", "heartbeat_s", "seconds between heartbeats (and liveness touches of running batches)", {}),
+    ("heartbeat-ttl", "heartbeat_ttl_s", "seconds without a heartbeat after which gateways drop this worker", {}),
+    ("max-deliveries", "max_deliveries", "deliveries after which a batch goes to the dead-letter stream", {}),
+    ("threads", "threads", "torch intra-op threads (default: torch's choice)", {"type": int}),
+    ("dtype", "dtype", "a CPU worker's dtype; auto: bf16 where AMX or AVX512-BF16 runs it, else fp32 "
+     "(a GPU worker runs bf16, or fp16 where bf16 is unsupported)", {"choices": DTYPES}),
+    ("profile-s", "profile_s", "seconds the worker may spend measuring its engine at start, the step-time "
+     "profile gateways price with (0: none, gateways keep the packaged priors); docs/scheduling.md", {}),
+    ("profile-dir", "profile_dir", "where measured profiles are kept per machine fingerprint, so a restart "
+     "only re-checks (default ~/.cache/tokengate/profiles)", {"type": Path}),
+    ("worker-id", "worker_id", "default: hostname-pid", {}),
+)
+#: flags `serve` sets per child itself rather than passing its own on
+_PER_CHILD = frozenset({"pool", "worker-id"})
+
+
 def setting_default(name: str) -> Any:
     """The default of a ``WorkerSettings`` field: the one place each default is written."""
     for f in dataclasses.fields(WorkerSettings):
@@ -43,84 +80,47 @@ def setting_default(name: str) -> Any:
     raise KeyError(f"WorkerSettings.{name} has no plain default")
 
 
-def _flag(parser: argparse.ArgumentParser, flag: str, default: Any, **kw: Any) -> None:
-    """``--flag``, also read from TOKENGATE_<FLAG>: argparse converts a string default
-    (the environment's) with ``type`` and takes any other default as it is."""
-    parser.add_argument(flag, default=env_default(flag.removeprefix("--"), default), **kw)
+def _dest(flag: str) -> str:
+    return flag.replace("-", "_")
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    _flag(parser, "--pool", setting_default("pool"), choices=POOLS,
-          help="the pool this worker serves (`serve` starts one per pool of --pools)")
-    _flag(parser, "--engine", setting_default("engine"), choices=ENGINES,
-          help="hf: the transformers model; echo: a model-free engine for benchmarks; "
-               "upstream: an OpenAI-compatible server (--upstream-url), docs/operations.md")
-    _flag(parser, "--upstream-url", setting_default("upstream_url"),
-          help="the OpenAI-compatible server an upstream worker fronts, e.g. http://127.0.0.1:8000 "
-               "(implies --engine upstream)")
-    _flag(parser, "--upstream-model", setting_default("upstream_model"),
-          help="the model name sent upstream (default: the first of its /v1/models)")
-    _flag(parser, "--upstream-timeout", setting_default("upstream_timeout_s"), type=float,
-          help="seconds to wait for the upstream's next chunk before it counts as down")
-    _flag(parser, "--slots", setting_default("slots"), type=int,
-          help="sequences decoded together (continuous batching); upstream: concurrent upstream "
-               "streams, the upstream's own parallelism")
-    _flag(parser, "--step-tokens", setting_default("step_tokens"), type=int,
-          help="tokens one engine step may run: the running sequences' decode tokens plus "
-               "prefill, a long prompt in chunks (0: prompts prefilled whole)")
-    _flag(parser, "--echo-tokens", setting_default("echo_tokens"), type=int,
-          help="echo engine: tokens it answers per request (fewer if max_tokens is lower)")
-    _flag(parser, "--echo-step-ms", setting_default("echo_step_s") * 1000, type=float,
-          help="echo engine: 0 answers at once; >0 emits one token per step of this length")
-    _flag(parser, "--claim-idle", setting_default("claim_idle_s"), type=float,
-          help="seconds after which a silent worker's pending batches are taken over")
-    _flag(parser, "--heartbeat", setting_default("heartbeat_s"), type=float,
-          help="seconds between heartbeats (and liveness touches of running batches)")
-    _flag(parser, "--heartbeat-ttl", setting_default("heartbeat_ttl_s"), type=float,
-          help="seconds without a heartbeat after which gateways drop this worker")
-    _flag(parser, "--max-deliveries", setting_default("max_deliveries"), type=int,
-          help="deliveries after which a batch goes to the dead-letter stream")
-    _flag(parser, "--threads", setting_default("threads"), type=int,
-          help="torch intra-op threads (default: torch's choice)")
-    _flag(parser, "--dtype", setting_default("dtype"), choices=DTYPES,
-          help="a CPU worker's dtype; auto: bf16 where AMX or AVX512-BF16 runs it, else fp32 "
-               "(a GPU worker runs bf16, or fp16 where bf16 is unsupported)")
-    _flag(parser, "--profile-s", setting_default("profile_s"), type=float,
-          help="seconds the worker may spend measuring its engine at start, the step-time profile "
-               "gateways price with (0: none, gateways keep the packaged priors); docs/scheduling.md")
-    _flag(parser, "--profile-dir", None, type=Path,
-          help="where measured profiles are kept per machine fingerprint, so a restart only re-checks "
-               "(default ~/.cache/tokengate/profiles)")
-    _flag(parser, "--worker-id", None, help="default: hostname-pid")
+    for flag, field, help, extra in WORKER_FLAGS:
+        kw = dict(extra)
+        scale = kw.pop("scale", 1.0)
+        try:
+            default = setting_default(field)
+        except KeyError:  # made per worker (its id): no flag default
+            default = None
+        if default is not None and scale != 1.0:
+            default = default * scale
+        if "choices" not in kw and "type" not in kw and default is not None and not isinstance(default, str):
+            kw["type"] = type(default)
+        parser.add_argument(f"--{flag}", dest=_dest(flag), default=env_default(flag, default), help=help, **kw)
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """The worker flags of ``args`` (a `serve` command line) for a worker it starts, those set
+    per child (pool, id) and those left unset (None) out."""
+    argv: list[str] = []
+    for flag, _field, _help, _extra in WORKER_FLAGS:
+        value = getattr(args, _dest(flag))
+        if flag not in _PER_CHILD and value is not None and value != "":
+            argv += [f"--{flag}", str(value)]
+    return argv
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
-    extra = {"worker_id": args.worker_id} if args.worker_id else {}
-    upstream = args.upstream_url or None
-    return WorkerSettings(
-        redis_url=args.redis_url,
-        pool=args.pool,
-        engine="upstream" if upstream else args.engine,
-        upstream_url=upstream,
-        upstream_model=args.upstream_model or None,
-        upstream_timeout_s=args.upstream_timeout,
-        model=args.model,
-        model_name=args.model_name,
-        cache_dir=args.cache_dir,
-        slots=args.slots,
-        step_tokens=args.step_tokens,
-        echo_tokens=args.echo_tokens,
-        echo_step_s=args.echo_step_ms / 1000,
-        claim_idle_s=args.claim_idle,
-        heartbeat_s=args.heartbeat,
-        heartbeat_ttl_s=args.heartbeat_ttl,
-        max_deliveries=args.max_deliveries,
-        threads=args.threads,
-        dtype=args.dtype,
-        profile_s=args.profile_s,
-        profile_dir=args.profile_dir,
-        **extra,
-    )
+    fields: dict[str, Any] = {}
+    for flag, field, _help, extra in WORKER_FLAGS:
+        value = getattr(args, _dest(flag))
+        if value is None or value == "":
+            continue  # the field's own default (a worker id is made per worker)
+        fields[field] = value / extra["scale"] if "scale" in extra else value
+    if fields.get("upstream_url"):
+        fields["engine"] = "upstream"  # --upstream-url implies the engine
+    return WorkerSettings(redis_url=args.redis_url, model=args.model, model_name=args.model_name,
+                          cache_dir=args.cache_dir, **fields)
 
 
 def run(settings: WorkerSettings) -> None:
