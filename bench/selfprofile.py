@@ -50,7 +50,7 @@ def promised_s(model: dict[str, float], prompt: int, out: int) -> float:
 
 
 def took_s(engine: Any, prompt: int, out: int) -> float:
-    run = sp._Run(engine, float("inf"))
+    run = sp.Run(engine, float("inf"))
     run.add(1, prompt, out)
     t0 = time.perf_counter()
     run.drain()
@@ -61,12 +61,12 @@ def one_start(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     engine = _engine(args.pool, args.dtype, args.model, args.slots, args.step_tokens)
     loaded = time.perf_counter() - t0
-    warm = sp._Run(engine, float("inf"))
+    warm = sp.Run(engine, float("inf"))
     warm.add(1, 32, 16)  # the worker's warm-up
     warm.drain()
     t1 = time.perf_counter()
     profile = sp.obtain(engine, pool=args.pool, model="bench", setup={"step_tokens": engine.step_tokens},
-                        budget_s=args.budget, slots=engine.slots, max_batch=engine.slots, directory=directory)
+                        budget_s=args.budget, slots=engine.slots, directory=directory)
     cost = time.perf_counter() - t1
     assert profile is not None, "the self-profile failed"
     checks = []

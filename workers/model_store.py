@@ -39,9 +39,13 @@ def offline() -> None:
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
+def cache_root() -> Path:
+    """tokengate's folder of the user's cache (``$XDG_CACHE_HOME``, else ``~/.cache``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokengate"
+
+
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tokengate" / "models"
+    return cache_root() / "models"
 
 
 def default_gguf() -> Path:

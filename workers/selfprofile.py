@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from common.protocol import SamplingParams, SeqJob
+from workers import model_store
 from workers.devices import AMX_FLAGS, cpu_flags
 from workers.engine import Engine
 
@@ -123,7 +124,7 @@ def synthetic_prompt(length: int, salt: int) -> tuple[int, ...]:
     return tuple(100 + (i * 7919 + salt * 104729) % 30000 for i in range(length))
 
 
-class _Run:
+class Run:
     """Drives an engine with synthetic prompts and keeps each step's record."""
 
     def __init__(self, engine: Engine, deadline: float) -> None:
@@ -170,7 +171,7 @@ def measure(engine: Engine, budget_s: float, slots: int) -> dict[str, Any]:
     """Run the profile's steps on an idle engine, stopping between points once ``budget_s``
     is spent; the engine is idle again after."""
     t0 = time.monotonic()
-    run = _Run(engine, t0 + budget_s)
+    run = Run(engine, t0 + budget_s)
 
     def prefill(length: int, max_tokens: int = 1) -> float:
         started = time.monotonic()
@@ -209,7 +210,7 @@ def measure(engine: Engine, budget_s: float, slots: int) -> dict[str, Any]:
     return run.points()
 
 
-def decode_phases(run: _Run, slots: int, first_pass: bool) -> bool:
+def decode_phases(run: Run, slots: int, first_pass: bool) -> bool:
     """One sequence of ``LONG_DECODE_PROMPT`` tokens decoding alone, then a batch of 32 short
     ones decoding and, once 8 are left, a prompt prefilled in chunks beside them. The second
     pass files no prefill point (its prompt lengths were seen) and runs no chunked prompt.
@@ -238,7 +239,7 @@ def decode_phases(run: _Run, slots: int, first_pass: bool) -> bool:
 def recheck(engine: Engine, profile: dict[str, Any]) -> float:
     """The largest relative error of a stored profile's fit on a few fresh steps: one
     256-token prompt prefilled, then decoded four steps."""
-    run = _Run(engine, math.inf)
+    run = Run(engine, math.inf)
     try:
         run.add(1, PREFILL_LENGTHS[1], 5)
         run.step(1, PREFILL_LENGTHS[1])
@@ -316,14 +317,9 @@ def step_model(fit_: dict[str, Any], max_batch: int, step_tokens: int) -> dict[s
     """The scheduler's step-time prior (``PathConfig`` fields), term for term: decode
     ``c, d, e``; prefill ``a, b`` and attention's ``b2`` (``prefill_attention``)."""
     p, d = fit_["prefill"], fit_["decode"]
-    pl, pt = float(p["a"]), float(p["b"])
-    if pl + pt <= 0.0:
-        pt = TINY
-    decode_launch, decode_seq = float(d["c"]), max(TINY, float(d["d"]))
-    if decode_launch + decode_seq <= 0.0:
-        decode_launch = TINY
-    return {"decode_launch": decode_launch, "decode_seq": decode_seq, "kv_token": max(TINY, float(d["e"])),
-            "prefill_launch": pl, "prefill_token": max(TINY, pt), "prefill_attention": float(p["b2"]),
+    return {"decode_launch": float(d["c"]), "decode_seq": max(TINY, float(d["d"])),
+            "kv_token": max(TINY, float(d["e"])), "prefill_launch": float(p["a"]),
+            "prefill_token": max(TINY, float(p["b"])), "prefill_attention": float(p["b2"]),
             "max_batch": max_batch, "step_tokens": step_tokens}  # 0: whole prompts, as the engine runs
 
 
@@ -348,17 +344,23 @@ def summary(fit_: dict[str, Any]) -> dict[str, float]:
 # -- start-up ------------------------------------------------------------------------------
 
 
-def build(points: dict[str, Any], facts: dict[str, Any], setup: dict[str, Any], pool: str, model: str,
-          max_batch: int, measured_s: float) -> dict[str, Any]:
-    """The profile document (``bench/profile.py``'s format plus the machine's facts)."""
+def _steps(fit_: dict[str, Any], slots: int, setup: dict[str, Any]) -> dict[str, Any]:
+    """The step model of a fit, for a worker of ``slots`` slots run with ``setup``."""
+    return step_model(fit_, slots, int(setup.get("step_tokens") or 0))
+
+
+def build(points: dict[str, Any], facts: dict[str, Any], setup: dict[str, Any], key: str, pool: str, model: str,
+          slots: int, measured_s: float) -> dict[str, Any]:
+    """The profile document (``bench/profile.py``'s format plus the machine's facts), under
+    its fingerprint ``key``."""
     fit_ = fit(points)
-    steps = step_model(fit_, max_batch, int(setup.get("step_tokens") or 0))
+    steps = _steps(fit_, slots, setup)
     amx = "AMX bf16" if facts["amx_used"] else facts["dtype"]
     where = facts["gpu"] or facts["cpu"]
     return {
         "format": FORMAT,
-        "name": f"{pool}-{facts['engine']}-{fingerprint(facts, setup)}",
-        "fingerprint": fingerprint(facts, setup),
+        "name": f"{pool}-{facts['engine']}-{key}",
+        "fingerprint": key,
         "device": f"{where}, {facts['threads'] or '?'} threads ({amx})",
         "model": model,
         "dtype": facts["dtype"],
@@ -377,12 +379,12 @@ def build(points: dict[str, Any], facts: dict[str, Any], setup: dict[str, Any], 
     }
 
 
-def published(profile: dict[str, Any], how: str) -> dict[str, Any]:
+def published(profile: dict[str, Any], how: str, cost_s: float) -> dict[str, Any]:
     """What a heartbeat carries: the profile without its raw points, how it was had
-    (measured, reused after a re-check, measured again) and what that cost this start
-    (``cost_s``)."""
+    (measured, reused after a re-check, measured again) and what that cost this start."""
     doc = {k: v for k, v in profile.items() if k != "points"}
     doc["how"] = how
+    doc["cost_s"] = cost_s
     return doc
 
 
@@ -399,12 +401,11 @@ def by_pool(profiles: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def default_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tokengate" / "profiles"
+    return model_store.cache_root() / "profiles"
 
 
 def obtain(engine: Engine, *, pool: str, model: str, setup: dict[str, Any], budget_s: float, slots: int,
-           max_batch: int, directory: Path | None) -> dict[str, Any] | None:
+           directory: Path | None) -> dict[str, Any] | None:
     """The engine's profile: the stored one for this fingerprint if a re-check confirms it,
     else a fresh measurement (stored for the next start). None if the budget is 0 or the
     measurement could not be fitted (the gateways keep their packaged priors)."""
@@ -419,11 +420,10 @@ def obtain(engine: Engine, *, pool: str, model: str, setup: dict[str, Any], budg
     if stored is not None:
         error = recheck(engine, stored)
         if error <= RECHECK_TOLERANCE:  # the step model is derived again: this version's rules
-            steps = step_model(stored["fit"], max_batch, int(setup.get("step_tokens") or 0))
-            stored = {**stored, "step_model": steps, "recheck_error": error, "cost_s": time.perf_counter() - t0}
-            log.info("profile %s reused (re-check %.0f%% off, %.1f s): %s", key, error * 100,
-                     stored["cost_s"], _describe(stored))
-            return published(stored, "reused")
+            stored = {**stored, "step_model": _steps(stored["fit"], slots, setup), "recheck_error": error}
+            cost = time.perf_counter() - t0
+            log.info("profile %s reused (re-check %.0f%% off, %.1f s): %s", key, error * 100, cost, _describe(stored))
+            return published(stored, "reused", cost)
         log.info("profile %s is %.0f%% off on this start: measuring again", key, error * 100)
         how = "measured again"
     points = measure(engine, budget_s, slots)
@@ -431,13 +431,13 @@ def obtain(engine: Engine, *, pool: str, model: str, setup: dict[str, Any], budg
     if spent < budget_s / 4:  # a fast engine (a GPU): its first pass paid each shape's first call; again, warm
         points = measure(engine, budget_s - spent, slots)
     try:
-        profile = build(points, facts, setup, pool, model, max_batch, time.perf_counter() - t0)
+        profile = build(points, facts, setup, key, pool, model, slots, time.perf_counter() - t0)
     except ValueError as exc:
         log.warning("self-profile failed (%s): gateways keep their packaged priors", exc)
         return None
     _write(path, profile)
     log.info("profile %s %s in %.1f s: %s", key, how, profile["measured_s"], _describe(profile))
-    return published({**profile, "cost_s": profile["measured_s"]}, how)
+    return published(profile, how, profile["measured_s"])
 
 
 def _describe(profile: dict[str, Any]) -> str:

@@ -239,7 +239,7 @@ class Worker:
                  "echo_step_s": s.echo_step_s if self.engine.name == "echo" else 0.0}
         self.profile = selfprofile.obtain(
             self.engine, pool=s.pool, model=self.model, setup=setup, budget_s=s.profile_s,
-            slots=self.engine.slots, max_batch=self.engine.slots, directory=s.profile_dir) or {}
+            slots=self.engine.slots, directory=s.profile_dir) or {}
 
     def run(self) -> None:
         self.warm_up()

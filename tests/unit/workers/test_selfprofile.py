@@ -75,7 +75,7 @@ def test_the_fingerprint_names_the_machine_and_the_settings() -> None:
 def test_the_echo_engine_is_measured_stored_and_then_reused(tmp_path: Path) -> None:
     engine = EchoEngine(tokens=16, slots=32, step_s=0.002)
     kw = {"pool": "cpu", "model": "echo", "setup": {"step_s": 0.002}, "budget_s": 5.0, "slots": 32,
-          "max_batch": 32, "directory": tmp_path}
+          "directory": tmp_path}
     first = sp.obtain(engine, **kw)  # type: ignore[arg-type]
     assert first is not None and first["how"] == "measured" and "points" not in first
     assert first["facts"]["engine"] == "echo" and first["facts"]["amx_used"] is False
@@ -93,14 +93,14 @@ def test_the_echo_engine_is_measured_stored_and_then_reused(tmp_path: Path) -> N
 
 
 def test_no_budget_no_profile(tmp_path: Path) -> None:
-    assert sp.obtain(EchoEngine(), pool="cpu", model="echo", setup={}, budget_s=0, slots=8, max_batch=8,
+    assert sp.obtain(EchoEngine(), pool="cpu", model="echo", setup={}, budget_s=0, slots=8,
                      directory=tmp_path) is None
     assert not list(tmp_path.iterdir())
 
 
 def test_an_unreadable_stored_profile_is_measured_again(tmp_path: Path) -> None:
     engine = EchoEngine(slots=8)
-    kw = {"pool": "cpu", "model": "echo", "setup": {}, "budget_s": 5.0, "slots": 8, "max_batch": 8,
+    kw = {"pool": "cpu", "model": "echo", "setup": {}, "budget_s": 5.0, "slots": 8,
           "directory": tmp_path}
     first = sp.obtain(engine, **kw)  # type: ignore[arg-type]
     assert first is not None
