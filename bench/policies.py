@@ -64,6 +64,7 @@ from bench.traffic import (
     scaled,
 )
 from common import protocol, wire
+from gateway.simulate_cli import fleet_profiles
 from sched_core.policies import make_policy
 from sched_core.simulate import experiment as ex
 from sched_core.simulate.engine import Pool, simulate
@@ -137,21 +138,6 @@ def figures(run: Run, slo: Slo) -> Figures:
     return out
 
 
-def worker_profile(redis_url: str) -> CostProfile:
-    """The profile the live worker measured at start, from its heartbeat."""
-    client = redis.Redis.from_url(redis_url)
-    try:
-        for _ in range(100):
-            for wid in client.zrange(wire.WORKERS_ZSET, 0, -1):
-                raw = client.get(wire.worker_key(wire.text(wid)))
-                if isinstance(raw, bytes) and protocol.decode_heartbeat(raw).profile:
-                    return CostProfile.from_dict(protocol.decode_heartbeat(raw).profile)
-            time.sleep(0.1)
-    finally:
-        client.close()
-    raise RuntimeError("the worker published no profile (is --profile-s 0?)")
-
-
 PACKAGED = CostProfile.from_dict(packaged_profile(DEFAULT_PROFILES["cpu"]))
 
 
@@ -208,10 +194,10 @@ def main() -> None:
     loads = [float(x) for x in args.loads.split(",")]
     with backend("hf", slots=SLOTS, model_dir=model_dir) as (redis_url, procs):
         live = Live(redis_url, procs, model_dir, slo, aging)
-        measured = worker_profile(redis_url)
-        print(f"the worker's profile, measured at start: {measured.label}, {measured.device}")
         with live.gateway("fcfs") as base:  # capacity: a closed loop, every slot busy
             capacity = asyncio.run(closed_loop(base, live.keys, rows, args.seed, SLOTS))
+        measured = fleet_profiles(redis_url)["cpu"]  # the worker published it before it took a job
+        print(f"the worker's profile, measured at start: {measured.label}, {measured.device}")
         live.steps.clear()
         print(f"measured capacity: {capacity:.2f} requests/s ({SLOTS} requests always outstanding, fcfs)")
         for n, load in enumerate(loads):
