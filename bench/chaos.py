@@ -54,9 +54,9 @@ import redis
 
 from bench.common import ADMIN_TOKEN, OUT, RawClient, console, pct, table
 from bench.fuzz import is_openai_error
-from gateway.embedded_redis import FSYNC_CHOICES, EmbeddedRedis, free_port
-from gateway.http_protocol import raise_nofile_limit
-from gateway.limits import REFUSAL_BURST_BYTES, REFUSAL_BYTES_PER_S, REFUSAL_OVERHEAD_BYTES
+from gateway.cli.embedded_redis import FSYNC_CHOICES, EmbeddedRedis, free_port
+from gateway.http.protocol import raise_nofile_limit
+from gateway.tenancy.limits import REFUSAL_BURST_BYTES, REFUSAL_BYTES_PER_S, REFUSAL_OVERHEAD_BYTES
 
 MODEL = "SmolLM2-135M-Instruct"
 ECHO_TOKENS = 8

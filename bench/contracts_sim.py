@@ -36,9 +36,9 @@ import orjson
 
 from bench.common import table
 from bench.traffic import DEFAULT_TRACE
-from gateway.simulate_cli import DEFAULT_CPU, DEFAULT_GPU, _profile
 from sched_core.simulate import experiment as ex
 from sched_core.simulate import workload as wl
+from sched_core.simulate.cli import DEFAULT_CPU, DEFAULT_GPU, _profile
 from sched_core.simulate.engine import Outcome, Pool, simulate
 from sched_core.simulate.metrics import Slo, summarize
 

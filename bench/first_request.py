@@ -34,8 +34,8 @@ import httpx
 import orjson
 
 from bench.common import OUT, spawn, stop, table, wait_ready
-from gateway.embedded_redis import free_port
-from gateway.serve_state import ADMIN_TOKEN_FILE
+from gateway.cli.embedded_redis import free_port
+from gateway.cli.serve_state import ADMIN_TOKEN_FILE
 
 PROMPT = "Say hello in five words."
 MODEL = "SmolLM2-135M-Instruct"

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from bench.common import wait_ready
-from gateway.embedded_redis import free_port
+from gateway.cli.embedded_redis import free_port
 from workers.model_store import default_gguf
 
 

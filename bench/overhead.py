@@ -105,7 +105,7 @@ async def redis_floor(
         return await _measure(send, rates, duration)
     finally:
         # a cancel that lands as the blocking XREAD's own timeout is swallowed by redis-py
-        # (see gateway.dispatch.Dispatcher.close): do not wait on the reader for ever
+        # (see gateway.dispatch.dispatcher.Dispatcher.close): do not wait on the reader for ever
         task.cancel()
         await asyncio.wait({task}, timeout=2.0)
         await client.aclose()

@@ -71,7 +71,7 @@ from bench.common import (
     tree_cpu_s,
     wait_ready,
 )
-from gateway.embedded_redis import free_port
+from gateway.cli.embedded_redis import free_port
 
 LITELLM_VERSION = "1.106.2"  # pinned: 1.107.0 was a compromised release
 PEERS_VENV = OUT / "peers-venv"

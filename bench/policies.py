@@ -64,9 +64,9 @@ from bench.traffic import (
     scaled,
 )
 from common import protocol, wire
-from gateway.simulate_cli import fleet_profiles
 from sched_core.policies import make_policy
 from sched_core.simulate import experiment as ex
+from sched_core.simulate.cli import fleet_profiles
 from sched_core.simulate.engine import Pool, simulate
 from sched_core.simulate.metrics import Slo, summarize
 from sched_core.simulate.profile import CostProfile

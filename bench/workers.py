@@ -32,7 +32,7 @@ import redis.asyncio as aioredis
 from bench.common import OUT, pct, spawn, stop, table
 from common import protocol as p
 from common import wire
-from gateway.embedded_redis import EmbeddedRedis
+from gateway.cli.embedded_redis import EmbeddedRedis
 from workers import model_store
 
 CONCURRENCY = 64

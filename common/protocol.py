@@ -341,6 +341,18 @@ def decode_heartbeat(raw: bytes) -> Heartbeat:
         raise ProtocolError(f"malformed heartbeat: {exc!r}") from exc
 
 
+def by_pool(profiles: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per pool, the most recently measured of ``profiles`` (a fleet's heartbeats, as the
+    simulator replays it: one profile for each pool's workers)."""
+    out: dict[str, dict[str, Any]] = {}
+    for prof in profiles:
+        pool = prof.get("pool")
+        if isinstance(pool, str) and "fit" in prof and (
+                pool not in out or prof.get("measured_at", 0) > out[pool].get("measured_at", 0)):
+            out[pool] = prof
+    return out
+
+
 _TELEMETRY_INTS = ("slots", "free", "running", "queued_prefill", "step_tokens", "dropped")
 
 

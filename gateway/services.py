@@ -1,6 +1,6 @@
 """The gateway's services, built once per process and shared by every request: Redis, the
-budget, the dispatcher, the tenant store, authentication, metrics, settlements. ``gateway.app``
-routes requests to them; ``gateway.lifecycle`` drives one request through them."""
+budget, the dispatcher, the tenant store, authentication, metrics, settlements. ``gateway.http.app``
+routes requests to them; ``gateway.dispatch.lifecycle`` drives one request through them."""
 
 from __future__ import annotations
 
@@ -16,24 +16,24 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from common import protocol as p
-from gateway import limits
-from gateway import openai_protocol as oai
-from gateway.auth import Authenticator
-from gateway.budget import Admission, Budget
-from gateway.dispatch import BACKOFF, Dispatcher
+from gateway.dispatch.dispatcher import BACKOFF, Dispatcher
+from gateway.dispatch.meter import Meter
+from gateway.dispatch.prompts import PromptBuilder, PromptTooLong
 from gateway.errors import (
     RETRY_AFTER_S,
     Overloaded,
     RateLimited,
 )
-from gateway.meter import Meter
+from gateway.http import openai_protocol as oai
+from gateway.http.saturation import LoopLag
 from gateway.metrics import Metrics
-from gateway.prompts import PromptBuilder, PromptTooLong
 from gateway.redis_batch import AutoPipeline
-from gateway.saturation import LoopLag
 from gateway.settings import GatewaySettings
-from gateway.tenant_store import TenantStore
-from gateway.tenants import Tenant
+from gateway.tenancy import limits
+from gateway.tenancy.auth import Authenticator
+from gateway.tenancy.budget import Admission, Budget
+from gateway.tenancy.tenant_store import TenantStore
+from gateway.tenancy.tenants import Tenant
 
 log = logging.getLogger("tokengate.gateway")
 
@@ -103,7 +103,7 @@ class Gateway:
         return task
 
     async def tokenize(self, gen: oai.Generation, tenant: Tenant) -> tuple[int, ...]:
-        """The prompt's token ids, bounded (``gateway.prompts``). A long prompt is tokenized on
+        """The prompt's token ids, bounded (``gateway.dispatch.prompts``). A long prompt is tokenized on
         a thread of its own, at most ``LARGE_PROMPTS_PER_TENANT`` per tenant at once, so one
         sender of huge prompts slows only itself."""
         limit = limits.prompt_limit(self.prompts.context_tokens, tenant)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from gateway.embedded_redis import EmbeddedRedis
+from gateway.cli.embedded_redis import EmbeddedRedis
 from workers import model_store
 
 model_store.offline()

@@ -388,18 +388,6 @@ def published(profile: dict[str, Any], how: str, cost_s: float) -> dict[str, Any
     return doc
 
 
-def by_pool(profiles: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per pool, the most recently measured of ``profiles`` (a fleet's, as the simulator
-    replays it: one profile for each pool's workers)."""
-    out: dict[str, dict[str, Any]] = {}
-    for prof in profiles:
-        pool = prof.get("pool")
-        if isinstance(pool, str) and "fit" in prof and (
-                pool not in out or prof.get("measured_at", 0) > out[pool].get("measured_at", 0)):
-            out[pool] = prof
-    return out
-
-
 def default_dir() -> Path:
     return model_store.cache_root() / "profiles"
 

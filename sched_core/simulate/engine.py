@@ -1,6 +1,6 @@
 """The discrete-event simulator: a policy (the real scheduler or a baseline) and simulated workers.
 
-The gateway side is ``sched_core.driver.Driver``, the very driver ``gateway/dispatch.py`` uses:
+The gateway side is ``sched_core.driver.Driver``, the very driver ``gateway/dispatch/dispatcher.py`` uses:
 ``arrive`` then a tick on every request, ``finished`` then a tick on every finished request,
 ``completed`` then a tick on every batch report, worker telemetry into ``steps``, and a tick
 whenever the driver asks for one (``next_tick``). Dispatched batches reach a pool's stream

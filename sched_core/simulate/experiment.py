@@ -1,5 +1,5 @@
 """Policies compared on the same arrivals, over a sweep of loads, and the figures the issue
-names as targets. Pure: the command-line shell (``gateway/simulate_cli.py``) does the I/O.
+names as targets. Pure: the command-line shell (``sched_core/simulate/cli.py``) does the I/O.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.embedded_redis import free_port
+from gateway.cli.embedded_redis import free_port
 from workers.model_store import ModelSpec
 
 ADMIN_TOKEN = "e2e-admin-token-0123456789"

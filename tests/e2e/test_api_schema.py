@@ -95,7 +95,7 @@ def fuzz(served: Served, tenant: str) -> Run:
                 # context length, since <= until, and 1.0 where an integer is due (JSON Schema
                 # counts 1.0 as an integer; the gateway's strict types do not)
                 "positive_data_acceptance": {"enabled": False},
-                # FINDING (gateway/app.py `_http_error`): 405 comes without `Allow`;
+                # FINDING (gateway/http/app.py `_http_error`): 405 comes without `Allow`;
                 # test_405_names_the_allowed_methods below holds it
                 "unsupported_method": {"enabled": False},
                 # 413: an invalid body may also be too large

@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from gateway.server import SHUTDOWN_SLACK_S
+from gateway.cli.server import SHUTDOWN_SLACK_S
 from tests.e2e.conftest import ADMIN_TOKEN, Served, launch, wait_ready
 from workers.model_store import ModelSpec
 

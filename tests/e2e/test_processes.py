@@ -10,7 +10,7 @@ import openai
 import psutil
 import pytest
 
-from gateway.embedded_redis import EmbeddedRedis
+from gateway.cli.embedded_redis import EmbeddedRedis
 from tests.e2e.conftest import ADMIN_TOKEN, banner_key, start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

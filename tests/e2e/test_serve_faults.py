@@ -13,8 +13,8 @@ import httpx
 import psutil
 import pytest
 
-from gateway import serve_state
-from gateway.embedded_redis import EmbeddedRedis
+from gateway.cli import serve_state
+from gateway.cli.embedded_redis import EmbeddedRedis
 from tests.e2e.conftest import ADMIN_TOKEN, Served, banner_admin_token, banner_key, start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.embedded_redis import EmbeddedRedis
+from gateway.cli.embedded_redis import EmbeddedRedis
 from tests.e2e.conftest import ADMIN_TOKEN, Served, launch, wait_ready
 from workers.model_store import ModelSpec
 

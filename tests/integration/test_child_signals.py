@@ -1,4 +1,4 @@
-"""Starting a child and recording it cannot be split by a stop signal (gateway.processes)."""
+"""Starting a child and recording it cannot be split by a stop signal (gateway.cli.processes)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from gateway import processes
+from gateway.cli import processes
 
 
 class Stop(Exception):

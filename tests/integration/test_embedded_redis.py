@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from gateway.embedded_redis import EmbeddedRedis
+from gateway.cli.embedded_redis import EmbeddedRedis
 
 pytestmark = pytest.mark.redis
 

@@ -238,7 +238,7 @@ def test_a_silent_worker_drops_out_of_the_gateway_view(
 
     import redis.asyncio as aioredis
 
-    from gateway.dispatch import Dispatcher
+    from gateway.dispatch.dispatcher import Dispatcher
     from gateway.settings import GatewaySettings
 
     proc = workers.start("--heartbeat-ttl", "1")

@@ -14,7 +14,7 @@ import redis
 
 from common import protocol as p
 from common import wire
-from gateway.embedded_redis import EmbeddedRedis
+from gateway.cli.embedded_redis import EmbeddedRedis
 from tests.integration.helpers import collect, running_worker, send
 from workers.engine import EchoEngine
 

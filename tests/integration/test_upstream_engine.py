@@ -13,7 +13,7 @@ import pytest
 
 from bench.llamacpp import LlamaServer
 from common import protocol as p
-from gateway.embedded_redis import free_port
+from gateway.cli.embedded_redis import free_port
 from workers.engine import StepResult
 from workers.upstream import UpstreamEngine
 

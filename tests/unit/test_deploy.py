@@ -27,8 +27,8 @@ from unittest import mock
 import pytest
 import yaml
 
-from gateway.cli import build_parser
-from gateway.server import settings_from_args as gateway_settings  # what `tokengate gateway` builds
+from gateway.cli.main import build_parser
+from gateway.cli.server import settings_from_args as gateway_settings  # what `tokengate gateway` builds
 from gateway.settings import GatewaySettings
 from workers import cli as worker_cli
 from workers.worker import WorkerSettings

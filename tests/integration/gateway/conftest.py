@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.prompts import PromptBuilder
+from gateway.dispatch.prompts import PromptBuilder
+from gateway.http.app import create_app
 from gateway.services import Gateway, redis_client
 from gateway.settings import GatewaySettings
 from tests.integration.helpers import running_worker

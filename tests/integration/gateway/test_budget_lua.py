@@ -1,4 +1,4 @@
-"""The Lua budget against its Python model (``gateway.gcra``), step by step, on a real Redis.
+"""The Lua budget against its Python model (``gateway.tenancy.gcra``), step by step, on a real Redis.
 
 The scripts take ``now`` as an argument here (production passes none and they read Redis's
 ``TIME``), so the comparison is exact: same decisions, same floats, same stored state.
@@ -24,11 +24,11 @@ from hypothesis.stateful import (
 )
 
 from common import wire
-from gateway.budget import Budget
-from gateway.gcra import BucketModel
-from gateway.liveness import Liveness
+from gateway.dispatch.liveness import Liveness
 from gateway.settings import GatewaySettings
-from gateway.tenants import Limits, Tenant
+from gateway.tenancy.budget import Budget
+from gateway.tenancy.gcra import BucketModel
+from gateway.tenancy.tenants import Limits, Tenant
 
 pytestmark = pytest.mark.redis
 

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common import wire
-from gateway.dispatch import Dispatcher
+from gateway.dispatch.dispatcher import Dispatcher
 from gateway.settings import GatewaySettings
 from sched_core import SchedulerConfig
 from tests.integration.gateway.conftest import Harness

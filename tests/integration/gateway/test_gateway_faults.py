@@ -14,10 +14,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from common import protocol as p
-from gateway.embedded_redis import EmbeddedRedis
-from gateway.limits import RefusalBucket
-from gateway.prompts import PromptBuilder
-from gateway.scheduling import Origin
+from gateway.cli.embedded_redis import EmbeddedRedis
+from gateway.dispatch.prompts import PromptBuilder
+from gateway.dispatch.scheduling import Origin
+from gateway.tenancy.limits import RefusalBucket
 from tests.integration.gateway.conftest import Harness, make_harness
 from workers.engine import EchoEngine
 from workers.model_store import ModelSpec

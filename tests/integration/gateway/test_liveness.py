@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common import wire
-from gateway.budget import Budget
-from gateway.liveness import Liveness, classify
+from gateway.dispatch.liveness import Liveness, classify
 from gateway.settings import GatewaySettings
-from gateway.tenants import Tenant
+from gateway.tenancy.budget import Budget
+from gateway.tenancy.tenants import Tenant
 
 pytestmark = pytest.mark.redis
 

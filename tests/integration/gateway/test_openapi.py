@@ -13,8 +13,8 @@ import pytest
 from jsonschema import Draft202012Validator
 from openapi_spec_validator import validate as validate_openapi
 
-from gateway import openapi
-from gateway.app import create_app
+from gateway.http import openapi
+from gateway.http.app import create_app
 from tests.integration.gateway.conftest import ADMIN, Harness
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.openai_protocol import parse_chat, parse_completion
-from gateway.prompts import PREFIX_CHARS_PER_TOKEN, PromptBuilder, PromptTooLong
+from gateway.dispatch.prompts import PREFIX_CHARS_PER_TOKEN, PromptBuilder, PromptTooLong
+from gateway.http.openai_protocol import parse_chat, parse_completion
 
 
 class Spy:
@@ -58,7 +58,7 @@ def test_a_prompt_within_the_limit_gets_exactly_the_ids_of_the_whole_text(prompt
 
 
 def test_a_prompt_is_tokenized_once_and_a_long_one_is_not_kept(prompts: PromptBuilder, spy: Spy) -> None:
-    from gateway.prompts import PROMPT_CACHE_CHARS
+    from gateway.dispatch.prompts import PROMPT_CACHE_CHARS
 
     chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "cache me, once"}]})
     first = prompts.token_ids(chat, 1000)

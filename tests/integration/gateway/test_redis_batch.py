@@ -15,7 +15,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
-from gateway.embedded_redis import free_port
+from gateway.cli.embedded_redis import free_port
 from gateway.redis_batch import ERR_CLASSES, ERROR_CLASSES, AutoPipeline
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]

@@ -23,8 +23,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.retry import Retry
 
-from gateway.embedded_redis import EmbeddedRedis
-from gateway.prompts import PromptBuilder
+from gateway.cli.embedded_redis import EmbeddedRedis
+from gateway.dispatch.prompts import PromptBuilder
 from gateway.redis_batch import AutoPipeline
 from tests.integration.gateway.conftest import make_harness
 from workers.model_store import ModelSpec

@@ -10,9 +10,9 @@ import redis
 import redis.asyncio as aioredis
 
 from common import wire
-from gateway import admin_protocol as ap
 from gateway.errors import Conflict, NotFound
-from gateway.tenant_store import TenantStore
+from gateway.tenancy import admin_protocol as ap
+from gateway.tenancy.tenant_store import TenantStore
 from tests.redis_text import everything
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]

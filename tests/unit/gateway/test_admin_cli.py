@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from gateway.admin_cli import request_for
-from gateway.cli import build_parser
+from gateway.cli.admin import request_for
+from gateway.cli.main import build_parser
 
 
 def parse(*argv: str) -> tuple[str, str, dict[str, Any] | None]:

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from gateway import admin_protocol as ap
 from gateway.errors import InvalidRequest
-from gateway.tenants import Limits, from_doc, is_id, to_doc
+from gateway.tenancy import admin_protocol as ap
+from gateway.tenancy.tenants import Limits, from_doc, is_id, to_doc
 
 
 def test_defaults_of_a_new_tenant() -> None:

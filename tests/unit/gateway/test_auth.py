@@ -1,6 +1,6 @@
 from starlette.datastructures import Headers
 
-from gateway.auth import admin_error, bearer
+from gateway.tenancy.auth import admin_error, bearer
 
 TOKEN = "a-long-admin-token-0123"
 
@@ -26,9 +26,9 @@ def test_without_a_configured_token_the_admin_api_is_closed() -> None:
 
 
 def test_the_key_cache_needs_the_same_digest_and_forgets() -> None:
-    from gateway.auth import KeyCache
-    from gateway.keys import KeyRef
-    from gateway.tenants import Tenant
+    from gateway.tenancy.auth import KeyCache
+    from gateway.tenancy.keys import KeyRef
+    from gateway.tenancy.tenants import Tenant
 
     t = Tenant("tn_0000000000000001", "a", 1.0, 1)
     cache = KeyCache(ttl_s=1.0, max_entries=2)

@@ -10,11 +10,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from common import protocol as p
-from gateway.budget import headers, refusal
+from gateway.dispatch.meter import Meter
 from gateway.errors import GatewayError, InvalidRequest, error_response
-from gateway.gcra import Verdict
-from gateway.meter import Meter
-from gateway.tenants import Limits, Tenant
+from gateway.tenancy.budget import headers, refusal
+from gateway.tenancy.gcra import Verdict
+from gateway.tenancy.tenants import Limits, Tenant
 
 T = Tenant("tn_0000000000000000", "acme", 10.0, 100, limits=Limits(max_concurrent=4))
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import build_parser
-from gateway.flags import setting_default
+from gateway.cli.flags import setting_default
+from gateway.cli.main import build_parser
 from gateway.settings import GatewaySettings
 
 # flag -> field, for every GatewaySettings field that has a flag
@@ -70,7 +70,7 @@ def test_data_dir_flag_and_variable(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_slo_flags_reach_the_scheduler_and_default_to_its_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gateway.server import settings_from_args
+    from gateway.cli.server import settings_from_args
     from sched_core import SchedulerConfig
 
     for name in ("TOKENGATE_SLO_TTFT_MS", "TOKENGATE_SLO_TPOT_MS", "TOKENGATE_AGING_TOKENS"):

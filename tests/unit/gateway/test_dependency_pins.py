@@ -10,7 +10,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-from gateway.http_protocol import TESTED_UVICORN, untested_uvicorn
+from gateway.http.protocol import TESTED_UVICORN, untested_uvicorn
 
 ROOT = Path(__file__).resolve().parents[3]
 OUR_PACKAGES = ("gateway", "workers", "sched_core")
@@ -18,7 +18,7 @@ OUR_PACKAGES = ("gateway", "workers", "sched_core")
 
 def test_the_installed_uvicorn_is_a_tested_one() -> None:
     assert untested_uvicorn() is None, (
-        f"{untested_uvicorn()}; then add its series to TESTED_UVICORN in gateway/http_protocol.py "
+        f"{untested_uvicorn()}; then add its series to TESTED_UVICORN in gateway/http/protocol.py "
         "and to uvicorn's pin in pyproject.toml"
     )
 
@@ -28,7 +28,7 @@ def test_an_untested_uvicorn_is_named_with_the_files_to_re_check() -> None:
     assert untested_uvicorn(f"{series}.7") is None
     major, minor = series.split(".")
     why = untested_uvicorn(f"{major}.{int(minor) + 1}.0")
-    assert why is not None and "gateway/http_protocol.py" in why and "gateway/shutdown.py" in why
+    assert why is not None and "gateway/http/protocol.py" in why and "gateway/cli/shutdown.py" in why
 
 
 def test_pyproject_pins_uvicorn_to_the_tested_series() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.flags import GATEWAY_FLAGS, setting_default
+from gateway.cli.flags import GATEWAY_FLAGS, setting_default
 
 ROOT = Path(__file__).resolve().parents[3]
 FIELDS = {flag: name for flag, name, _help in GATEWAY_FLAGS}

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import build_parser
-from gateway.flags import GATEWAY_FLAGS, SETTING_FLAGS, setting_default
-from gateway.server import gateway_argv, gateway_env
+from gateway.cli.flags import GATEWAY_FLAGS, SETTING_FLAGS, setting_default
+from gateway.cli.main import build_parser
+from gateway.cli.server import gateway_argv, gateway_env
 
 TOKEN = "unit-admin-token-0123456789"
 # a value for every GatewaySettings flag, none of them its default
@@ -153,7 +153,7 @@ def test_a_process_count_from_1_to_256_is_taken(value: str) -> None:
 
 
 def test_serve_with_an_upstream_starts_upstream_workers_of_the_cpu_pool_only() -> None:
-    from gateway.server import _pools, _worker_argv
+    from gateway.cli.server import _pools, _worker_argv
 
     args = build_parser().parse_args(["serve", "--upstream-url", "http://127.0.0.1:8001", "--upstream-model", "m",
                                       "--upstream-timeout", "9", "--slots", "1"])

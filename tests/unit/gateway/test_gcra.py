@@ -1,4 +1,4 @@
-"""The budget's specification (gateway.gcra): decisions, the bound, the header arithmetic."""
+"""The budget's specification (gateway.tenancy.gcra): decisions, the bound, the header arithmetic."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway import gcra
-from gateway.gcra import BucketModel
+from gateway.tenancy import gcra
+from gateway.tenancy.gcra import BucketModel
 
 T0 = 1_000.0
 

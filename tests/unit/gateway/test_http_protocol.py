@@ -11,8 +11,8 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from gateway.http_protocol import ConnectionLimits, GuardedProtocol, connection_cap, protocol_class
-from gateway.web import BODY_DEADLINE
+from gateway.http.protocol import ConnectionLimits, GuardedProtocol, connection_cap, protocol_class
+from gateway.http.web import BODY_DEADLINE
 
 
 class FakeTransport(asyncio.Transport):
@@ -172,7 +172,7 @@ def test_connections_beyond_the_limit_get_a_fast_503(loop: asyncio.AbstractEvent
 
 
 def test_refused_connections_linger_only_up_to_a_bound(loop: asyncio.AbstractEventLoop) -> None:
-    from gateway.http_protocol import REFUSAL_LINGER_MAX
+    from gateway.http.protocol import REFUSAL_LINGER_MAX
 
     state = ServerState()
     first, _ = _connect(loop, state, max_connections=1)

@@ -1,4 +1,4 @@
-from gateway import keys
+from gateway.tenancy import keys
 
 
 def test_a_new_key_has_the_documented_format_and_only_its_digest_is_kept() -> None:

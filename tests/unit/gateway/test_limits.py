@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.limits import output_tokens
-from gateway.openai_protocol import parse_chat, parse_completion
-from gateway.tenants import Limits, Tenant
+from gateway.http.openai_protocol import parse_chat, parse_completion
+from gateway.tenancy.limits import output_tokens
+from gateway.tenancy.tenants import Limits, Tenant
 
 CONTEXT = 2048
 
@@ -61,7 +61,7 @@ def test_completions_name_the_prompt() -> None:
 
 
 def test_refusals_hold_a_tenant_only_past_the_burst_and_no_other() -> None:
-    from gateway.limits import RefusalBucket
+    from gateway.tenancy.limits import RefusalBucket
 
     b = RefusalBucket(burst=10_000_000, bytes_per_s=1e6, overhead=1_000)
     assert b.wait_s("a", 10.0) == 0.0
@@ -79,7 +79,7 @@ def test_refusals_hold_a_tenant_only_past_the_burst_and_no_other() -> None:
 
 
 def test_a_refusal_from_the_headers_costs_the_overhead_and_no_charge_exceeds_the_burst() -> None:
-    from gateway.limits import RefusalBucket
+    from gateway.tenancy.limits import RefusalBucket
 
     b = RefusalBucket(burst=64 << 20, bytes_per_s=2e6, overhead=16 << 10)
     b.charge("a", 0, now=0.0)  # declared 10**12 bytes, read nothing
@@ -90,7 +90,7 @@ def test_a_refusal_from_the_headers_costs_the_overhead_and_no_charge_exceeds_the
 
 
 def test_a_flood_is_held_to_the_refill_rate() -> None:
-    from gateway.limits import RefusalBucket
+    from gateway.tenancy.limits import RefusalBucket
 
     b = RefusalBucket(burst=4_000_000, bytes_per_s=1e6, overhead=0)
     now, served = 0.0, 0
@@ -103,7 +103,7 @@ def test_a_flood_is_held_to_the_refill_rate() -> None:
 
 
 def test_the_bucket_table_stays_bounded() -> None:
-    from gateway.limits import RefusalBucket
+    from gateway.tenancy.limits import RefusalBucket
 
     b = RefusalBucket(burst=100, bytes_per_s=1.0, overhead=1, max_tenants=3)
     for i in range(10):

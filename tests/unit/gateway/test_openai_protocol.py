@@ -3,7 +3,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.openai_protocol import SamplingDefaults, chunk_body, completion_body, parse_chat, parse_completion
+from gateway.http.openai_protocol import SamplingDefaults, chunk_body, completion_body, parse_chat, parse_completion
 
 MSG = [{"role": "user", "content": "hi"}]
 

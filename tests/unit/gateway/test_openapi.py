@@ -12,12 +12,12 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.routing import Mount, Route
 
-from gateway import admin_protocol as ap
-from gateway import app as gateway_app
-from gateway import openai_protocol as oai
-from gateway import openapi
 from gateway.errors import InvalidRequest
+from gateway.http import app as gateway_app
+from gateway.http import openai_protocol as oai
+from gateway.http import openapi
 from gateway.settings import GatewaySettings
+from gateway.tenancy import admin_protocol as ap
 
 SETTINGS = GatewaySettings(redis_url="redis://127.0.0.1:1/0", model_name="tiny", max_body_bytes=4096)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.saturation import LoopLag
+from gateway.http.saturation import LoopLag
 
 
 def test_one_slow_callback_among_samples_on_time_is_not_saturation() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from common import protocol as p
-from gateway.scheduling import Origin, SchedulerShell, capacity_share, scheduler_config
+from gateway.dispatch.scheduling import Origin, SchedulerShell, capacity_share, scheduler_config
 from sched_core import Contract, Reject, SchedulerConfig
 from sched_core.types import DEFAULT_PROFILES
 
@@ -191,7 +191,7 @@ def test_a_batch_that_could_not_be_sent_gives_its_slots_back_at_once() -> None:
 
 
 def test_a_report_that_never_comes_expires_after_its_requests_ended() -> None:
-    from gateway.scheduling import REPORT_GRACE_S
+    from gateway.dispatch.scheduling import REPORT_GRACE_S
 
     shell = _shell()
     sends, t = _dispatched(shell, ["a"])

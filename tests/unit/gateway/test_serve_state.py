@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway import serve_state
+from gateway.cli import serve_state
 
 
 def _mode(path: Path) -> int:

@@ -9,8 +9,8 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway import shutdown
-from gateway.shutdown import Drain, Interrupted, StopSignals
+from gateway.cli import shutdown
+from gateway.cli.shutdown import Drain, Interrupted, StopSignals
 
 
 class FakeServer:

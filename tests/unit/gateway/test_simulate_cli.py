@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import main
+from gateway.cli.main import main
 
 ROWS = "\n".join(f"2023-11-16 18:17:{i // 10:02d}.{i % 10}00,{50 + 37 * i % 900},{1 + i % 20}"
                  for i in range(60))

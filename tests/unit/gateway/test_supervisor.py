@@ -7,7 +7,7 @@ import logging
 import pytest
 from redis.backoff import ExponentialBackoff
 
-from gateway.supervisor import Child, RestartPolicy, Supervisor
+from gateway.cli.supervisor import Child, RestartPolicy, Supervisor
 
 
 class FakeProc:

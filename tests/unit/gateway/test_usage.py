@@ -1,7 +1,7 @@
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.usage import row, totals, window
+from gateway.tenancy.usage import row, totals, window
 
 NOW = 1_700_000_000.0
 

@@ -9,7 +9,7 @@ import pytest
 from starlette.requests import Request
 
 from gateway import errors
-from gateway.web import BODY_DEADLINE, is_json, read_json
+from gateway.http.web import BODY_DEADLINE, is_json, read_json
 
 
 def _request(body: list[bytes], headers: dict[str, str], deadline: float | None = None) -> Request:

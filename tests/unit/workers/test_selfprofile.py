@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from common.protocol import by_pool
 from workers import selfprofile as sp
 from workers.engine import EchoEngine
 
@@ -113,5 +114,5 @@ def test_the_fleet_has_the_newest_profile_of_each_pool() -> None:
     old = {"pool": "cpu", "fit": {}, "measured_at": 1.0, "name": "old"}
     new = {"pool": "cpu", "fit": {}, "measured_at": 2.0, "name": "new"}
     gpu = {"pool": "gpu", "fit": {}, "measured_at": 0.5, "name": "gpu"}
-    fleet = sp.by_pool([old, gpu, new, {"pool": "cpu", "name": "no fit"}])
+    fleet = by_pool([old, gpu, new, {"pool": "cpu", "name": "no fit"}])
     assert {pool: prof["name"] for pool, prof in fleet.items()} == {"cpu": "new", "gpu": "gpu"}

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from redis.backoff import AbstractBackoff, ExponentialBackoff
 
-from gateway import processes
-from gateway.embedded_redis import EmbeddedRedis
+from gateway.cli import processes
+from gateway.cli.embedded_redis import EmbeddedRedis
 
 log = logging.getLogger("tokengate.serve")
 

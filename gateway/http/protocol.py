@@ -37,7 +37,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from gateway.errors import GatewayError, InvalidRequest, RequestTimeout, Unavailable, error_body
-from gateway.web import BODY_DEADLINE
+from gateway.http.web import BODY_DEADLINE
 
 log = logging.getLogger("tokengate.gateway")
 
@@ -56,7 +56,7 @@ def untested_uvicorn(version: str = uvicorn.__version__) -> str | None:
     """Why ``version`` of uvicorn is not known to work here, or None if it is."""
     if ".".join(version.split(".")[:2]) in TESTED_UVICORN:
         return None
-    return (f"uvicorn {version} is not a version tested with gateway/http_protocol.py and gateway/shutdown.py "
+    return (f"uvicorn {version} is not a version tested with gateway/http/protocol.py and gateway/cli/shutdown.py "
             f"(TESTED_UVICORN: {', '.join(TESTED_UVICORN)}): re-check both against it")
 
 

@@ -2,12 +2,12 @@
 
 `serve` owns its children: a private redis-server (unless --redis-url; durable in
 --data-dir) and one worker per pool, each in its own session so that Ctrl-C reaches only
-this process (``gateway.processes``). While the gateway serves, a ``Supervisor`` starts again
-any child that dies. On SIGINT or SIGTERM (``gateway.shutdown``) the gateway stops admitting,
+this process (``gateway.cli.processes``). While the gateway serves, a ``Supervisor`` starts again
+any child that dies. On SIGINT or SIGTERM (``gateway.cli.shutdown``) the gateway stops admitting,
 in-flight requests get --shutdown-grace, then the workers drain, then Redis writes its AOF
 and stops, then temporary files go, in that order. Children also get PR_SET_PDEATHSIG, so
 even a SIGKILL of this process leaves no orphans. The admin token `serve` makes up and the demo
-tenant's key are kept in --data-dir (``gateway.serve_state``) and printed again at each start.
+tenant's key are kept in --data-dir (``gateway.cli.serve_state``) and printed again at each start.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ import uvloop
 
 from common import protocol as p
 from common.pools import POOLS
-from gateway import processes, serve_state
-from gateway.embedded_redis import EmbeddedRedis, default_data_dir
-from gateway.flags import GATEWAY_FLAGS, SETTING_FLAGS
-from gateway.scheduling import scheduler_config
+from gateway.cli import processes, serve_state
+from gateway.cli.embedded_redis import EmbeddedRedis, default_data_dir
+from gateway.cli.flags import GATEWAY_FLAGS, SETTING_FLAGS
+from gateway.cli.shutdown import FORCED_EXIT_S, Interrupted, StopSignals, exit_within
+from gateway.cli.supervisor import POLL_S, Supervisor, gateway_child, worker_child
+from gateway.dispatch.scheduling import scheduler_config
 from gateway.settings import GatewaySettings
-from gateway.shutdown import FORCED_EXIT_S, Interrupted, StopSignals, exit_within
-from gateway.supervisor import POLL_S, Supervisor, gateway_child, worker_child
 from workers import cli as worker_cli
 from workers import model_store
 
@@ -52,7 +52,7 @@ LISTEN_BACKLOG = 2048  # uvicorn's default
 
 
 def settings_from_args(args: argparse.Namespace, redis_url: str, model_name: str, nofile: int) -> GatewaySettings:
-    from gateway.http_protocol import connection_cap
+    from gateway.http.protocol import connection_cap
 
     max_connections = connection_cap(args.max_connections, nofile)
     if max_connections < args.max_connections:
@@ -109,12 +109,12 @@ async def _run_gateway(
     ``reuse_port``: share the port with other gateway processes (``--workers``)."""
     import uvicorn
 
-    from gateway import openai_protocol as oai
-    from gateway.app import create_app
-    from gateway.http_protocol import ConnectionLimits, protocol_class
-    from gateway.prompts import PromptBuilder
+    from gateway.cli.shutdown import Drain, QuietServer, expire_after_grace
+    from gateway.dispatch.prompts import PromptBuilder
+    from gateway.http import openai_protocol as oai
+    from gateway.http.app import create_app
+    from gateway.http.protocol import ConnectionLimits, protocol_class
     from gateway.services import Gateway, redis_client
-    from gateway.shutdown import Drain, QuietServer, expire_after_grace
 
     prompts = PromptBuilder.load(model_dir)
     shipped = model_store.generation_defaults(model_dir)
@@ -209,7 +209,7 @@ def _stoppable(signals: StopSignals) -> Iterator[None]:
 
 
 def run_gateway(args: argparse.Namespace) -> None:
-    from gateway.http_protocol import raise_nofile_limit
+    from gateway.http.protocol import raise_nofile_limit
 
     if args.workers > 1:
         run_gateway_group(args)
@@ -254,7 +254,7 @@ def run_gateway_group(args: argparse.Namespace) -> None:
     all, each draining as a single gateway does. Each is a gateway of its own (its own id,
     reply stream and scheduler), sharing the workers' capacity like replicas on several
     hosts do."""
-    from gateway.http_protocol import raise_nofile_limit
+    from gateway.http.protocol import raise_nofile_limit
 
     # a bad flag or a port held by another program stops the group here, not N processes in a loop
     settings_from_args(args, args.redis_url, args.model_name or "checked", raise_nofile_limit())
@@ -305,8 +305,8 @@ async def _demo_key(redis_url: str, saved: str | None) -> str | None:
     import redis.asyncio as aioredis
 
     from gateway.errors import NotFound
-    from gateway.tenant_store import TenantStore
-    from gateway.tenants import Tenant, new_id
+    from gateway.tenancy.tenant_store import TenantStore
+    from gateway.tenancy.tenants import Tenant, new_id
 
     # bounded: it runs with stop signals deferred
     client = aioredis.Redis.from_url(redis_url, socket_timeout=10.0, socket_connect_timeout=10.0)
@@ -363,7 +363,7 @@ def _banner(settings: GatewaySettings, pools: list[str], key: str, key_file: Pat
 
 
 def serve(args: argparse.Namespace) -> None:
-    from gateway.http_protocol import raise_nofile_limit
+    from gateway.http.protocol import raise_nofile_limit
 
     signals = StopSignals().install()
     embedded: EmbeddedRedis | None = None

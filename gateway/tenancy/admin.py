@@ -12,10 +12,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway import admin_protocol as ap
-from gateway import usage
-from gateway.tenants import to_doc
-from gateway.web import ORJSONResponse, read_json
+from gateway.http.web import ORJSONResponse, read_json
+from gateway.tenancy import admin_protocol as ap
+from gateway.tenancy import usage
+from gateway.tenancy.tenants import to_doc
 
 if TYPE_CHECKING:
     from gateway.services import Gateway

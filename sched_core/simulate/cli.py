@@ -111,7 +111,7 @@ def fleet_profiles(source: str) -> dict[str, CostProfile]:
     """Per pool, the profile a deployment's workers measured (``workers/selfprofile.py``):
     from a file of ``tokengate workers profiles``, or from Redis: the live workers'
     heartbeats, else every profile kept there (``wire.PROFILES_HASH``), newest per pool."""
-    from workers.selfprofile import by_pool
+    from common.protocol import by_pool
 
     if source.startswith(("redis://", "rediss://", "unix://")):
         import redis
@@ -249,7 +249,7 @@ def _run(args: argparse.Namespace) -> int:
         heavy = make(top)
         service = {p: simulate(ex.make_policy(p, None, setup, heavy), heavy, setup.sim_config())
                    for p in ("fcfs", "tokengate") if p in policies}
-        from gateway import simulate_plots
+        from sched_core.simulate import plots as simulate_plots
 
         for path in simulate_plots.write_all(args.out, rows, service, info, top):
             print(f"wrote {path}", file=sys.stderr)

@@ -243,7 +243,7 @@ def _workers(args: argparse.Namespace, beats: list[dict[str, Any]]) -> int:
     if args.action == "list":
         print(json.dumps([worker_summary(hb) for hb in beats], indent=2))
         return 0
-    from workers.selfprofile import by_pool  # numpy: only for this command
+    from common.protocol import by_pool
 
     fleet = by_pool([hb["profile"] for hb in beats if hb.get("profile")])
     if not fleet:

@@ -34,7 +34,7 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
 
 
-# The JSON schemas (``gateway.openapi``) of fields whose validators refuse values the type
+# The JSON schemas (``gateway.http.openapi``) of fields whose validators refuse values the type
 # admits: the schema says what is accepted; validation is unchanged.
 def _only_false_or_null(schema: dict[str, Any]) -> None:
     schema.pop("anyOf", None)

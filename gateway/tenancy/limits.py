@@ -4,8 +4,8 @@ Pure; every refusal is a 400 naming the field, raised before anything is queued.
 from __future__ import annotations
 
 from gateway.errors import InvalidRequest
-from gateway.openai_protocol import Generation
-from gateway.tenants import Tenant
+from gateway.http.openai_protocol import Generation
+from gateway.tenancy.tenants import Tenant
 
 
 def output_tokens(gen: Generation, prompt: int, context: int, default: int, tenant: Tenant) -> int:

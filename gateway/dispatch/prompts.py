@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.errors import InvalidRequest
-from gateway.openai_protocol import Generation
+from gateway.http.openai_protocol import Generation
 
 PROMPT_CACHE_ENTRIES = 1024  # tokenized prompts (conversations, completion texts) kept per gateway process
 PROMPT_CACHE_CHARS = 8192  # only prompts this short are kept: about 2 MiB of token ids at most
@@ -32,7 +32,7 @@ PREFIX_CHARS_PER_TOKEN = 8  # prose averages ~4 characters per token; code and d
 
 class PromptTooLong(Exception):
     """The prompt has ``tokens`` tokens (at least that many unless ``exact``), more than the
-    limit it was checked against; ``gateway.limits.prompt_too_long`` words the 400."""
+    limit it was checked against; ``gateway.tenancy.limits.prompt_too_long`` words the 400."""
 
     def __init__(self, tokens: int, exact: bool = False) -> None:
         super().__init__(tokens)

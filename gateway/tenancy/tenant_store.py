@@ -15,9 +15,9 @@ import orjson
 import redis.asyncio as aioredis
 
 from common import wire
-from gateway import keys
 from gateway.errors import Conflict, NotFound
-from gateway.tenants import Tenant, from_doc, is_id, to_doc
+from gateway.tenancy import keys
+from gateway.tenancy.tenants import Tenant, from_doc, is_id, to_doc
 
 # KEYS: names, tenant doc, ids. ARGV: id, name, doc, expected old doc ('' to create), old name
 _SAVE = """

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway import keys
 from gateway.errors import Unauthorized, error_response
-from gateway.tenant_store import TenantStore
-from gateway.tenants import Tenant
+from gateway.tenancy import keys
+from gateway.tenancy.tenant_store import TenantStore
+from gateway.tenancy.tenants import Tenant
 
 log = logging.getLogger("tokengate.auth")
 

@@ -1,6 +1,6 @@
 """Token budgets in Redis: one Lua call admits a request, one settles it.
 
-The scripts implement ``gateway.gcra`` (the specification, with the formulas) on Redis's
+The scripts implement ``gateway.tenancy.gcra`` (the specification, with the formulas) on Redis's
 clock, so every gateway replica shares one budget per tenant. Admission also takes a
 concurrency lease, writes the request's ownership record and counts usage, all in the
 same atomic call; settlement ends the lease, refunds (or charges) the difference between
@@ -18,14 +18,14 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 from common import wire
-from gateway import gcra
 from gateway.errors import RETRY_AFTER_S, GatewayError, RateLimited, TokensRateLimited, Unauthorized
-from gateway.keys import KeyRef
-from gateway.limits import over_burst
 from gateway.lua import CLOCK
 from gateway.redis_batch import AutoPipeline
 from gateway.settings import GatewaySettings
-from gateway.tenants import Tenant
+from gateway.tenancy import gcra
+from gateway.tenancy.keys import KeyRef
+from gateway.tenancy.limits import over_burst
+from gateway.tenancy.tenants import Tenant
 
 _PRELUDE = (
     CLOCK
@@ -187,7 +187,7 @@ def headers(tenant: Tenant, verdict: gcra.Verdict) -> dict[str, str]:
 
 def refusal(tenant: Tenant, verdict: gcra.Verdict, cost: int, max_wait: float) -> GatewayError:
     """The error for a verdict other than ``ok``."""
-    if verdict.status == "too_large":  # a tenant update raced the check in gateway.limits
+    if verdict.status == "too_large":  # a tenant update raced the check in gateway.tenancy.limits
         return over_burst(tenant, cost)
     if verdict.status == "revoked":
         return Unauthorized("Incorrect API key provided: it is unknown or revoked.")

@@ -9,9 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from common.settings import HelpFormatter, add_redis_url, env_default
-from gateway import admin_cli, simulate_cli
-from gateway.embedded_redis import FSYNC_CHOICES, default_data_dir
-from gateway.flags import add_gateway_args
+from gateway.cli import admin as admin_cli
+from gateway.cli.embedded_redis import FSYNC_CHOICES, default_data_dir
+from gateway.cli.flags import add_gateway_args
+from sched_core.simulate import cli as simulate_cli
 from workers import cli as worker_cli
 
 
@@ -86,11 +87,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "worker":
             worker_cli.run(worker_cli.settings_from_args(args))
         elif args.command == "gateway":
-            from gateway.server import run_gateway
+            from gateway.cli.server import run_gateway
 
             run_gateway(args)
         elif args.command == "serve":
-            from gateway.server import serve
+            from gateway.cli.server import serve
 
             serve(args)
     except KeyboardInterrupt:
@@ -100,6 +101,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The token budget, as pure Python: the specification the Lua script in ``gateway.budget``
+"""The token budget, as pure Python: the specification the Lua script in ``gateway.tenancy.budget``
 implements, the model the property tests compare it with, and the header arithmetic.
 
 GCRA (the generic cell rate algorithm) over tokens. A tenant with rate ``r`` tokens/s and

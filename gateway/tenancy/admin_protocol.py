@@ -13,8 +13,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway.errors import InvalidRequest
-from gateway.openai_protocol import validation_error
-from gateway.tenants import (
+from gateway.http.openai_protocol import validation_error
+from gateway.tenancy.tenants import (
     DEFAULT_MAX_QUEUE_DELAY_S,
     NAME_PATTERN,
     SLO_MS_MIN,
@@ -92,7 +92,7 @@ _NULL_REMOVES = ("slo_ttft_ms", "slo_tpot_ms", "max_queue_wait_ms")
 
 
 def _schema_without_nulls(schema: dict[str, Any]) -> None:
-    """TenantUpdate's JSON schema (``gateway.openapi``): a field may be left out, but null is
+    """TenantUpdate's JSON schema (``gateway.http.openapi``): a field may be left out, but null is
     refused (``_not_null``), so the schema admits no null, except in the fields where null
     removes the value (``_NULL_REMOVES``); validation is unchanged."""
     for name, prop in schema["properties"].items():

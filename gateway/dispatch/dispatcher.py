@@ -1,6 +1,6 @@
 """The gateway's Redis shell around the scheduling core: jobs out, replies in, workers watched.
 
-An admitted request goes to the scheduling policy (``gateway.scheduling``, through the one
+An admitted request goes to the scheduling policy (``gateway.dispatch.scheduling``, through the one
 driver ``sched_core.driver`` that the simulator uses too), which answers with a latency
 contract, a rejection, or (a baseline policy) nothing. The send loop ticks the driver with the
 wall clock: on every arrival, on every freed slot, and whenever the driver asks
@@ -35,9 +35,9 @@ from redis.exceptions import RedisError
 from common import protocol as p
 from common import wire
 from common.retry import Outage, Retrier, backoff_policy
-from gateway.liveness import Liveness
+from gateway.dispatch.liveness import Liveness
+from gateway.dispatch.scheduling import Origin, SchedulerShell, Send
 from gateway.redis_batch import AutoPipeline
-from gateway.scheduling import Origin, SchedulerShell, Send
 from gateway.settings import GatewaySettings
 from sched_core import Contract, Reject, SchedulerConfig
 from sched_core.contracts import Accuracy

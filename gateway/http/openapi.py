@@ -4,7 +4,7 @@ Built once, when the app is made, from the app's own route table (``documented``
 (method, path) of the routes, the ``/admin`` mount included, must have exactly one entry in
 ``OPERATIONS`` and the other way round, or start-up fails naming the difference, so the
 table and the document cannot drift. Request bodies are the JSON schemas of the pydantic
-models that validate them (``gateway.openai_protocol``, ``gateway.admin_protocol``);
+models that validate them (``gateway.http.openai_protocol``, ``gateway.tenancy.admin_protocol``);
 response bodies are the typed dicts below, the shapes the handlers build, and tests check
 real responses against the document (``tests/integration/gateway/test_openapi.py``).
 """
@@ -24,11 +24,11 @@ from starlette.routing import BaseRoute, Mount, Route
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
 from common.protocol import Heartbeat
-from gateway import admin
-from gateway import admin_protocol as ap
-from gateway import openai_protocol as oai
+from gateway.http import openai_protocol as oai
 from gateway.settings import GatewaySettings
-from gateway.tenants import SLO_MS_MIN
+from gateway.tenancy import admin
+from gateway.tenancy import admin_protocol as ap
+from gateway.tenancy.tenants import SLO_MS_MIN
 
 OPENAPI_PATH = "/openapi.json"
 REF = "#/components/schemas/{model}"
@@ -178,7 +178,7 @@ class ModelList(TypedDict):
 
 @with_config(_FORBID)
 class RequestRecord(TypedDict):
-    """``tg:req:{rid}`` as ``gateway.records`` reads it; ``schedule`` while this gateway's
+    """``tg:req:{rid}`` as ``gateway.dispatch.records`` reads it; ``schedule`` while this gateway's
     scheduler still holds the request."""
 
     id: str
@@ -230,7 +230,7 @@ class TenantLimits(TypedDict):
 
 @with_config(_FORBID)
 class TenantDoc(TypedDict):
-    """``gateway.tenants.to_doc``: what the admin API returns and Redis stores."""
+    """``gateway.tenancy.tenants.to_doc``: what the admin API returns and Redis stores."""
 
     id: Annotated[str, Field(pattern=r"^tn_[0-9a-f]{16}$")]
     object: Literal["tenant"]

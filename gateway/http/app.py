@@ -18,9 +18,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import admin, openapi, records
-from gateway import openai_protocol as oai
-from gateway.auth import AdminGuard
+from gateway.dispatch import records
+from gateway.dispatch.lifecycle import RequestLife
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -31,12 +30,15 @@ from gateway.errors import (
     Unavailable,
     error_response,
 )
-from gateway.lifecycle import RequestLife
+from gateway.http import openai_protocol as oai
+from gateway.http import openapi
+from gateway.http.saturation import SATURATED_S
+from gateway.http.web import ORJSONResponse, declared_length, parse_json, read_body
 from gateway.metrics import Metrics
-from gateway.saturation import SATURATED_S
 from gateway.services import Gateway
-from gateway.tenants import SLO_MS_MIN, Tenant
-from gateway.web import ORJSONResponse, declared_length, parse_json, read_body
+from gateway.tenancy import admin
+from gateway.tenancy.auth import AdminGuard
+from gateway.tenancy.tenants import SLO_MS_MIN, Tenant
 
 log = logging.getLogger("tokengate.gateway")
 

@@ -12,7 +12,7 @@ does three things, in this order, each once:
 3. the budget is settled (``Gateway.settle``: its own task, so a handler cancelled by a
    disconnect cannot stop it half-way).
 
-The handlers in ``gateway.app`` only parse, call ``start`` and pick the response shape.
+The handlers in ``gateway.http.app`` only parse, call ``start`` and pick the response shape.
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ import orjson
 from redis.exceptions import RedisError
 
 from common import protocol as p
-from gateway import limits
-from gateway import openai_protocol as oai
-from gateway.budget import Admission
-from gateway.dispatch import Pending
+from gateway.dispatch.dispatcher import Pending
+from gateway.dispatch.meter import Meter
+from gateway.dispatch.scheduling import Origin
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -44,14 +43,15 @@ from gateway.errors import (
     WorkerFailed,
     error_body,
 )
-from gateway.meter import Meter
-from gateway.scheduling import Origin
+from gateway.http import openai_protocol as oai
 from gateway.services import CANCEL_DRAIN_S
+from gateway.tenancy import limits
+from gateway.tenancy.budget import Admission
 from sched_core import Contract, Reject
 
 if TYPE_CHECKING:
-    from gateway.auth import Caller
     from gateway.services import Gateway
+    from gateway.tenancy.auth import Caller
 
 log = logging.getLogger("tokengate.requests")
 

@@ -2,7 +2,7 @@
 
 The document (``to_doc``) is both what the admin API returns and what Redis stores under
 ``tg:tenant:{id}`` (see docs/tenants.md); ``from_doc`` reads it back. Input validation of
-the admin API lives in ``gateway.admin_protocol``; a ``Tenant`` is always valid.
+the admin API lives in ``gateway.tenancy.admin_protocol``; a ``Tenant`` is always valid.
 """
 
 from __future__ import annotations

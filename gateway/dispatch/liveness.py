@@ -2,7 +2,7 @@
 
 Every gateway renews its entry in ``wire.GATEWAYS_ZSET`` (score: Redis's clock) every
 ``WATCH_S``; an entry ``gateway_dead_after_s`` old belongs to a dead gateway. The first
-survivor to notice sweeps it (``gateway.budget.SWEEP``, atomic, so sweeping twice does
+survivor to notice sweeps it (``gateway.tenancy.budget.SWEEP``, atomic, so sweeping twice does
 nothing): its unsettled requests are refunded and marked ``abandoned``, its reply stream
 is deleted, and a marker tells workers to drop the jobs still queued for it. A gateway
 that finds its own entry gone (Redis restarted without its data, or a peer swept it
@@ -20,9 +20,9 @@ import redis.asyncio as aioredis
 
 from common import protocol as p
 from common import wire
-from gateway.budget import SWEEP
 from gateway.lua import CLOCK
 from gateway.settings import GatewaySettings
+from gateway.tenancy.budget import SWEEP
 
 log = logging.getLogger("tokengate.liveness")
 
