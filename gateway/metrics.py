@@ -83,9 +83,11 @@ class Metrics:
             registry=self.registry,
         )
 
-    def observe_profiles(self, workers: dict[str, p.Heartbeat]) -> None:
-        """The live workers' measured profiles (workers/selfprofile.py); a gone worker's
-        series go with it."""
+    def observe_workers(self, workers: dict[str, p.Heartbeat], pools: tuple[str, ...]) -> None:
+        """The live workers: how many per pool, and their measured profiles
+        (workers/selfprofile.py); a gone worker's series go with it."""
+        for pool in pools:
+            self.workers.labels(pool).set(sum(1 for w in workers.values() if w.pool == pool))
         gauges = (self.worker_prefill, self.worker_decode, self.worker_profile)
         for gauge in gauges:
             gauge.clear()

@@ -89,7 +89,7 @@ class Dispatcher:
         self._on_workers = on_workers
         self._wake = asyncio.Event()
         self._closing = False  # loops end at their next turn (a cancel can be swallowed, see close)
-        self._outage = Outage()  # shared by the loops: one warning when Redis fails, one line when it is back
+        self.outage = Outage()  # shared by the loops: one warning when Redis fails, one line when it is back
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
 
@@ -294,7 +294,7 @@ class Dispatcher:
         re-read every turn would miss whatever arrived while the replies kept the read from
         blocking."""
         last = {self.replies: b"0-0", wire.TELEMETRY_STREAM: await self._telemetry_start()}
-        retry = Retrier(BACKOFF, self._outage)
+        retry = Retrier(BACKOFF, self.outage)
         trimmed = time.monotonic()
         while not self._closing:
             started = time.monotonic()
@@ -395,7 +395,7 @@ class Dispatcher:
             self._on_workers(workers)
 
     async def _watch_loop(self) -> None:
-        retry = Retrier(BACKOFF, self._outage)
+        retry = Retrier(BACKOFF, self.outage)
         wait = WATCH_S
         saved = time.monotonic()
         while not self._closing:

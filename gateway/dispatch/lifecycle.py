@@ -9,8 +9,8 @@ does three things, in this order, each once:
 2. work that may still run is cancelled (a request still queued is dropped for free; one
    already on a worker is told to stop, and its last word is awaited briefly, so that the
    tenant pays what was really generated);
-3. the budget is settled (``Gateway.settle``: its own task, so a handler cancelled by a
-   disconnect cannot stop it half-way).
+3. the budget is settled (``settled``: its own task, so a handler cancelled by a
+   disconnect cannot stop it half-way; a settlement Redis fails is tried again).
 
 The handlers in ``gateway.http.app`` only parse, call ``start`` and pick the response shape.
 """
@@ -21,16 +21,19 @@ import asyncio
 import contextlib
 import logging
 import math
+import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import orjson
 from redis.exceptions import RedisError
 
 from common import protocol as p
-from gateway.dispatch.dispatcher import Pending
+from common.retry import Retrier
+from gateway.dispatch.dispatcher import BACKOFF, Pending
 from gateway.dispatch.meter import Meter
+from gateway.dispatch.prompts import LARGE_PROMPT_CHARS, PromptBuilder, PromptTooLong
 from gateway.dispatch.scheduling import Origin
 from gateway.errors import (
     GatewayError,
@@ -52,6 +55,7 @@ from sched_core import Contract, Reject
 if TYPE_CHECKING:
     from gateway.services import Gateway
     from gateway.tenancy.auth import Caller
+    from gateway.tenancy.tenants import Tenant
 
 log = logging.getLogger("tokengate.requests")
 
@@ -157,7 +161,7 @@ class RequestLife:
         try:
             if not gw.serves(self.gen.model, tenant):
                 raise ModelNotFound(f"The model '{self.gen.model}' does not exist.", param="model")
-            ids = await gw.tokenize(self.gen, tenant)
+            ids = await self._token_ids()
             max_tokens = limits.output_tokens(
                 self.gen, len(ids), gw.prompts.context_tokens, gw.settings.default_max_tokens, tenant
             )
@@ -166,8 +170,8 @@ class RequestLife:
                 why = f" (workers are down: {'; '.join(down)})" if down else ""
                 raise Unavailable(f"No worker is alive to serve this request{why}; try again shortly.",
                                   code="no_worker")
-            seq = p.SeqJob(gw.new_rid(), tuple(ids), self.gen.sampling(max_tokens, gw.sampling), self.gen.stream,
-                           **self.gen.source())
+            sampling = self.gen.sampling(max_tokens, gw.sampling)
+            seq = p.SeqJob(secrets.token_hex(12), tuple(ids), sampling, self.gen.stream, **self.gen.source())
             self.rid = seq.rid
             self.meter.prompt_tokens = len(ids)
             # a budget wait past the first-token SLO would miss it: refused now, not after the wait
@@ -181,7 +185,7 @@ class RequestLife:
                 admit.add_done_callback(self._settle_orphan)
                 raise
             except RedisError:  # the script may have run without its reply reaching us
-                gw.refund_if_admitted(tenant, seq.rid, len(ids) + max_tokens)
+                refund_if_admitted(gw, tenant, seq.rid, len(ids) + max_tokens)
                 raise
             if self.admission.wait_s > 0.0:
                 gw.metrics.budget_wait.observe(self.admission.wait_s)
@@ -210,6 +214,20 @@ class RequestLife:
         self.meter.contract = decision.contract
         self.timeout_at = decision.created + gw.settings.request_timeout_s
         gw.metrics.in_flight.inc()
+
+    async def _token_ids(self) -> tuple[int, ...]:
+        """The prompt's token ids, bounded by what the tenant may send (``gateway.dispatch.prompts``).
+        A long prompt is tokenized on the gateway's tokenizing thread, in one of its tenant's
+        few places there (``LongPrompts``), so one sender of huge prompts slows only itself."""
+        gw, tenant = self.gw, self.caller.tenant
+        limit = limits.prompt_limit(gw.prompts.context_tokens, tenant)
+        try:
+            if PromptBuilder.chars(self.gen) <= LARGE_PROMPT_CHARS:
+                return gw.prompts.token_ids(self.gen, limit)
+            with gw.long_prompts.held(tenant):
+                return await gw.long_prompts.run(gw.prompts, self.gen, limit)
+        except PromptTooLong as exc:
+            raise limits.prompt_too_long(self.gen, exc.tokens, exc.exact, gw.prompts.context_tokens, tenant) from None
 
     def headers(self) -> dict[str, str]:
         assert self.admission is not None and self.pending is not None
@@ -320,13 +338,13 @@ class RequestLife:
         if self.pending is None or over:
             if self.pending is not None:
                 gw.dispatcher.forget(self.rid)
-            gw.settle(self.admission, self.meter)
+            self.settled()
         elif gw.dispatcher.cancel(self.rid):  # still queued: it will never run and costs nothing
             self.meter.started = False
             gw.dispatcher.forget(self.rid)
-            gw.settle(self.admission, self.meter)
+            self.settled()
         else:
-            gw.spawn(self._drain_then_settle())
+            gw.tasks.spawn(self._drain_then_settle())
 
     async def _drain_then_settle(self) -> None:
         """A dispatched request whose client left: wait (briefly) for the worker's final
@@ -347,13 +365,56 @@ class RequestLife:
             pass
         finally:
             self.gw.dispatcher.forget(self.rid)
-            await self.gw.settle(self.admission, self.meter)
+            await self.settled()
 
     def _settle_orphan(self, admit: asyncio.Future[Admission]) -> None:
         if not admit.cancelled() and admit.exception() is None:
+            self.admission = admit.result()
             self.meter.started = False
-            self.gw.settle(admit.result(), self.meter)
+            self.settled()
 
     def settled(self) -> asyncio.Future[bool]:
+        """Settles the request's budget once; later calls return the same future. It runs as
+        its own task, so a handler cancelled by a disconnect cannot stop it half-way."""
         assert self.admission is not None
-        return self.gw.settle(self.admission, self.meter)
+        if self.meter.settling is not None:
+            return self.meter.settling
+        admission, meter, gw = self.admission, self.meter, self.gw
+        prompt, completion = meter.charge()
+        state, record = meter.outcome, meter.record()
+
+        async def settle() -> bool:
+            gw.metrics.observe_contract(gw.dispatcher.outcome(admission.rid, record.get("ttft_s"),
+                                                              record.get("total_s"), completion))
+            return await until_settled(gw, admission.rid,
+                                       lambda: gw.budget.settle(admission, state, prompt, completion, record))
+
+        settling = meter.settling = gw.tasks.spawn(settle())
+        return settling
+
+
+def refund_if_admitted(gw: Gateway, tenant: Tenant, rid: str, reserved: int) -> None:
+    """An admission whose reply was lost (Redis failed mid-call) may or may not have run:
+    settling it as failed refunds it if it did, and does nothing if it did not."""
+    gw.tasks.spawn(until_settled(gw, rid, lambda: gw.budget.settle_raw(tenant, rid, -reserved, "failed", 0, 0)))
+
+
+async def until_settled(gw: Gateway, rid: str, attempt: Callable[[], Awaitable[bool]]) -> bool:
+    """Settling is idempotent (only the call that ends the lease changes anything), so a
+    settlement that Redis failed is tried again, with backoff, for as long as its lease
+    can last; a refund is never silently lost to a Redis hiccup."""
+    give_up = time.monotonic() + gw.settings.request_timeout_s + 30.0
+    retry = Retrier(BACKOFF, gw.dispatcher.outage)
+    while True:
+        started = time.monotonic()
+        try:
+            settled = await attempt()
+        except RedisError as exc:
+            delay = retry.count(exc)
+            if time.monotonic() + delay > give_up:
+                log.error("settling request %s failed for good: %s", rid, exc)
+                return False
+            await asyncio.sleep(delay)
+        else:
+            retry.succeeded(started)
+            return settled

@@ -18,12 +18,17 @@ client's fixed conversation, a retry, a benchmark's body) costs a dictionary loo
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from gateway.errors import InvalidRequest
+from gateway.errors import RETRY_AFTER_S, InvalidRequest, Overloaded, RateLimited
 from gateway.http.openai_protocol import Generation
+from gateway.tenancy.tenants import Tenant
 
 PROMPT_CACHE_ENTRIES = 1024  # tokenized prompts (conversations, completion texts) kept per gateway process
 PROMPT_CACHE_CHARS = 8192  # only prompts this short are kept: about 2 MiB of token ids at most
@@ -130,3 +135,47 @@ class PromptBuilder:
             if len(head) > limit + 1:  # +1: the cut may split one token in two
                 raise PromptTooLong(len(head) - 1)
         return tuple(self._encode(text))
+
+
+LARGE_PROMPT_CHARS = 4096  # prompts longer than this are tokenized off the event loop
+LARGE_PROMPTS_PER_TENANT = 2  # ... at most this many at a time per tenant (429 beyond)
+LARGE_PROMPTS_QUEUED = 16  # ... and this many in all (503 beyond)
+
+
+class LongPrompts:
+    """The thread long prompts are tokenized on, and how many each tenant has there: at most
+    ``LARGE_PROMPTS_PER_TENANT`` at once per tenant, ``LARGE_PROMPTS_QUEUED`` in all, so one
+    sender of huge prompts slows only itself. A request's life takes its place (``held``)."""
+
+    def __init__(self) -> None:
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._held: dict[str, int] = {}  # tenant id -> long prompts being tokenized
+
+    @contextlib.contextmanager
+    def held(self, tenant: Tenant) -> Iterator[None]:
+        """One place for ``tenant``'s long prompt, or the refusal: 429 for the tenant's own
+        limit (with Retry-After), 503 for the gateway's."""
+        busy = self._held.get(tenant.id, 0)
+        if busy >= LARGE_PROMPTS_PER_TENANT:
+            raise RateLimited(
+                f"Tenant '{tenant.name}' already has {busy} long prompts being tokenized; retry after "
+                f"{RETRY_AFTER_S} s, or when they are done.",
+                headers={"retry-after": str(RETRY_AFTER_S)},
+            )
+        if sum(self._held.values()) >= LARGE_PROMPTS_QUEUED:
+            raise Overloaded("Too many long prompts are being tokenized; retry shortly.")
+        self._held[tenant.id] = busy + 1
+        try:
+            yield
+        finally:
+            left = self._held[tenant.id] - 1
+            if left:
+                self._held[tenant.id] = left
+            else:
+                del self._held[tenant.id]
+
+    async def run(self, prompts: PromptBuilder, gen: Generation, limit: int) -> tuple[int, ...]:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, prompts.token_ids, gen, limit)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)

@@ -336,7 +336,7 @@ class WorkerList(TypedDict):
 
 @with_config(ConfigDict(extra="allow"))
 class SchedulerSnapshot(TypedDict):
-    """``Gateway.scheduler_snapshot()``: queues per bucket, fitted cost curves, thresholds,
+    """``Dispatcher.snapshot()``: queues per bucket, fitted cost curves, thresholds,
     per-tenant counters (docs/scheduling.md); its inner shape belongs to ``sched_core``."""
 
     gateway: str

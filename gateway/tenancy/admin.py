@@ -122,7 +122,7 @@ async def workers(request: Request) -> Response:
 
 
 async def scheduler(request: Request) -> Response:
-    return ORJSONResponse(_gw(request).scheduler_snapshot())
+    return ORJSONResponse(_gw(request).dispatcher.snapshot())
 
 
 Endpoint = Callable[[Request], Awaitable[Response]]

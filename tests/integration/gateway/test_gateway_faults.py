@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 
 from common import protocol as p
 from gateway.cli.embedded_redis import EmbeddedRedis
+from gateway.dispatch.lifecycle import refund_if_admitted
 from gateway.dispatch.prompts import PromptBuilder
 from gateway.dispatch.scheduling import Origin
 from gateway.tenancy.limits import RefusalBucket
@@ -302,8 +303,8 @@ async def test_an_admission_whose_reply_was_lost_is_refunded_exactly_once(harnes
     full = (await budget.state(tenant))["remaining_tokens"]
     await budget.admit(tenant, "ran", 40, 60)  # the script ran; say its reply was lost
     assert (await budget.state(tenant))["remaining_tokens"] == full - 100
-    harness.gw.refund_if_admitted(tenant, "ran", 100)
-    harness.gw.refund_if_admitted(tenant, "never-ran", 100)
+    refund_if_admitted(harness.gw, tenant, "ran", 100)
+    refund_if_admitted(harness.gw, tenant, "never-ran", 100)
     await harness.gw.drain()
     state = await budget.state(tenant)
     assert state["remaining_tokens"] == full and state["in_flight"] == 0
