@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from common.pools import POOLS
@@ -42,6 +43,7 @@ from sched_core.types import (
 )
 
 TICK_S = 0.002  # how often a policy is asked while requests wait and a slot is free
+REPORT_GRACE_S = 2.0  # after a batch's last request ended where it was sent from, its report has this long
 #: A tenant over its fair share is refused (when it has an SLO) once its path's running and
 #: queued sequences reach this share of its slots: no slot is left for it.
 FULL_LOAD = 1.0
@@ -124,11 +126,26 @@ class Shares:
         return entry[0].rate(now) > total * entry[1] / max(self._weights, entry[1])
 
 
+@dataclass(slots=True)
+class _Batch:
+    """A dispatched batch: its requests, the slots its unfinished ones hold, the ones still
+    awaited where it was sent from, and when it is given up should its report never come."""
+
+    path: str
+    requests: tuple[str, ...]
+    running: set[str]
+    waiting: set[str]
+    expires: float
+
+
 class Driver:
     """A policy plus the slot bookkeeping that decides when it must be asked again, and the
-    calibration of its contracts."""
+    calibration of its contracts. It is the one owner of batch -> requests: each dispatched
+    batch holds slots until its report (``completed``), ``abort``, or its lease runs out
+    (``expired``: ``lease_s`` after dispatch, or ``REPORT_GRACE_S`` after its last request
+    ended, whichever is first)."""
 
-    def __init__(self, policy: Policy, tick_s: float = TICK_S) -> None:
+    def __init__(self, policy: Policy, tick_s: float = TICK_S, lease_s: float = math.inf) -> None:
         self.policy = policy
         self._wakes = policy if isinstance(policy, Wakes) else None  # a Protocol check costs ~10 us a call
         self._alone = getattr(policy, "prefill_alone_s", None)  # the scheduler's; baselines promise nothing
@@ -141,8 +158,9 @@ class Driver:
         self.shares = Shares(config.rate_window_s)
         self._cap = dict.fromkeys(POOLS, 0)
         self._used = dict.fromkeys(POOLS, 0)
-        self._open: dict[int, tuple[str, set[str]]] = {}  # batch -> (path, unfinished requests)
-        self._batch_of: dict[str, int] = {}
+        self.lease_s = lease_s
+        self._open: dict[int, _Batch] = {}
+        self._batch_of: dict[str, int] = {}  # request -> its batch, until the batch ends
 
     @property
     def queued(self) -> int:
@@ -245,34 +263,60 @@ class Driver:
         decisions = self.policy.tick(now)
         for d in decisions:
             if isinstance(d, Dispatch):
-                self._open[d.batch_id] = (d.path, set(d.request_ids))
-                self._batch_of.update(dict.fromkeys(d.request_ids, d.batch_id))
-                self._used[d.path] += len(d.request_ids)
+                ids = d.request_ids
+                self._open[d.batch_id] = _Batch(d.path, ids, set(ids), set(ids), now + self.lease_s)
+                self._batch_of.update(dict.fromkeys(ids, d.batch_id))
+                self._used[d.path] += len(ids)
         return decisions
 
     def finished(self, request_id: str, output_tokens: int, now: float) -> bool:
         """A dispatched request ended (``output_tokens`` < 0: unknown, e.g. it failed): its
         slot comes back now. False if it was not running (its batch already reported)."""
-        batch = self._batch_of.pop(request_id, None)
-        if batch is None:
+        batch = self._open.get(self._batch_of.get(request_id, -1))
+        if batch is None or request_id not in batch.running:
             return False
-        path, left = self._open[batch]
-        left.discard(request_id)
-        self._used[path] -= 1
-        if not left:
-            del self._open[batch]
+        batch.running.discard(request_id)
+        self._used[batch.path] -= 1
         self.policy.finished(request_id, output_tokens, now)
         return True
 
-    def completed(self, timings: BatchTimings, now: float) -> None:
-        """A batch ended (a failed one reports zero sizes): the rest of its slots come back."""
-        entry = self._open.pop(timings.batch_id, None)
-        if entry is not None:
-            path, left = entry
-            for rid in left:
-                del self._batch_of[rid]
-            self._used[path] -= len(left)
+    def ended(self, request_id: str, now: float) -> None:
+        """The request is over where it was sent from (answered, failed, timed out, cancelled):
+        once its batch has no request left, its report has ``REPORT_GRACE_S`` to arrive."""
+        batch = self._open.get(self._batch_of.get(request_id, -1))
+        if batch is not None:
+            batch.waiting.discard(request_id)
+            if not batch.waiting:
+                batch.expires = min(batch.expires, now + REPORT_GRACE_S)
+
+    def completed(self, timings: BatchTimings, now: float) -> bool:
+        """A batch ended (a failed one reports zero sizes): the rest of its slots come back.
+        False, and nothing learnt, for a batch not open (already ended, or not this driver's)."""
+        batch = self._open.pop(timings.batch_id, None)
+        if batch is None:
+            return False
+        for rid in batch.requests:
+            del self._batch_of[rid]
+        self._used[batch.path] -= len(batch.running)
         self.policy.completed(timings, now)
+        return True
+
+    def abort(self, batch_id: int, now: float) -> list[str]:
+        """The batch will never report (its job could not be sent, or is lost): its slots come
+        back now, nothing is fitted. Returns its requests still awaited."""
+        batch = self._open.get(batch_id)
+        if batch is None:
+            return []
+        waiting = sorted(batch.waiting)
+        self.completed(BatchTimings(batch_id, batch.path, 0, 0, 0.0, 0, 0.0, ()), now)
+        return waiting
+
+    def expired(self, now: float) -> list[int]:
+        """The batches whose lease ran out."""
+        return [b for b, batch in self._open.items() if batch.expires <= now]
+
+    def open_batches(self) -> list[int]:
+        return list(self._open)
 
     def prior(self, path: str, prior: PathConfig) -> bool:
         """Seed ``path``'s step-time model with ``prior`` (its workers measured themselves);

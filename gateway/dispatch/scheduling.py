@@ -44,17 +44,6 @@ class Send:
     batch: int  # the scheduler's batch id
 
 
-REPORT_GRACE_S = 2.0  # after a batch's last request ended here, its report has this long to arrive
-
-
-@dataclass(slots=True)
-class _Lease:
-    """Slots a dispatched batch holds: given back by its report, or, should the report never
-    come (the job died with Redis, its worker and every retry), by expiry."""
-
-    pool: str
-    open: set[str]  # its requests this gateway still waits on
-    expires: float
 
 
 def scheduler_config(priors_path: str | None, **fields: Any) -> SchedulerConfig:
@@ -139,23 +128,21 @@ def measured_prior(workers: dict[str, p.Heartbeat], pool: str, base: PathConfig)
 
 
 class SchedulerShell:
-    """The core plus what it does not keep: the jobs of queued requests and the slot leases
-    of dispatched batches. Every lease ends exactly once: by the batch's report
-    (``completed``), by ``abort`` (its job never left, or is lost), or by ``expire``, once
-    the batch's requests have all ended here and its report is ``REPORT_GRACE_S`` late, or
-    ``lease_s`` after dispatch at the latest."""
+    """The core plus what it does not keep: the jobs of queued requests. A dispatched batch's
+    slots are the driver's lease (``Driver``: batch -> requests kept there once), which ends
+    exactly once: by the batch's report (``completed``), by ``abort`` (its job never left, or
+    is lost), or by ``expire``, once the batch's requests have all ended here and its report
+    is ``REPORT_GRACE_S`` late, or ``lease_s`` after dispatch at the latest."""
 
     def __init__(self, gateway_id: str, reply_to: str, config: SchedulerConfig | None = None,
                  handoff_min_prompt: int = 0, lease_s: float = 150.0, policy: str = "tokengate") -> None:
         self.policy = policy
-        self.driver = Driver(make_policy(policy, config or SchedulerConfig()))
+        self.driver = Driver(make_policy(policy, config or SchedulerConfig()), lease_s=lease_s)
         self.gateway_id = gateway_id
         self.reply_to = reply_to
         self.handoff_min_prompt = handoff_min_prompt
         self.lease_s = lease_s
         self._seqs: dict[str, p.SeqJob] = {}
-        self._leases: dict[int, _Lease] = {}
-        self._lease_of: dict[str, int] = {}  # request id -> batch id, while its lease lasts
         self._gpu_alive = False
         self._step_tokens: dict[str, int] = {}  # per pool, from the workers' telemetry
         self.priors: dict[str, str] = {}  # per pool: the measured profiles its step model starts from
@@ -234,7 +221,7 @@ class SchedulerShell:
                     with contextlib.suppress(TypeError, ValueError):
                         paths[pool] = replace(getattr(config, pool), **coef)
             if paths:
-                self.driver = Driver(make_policy(self.policy, replace(config, **paths)))
+                self.driver = Driver(make_policy(self.policy, replace(config, **paths)), lease_s=self.lease_s)
                 self.priors.clear()
                 self._attention = {pool: cfg.prefill_attention for pool, cfg in paths.items()}
         calibration = state.get("contracts")
@@ -247,8 +234,6 @@ class SchedulerShell:
         for d in self.driver.tick(now):
             if isinstance(d, Dispatch):
                 sends.append(self._job(d))
-                self._leases[d.batch_id] = _Lease(d.path, set(d.request_ids), now + self.lease_s)
-                self._lease_of.update(dict.fromkeys(d.request_ids, d.batch_id))
             else:
                 self._seqs.pop(d.request_id, None)
                 rejects.append(d)
@@ -264,19 +249,12 @@ class SchedulerShell:
         job = p.BatchJob(f"{self.gateway_id}:{d.batch_id}", self.reply_to, d.bucket, seqs)
         return Send(d.path, job, d.batch_id)
 
-    def _end_lease(self, batch: int) -> _Lease | None:
-        lease = self._leases.pop(batch, None)
-        if lease is not None:
-            for rid in lease.open:
-                self._lease_of.pop(rid, None)
-        return lease
-
     def completed(self, report: p.BatchReport, now: float) -> None:
         """Feed a worker's timings back; reports of batches this gateway did not schedule
         (hand-over decode jobs, a previous incarnation's) or whose lease already ended are
         ignored."""
         prefix, _, local = report.batch_id.rpartition(":")
-        if prefix != self.gateway_id or not local.isdigit() or self._end_lease(int(local)) is None:
+        if prefix != self.gateway_id or not local.isdigit():
             return
         self.driver.completed(
             BatchTimings(
@@ -296,15 +274,11 @@ class SchedulerShell:
     def abort(self, batch: int, now: float) -> list[str]:
         """The batch will never report (its job could not be sent, or is lost): its slots come
         back now, nothing is fitted. Returns the requests still waiting on it here."""
-        lease = self._end_lease(batch)
-        if lease is None:
-            return []
-        self.driver.completed(BatchTimings(batch, lease.pool, 0, 0, 0.0, 0, 0.0, ()), now)
-        return sorted(lease.open)
+        return self.driver.abort(batch, now)
 
     def abort_all(self, now: float) -> list[str]:
         """Every dispatched batch is lost (Redis lost its data): abort them all."""
-        return [rid for batch in list(self._leases) for rid in self.abort(batch, now)]
+        return [rid for batch in self.driver.open_batches() for rid in self.driver.abort(batch, now)]
 
     def finished(self, rid: str, output_tokens: int, now: float) -> bool:
         """A worker finished (or failed, ``output_tokens`` < 0) one request: its slot comes
@@ -322,23 +296,16 @@ class SchedulerShell:
                           now)
 
     def request_ended(self, rid: str, now: float) -> None:
-        """The request is over here (answered, failed, timed out, cancelled): once a batch
-        has no request left, its report has ``REPORT_GRACE_S`` to arrive."""
-        batch = self._lease_of.pop(rid, None)
-        lease = self._leases.get(batch) if batch is not None else None
-        if lease is not None:
-            lease.open.discard(rid)
-            if not lease.open:
-                lease.expires = min(lease.expires, now + REPORT_GRACE_S)
+        """The request is over here (answered, failed, timed out, cancelled)."""
+        self.driver.ended(rid, now)
 
     def expire(self, now: float) -> list[str]:
         """End the leases that ran out; returns the requests still waiting on them."""
-        return [rid for batch in [b for b, lease in self._leases.items() if lease.expires <= now]
-                for rid in self.abort(batch, now)]
+        return [rid for batch in self.driver.expired(now) for rid in self.driver.abort(batch, now)]
 
     @property
     def leases(self) -> int:
-        return len(self._leases)
+        return len(self.driver.open_batches())
 
     def capacity(self, workers: dict[str, p.Heartbeat], gateways: int, now: float) -> None:
         """The live workers' slots, and the priors their measured profiles give each pool's

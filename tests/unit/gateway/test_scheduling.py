@@ -191,7 +191,7 @@ def test_a_batch_that_could_not_be_sent_gives_its_slots_back_at_once() -> None:
 
 
 def test_a_report_that_never_comes_expires_after_its_requests_ended() -> None:
-    from gateway.dispatch.scheduling import REPORT_GRACE_S
+    from sched_core.driver import REPORT_GRACE_S
 
     shell = _shell()
     sends, t = _dispatched(shell, ["a"])
