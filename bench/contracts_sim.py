@@ -91,7 +91,7 @@ def main() -> None:
             setup = replace(base, known_output=known)
             for f in FRACTIONS:
                 w = make(f * load)
-                r = summarize(simulate(ex.make_policy("tokengate", None, setup, w), w, setup.sim_config()), slo)
+                r = summarize(simulate(ex.policy_for("tokengate", None, setup, w), w, setup.sim_config()), slo)
                 inside = min(r["within_ttft_bound"], r["within_p99_bound"])
                 worst["within_bounds"] = min(worst["within_bounds"], inside)
                 worst["mape_ttft"] = max(worst["mape_ttft"], r["mape_ttft"])
@@ -105,9 +105,9 @@ def main() -> None:
         own: float | None = None
         for f in OVERLOADS:
             w = make(f * load)
-            result = simulate(ex.make_policy("tokengate", None, shed, w), w, shed.sim_config())
+            result = simulate(ex.policy_for("tokengate", None, shed, w), w, shed.sim_config())
             mine = summarize(result, slo)
-            fcfs = summarize(simulate(ex.make_policy("fcfs", None, base, w), w, base.sim_config()), slo)
+            fcfs = summarize(simulate(ex.policy_for("fcfs", None, base, w), w, base.sim_config()), slo)
             own = own if own is not None else mine["goodput_rps"]
             fair = within_share(result.outcomes, w.tenants)
             kept = [o for o in result.outcomes if o.arrival.tenant in fair]

@@ -40,7 +40,7 @@ class GatewaySettings:
     auth_cache_s: float = 1.0  # verified keys are reused this long (revocation is immediate)
     handoff_min_prompt: int = 0  # >0: prompts this long prefill on cpu and decode on gpu
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # cost priors from --cost-priors
-    policy: str = "tokengate"  # tokengate | fcfs | fixed:batch=B,window_ms=W (sched_core.policies.make_policy)
+    policy: str = "tokengate"  # sched_core.policies.make_policy: tokengate, fcfs, fixed:batch=B,window_ms=W, …
     shutdown_grace_s: int = 10  # after Ctrl-C/SIGTERM, in-flight requests get this long
     max_in_flight: int = 4096  # requests admitted here and not yet answered; beyond: 503 at once
     redis_max_connections: int = 256  # the gateway's Redis pool; a request waits for a free one
@@ -54,7 +54,11 @@ class GatewaySettings:
     keep_alive_timeout_s: int = 75  # an idle keep-alive connection is closed after this
 
     def __post_init__(self) -> None:
-        make_policy(self.policy, self.scheduler)  # an unknown policy stops start-up, naming the forms
+        # an unknown policy stops start-up, naming the forms; so does one that waits for an end
+        # of arrivals (fixed:batch=B without a window), which a gateway never sees
+        if hasattr(make_policy(self.policy, self.scheduler), "end_of_arrivals"):
+            raise ValueError(f"policy {self.policy!r} holds a partial batch until arrivals end, which a "
+                             "gateway's never do: add a window (fixed:batch=B,window_ms=W)")
         if not self.redis_url:
             raise ValueError("a Redis URL is required")
         if not 0 < self.port < 65536:

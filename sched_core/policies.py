@@ -17,7 +17,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from common.pools import POOLS
-from sched_core._core import Scheduler
 from sched_core.driver import TICK_S, Policy
 from sched_core.reference import RateMeter
 from sched_core.types import BatchTimings, Dispatch, Reject, Request, SchedulerConfig
@@ -225,24 +224,54 @@ class ThreeRegime(FifoPolicy):
         return n + 1 < self._rate.rate(now) * gain and (n + 1) * (now - self._rate.last) < gain
 
 
-def make_policy(spec: str, config: SchedulerConfig) -> Policy:
-    """The policy a ``--policy`` spec names: ``tokengate`` (the scheduler), ``fcfs``, or
-    ``fixed:batch=B,window_ms=W`` (a dynamic batcher, Triton's: a batch of B leaves when B
-    requests wait or when the oldest waited W ms). Raises ValueError with the accepted forms."""
+POLICY_FORMS = ("tokengate", "fcfs", "gpu-only", "three-regime",
+                "fixed:batch=B", "fixed:window_ms=W", "fixed:batch=B,window_ms=W")
+
+
+def make_policy(spec: str, config: SchedulerConfig, *, max_batch: Mapping[str, int] | None = None,
+                profiles: Mapping[str, CostProfile] | None = None, implementation: str = "cython",
+                tick_s: float = TICK_S) -> Policy:
+    """The one factory of policies, for the gateway's ``--policy`` and the simulator alike.
+    Each name means one thing:
+
+    - ``tokengate``: the scheduler (``implementation``: the compiled core or its twin);
+    - ``fcfs``: FCFS continuous batching; ``gpu-only``: the same on the gpu pool alone;
+    - ``fixed:batch=B[,window_ms=W]``: a batcher of B requests. Without a window a batch leaves
+      only when B requests wait and B slots are free (a closed simulation drains the rest when
+      arrivals end; a gateway, whose arrivals never end, refuses this form). With ``window_ms``
+      it is Triton's dynamic batcher: a batch leaves at B (or the free slots) or once its
+      oldest request waited W ms; ``fixed:window_ms=W`` takes B from the path's max batch;
+    - ``three-regime``: the source notes' static policy, from cost ``profiles`` (the simulator's).
+
+    Options after the colon also take ``paths=gpu`` or ``paths=gpu+cpu`` (the default): the
+    pools a baseline uses, in order. ``max_batch`` overrides the config's per-path limit.
+    Raises ValueError with the accepted forms."""
     name, _, args = spec.partition(":")
-    max_batch = {p: config.path(i).max_batch for i, p in enumerate(POOLS)}
-    if name == "tokengate" and not args:
-        return Scheduler(config)
-    if name == "fcfs" and not args:
-        return FifoPolicy(max_batch)
-    if name == "fixed":
-        try:
-            knobs = {k.strip(): float(v) for k, v in (kv.split("=") for kv in args.split(","))}
-            batch, window_ms = int(knobs.pop("batch")), knobs.pop("window_ms")
-        except (KeyError, ValueError):
-            knobs = {"": 0.0}
-            batch = window_ms = 0
-        if not knobs and batch >= 1 and window_ms >= 0.0:
-            return TimeWindow(window_ms / 1000.0, {p: min(batch, b) for p, b in max_batch.items()})
-    raise ValueError(f"unknown policy {spec!r}: expected tokengate, fcfs or "
-                     f"fixed:batch=B,window_ms=W (B >= 1, W >= 0)")
+    if max_batch is None:
+        max_batch = {p: config.path(i).max_batch for i, p in enumerate(POOLS)}
+    try:
+        knobs = dict(kv.split("=", 1) for kv in args.split(",")) if args else {}
+        paths = tuple(knobs.pop("paths", "+".join(BOTH)).split("+"))
+        if not paths or any(p not in POOLS for p in paths):
+            raise ValueError(paths)
+        if name == "tokengate" and not knobs and not args:
+            from sched_core import IMPLEMENTATIONS  # the package imports this module's neighbours first
+
+            return IMPLEMENTATIONS[implementation](config)
+        if name in ("fcfs", "gpu-only") and not knobs:
+            return FifoPolicy(max_batch, ("gpu",) if name == "gpu-only" else paths)
+        if name == "three-regime" and not args and profiles is not None:
+            return ThreeRegime(profiles, max_batch, tick_s=tick_s)
+        if name == "fixed" and knobs and set(knobs) <= {"batch", "window_ms"}:
+            batch = int(knobs["batch"]) if "batch" in knobs else None
+            if "window_ms" not in knobs and batch is not None and batch >= 1:
+                return FixedBatch(batch, max_batch, paths)
+            window_ms = float(knobs["window_ms"])
+            if window_ms >= 0.0 and (batch is None or batch >= 1):
+                cap = {p: b if batch is None else min(batch, b) for p, b in max_batch.items()}
+                return TimeWindow(window_ms / 1000.0, cap, paths)
+    except (KeyError, ValueError):
+        pass
+    why = " (it needs cost profiles: the simulator's)" if name == "three-regime" and profiles is None else ""
+    raise ValueError(f"unknown policy {spec!r}{why}: expected one of {', '.join(POLICY_FORMS)} "
+                     "(B >= 1, W >= 0; options may add paths=gpu or paths=gpu+cpu)")

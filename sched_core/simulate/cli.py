@@ -247,7 +247,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.no_plots:
         top = max(rates)
         heavy = make(top)
-        service = {p: simulate(ex.make_policy(p, None, setup, heavy), heavy, setup.sim_config())
+        service = {p: simulate(ex.policy_for(p, None, setup, heavy), heavy, setup.sim_config())
                    for p in ("fcfs", "tokengate") if p in policies}
         from sched_core.simulate import plots as simulate_plots
 

@@ -9,10 +9,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import sched_core
 from common.pools import POOLS
 from sched_core.driver import TICK_S
-from sched_core.policies import BOTH, FifoPolicy, FixedBatch, ThreeRegime, TimeWindow
+from sched_core.policies import BOTH, make_policy
 from sched_core.simulate.engine import Policy, Pool, SimConfig, simulate
 from sched_core.simulate.metrics import Slo, summarize
 from sched_core.simulate.workload import Workload
@@ -70,24 +69,22 @@ class Knob:
         return f"{value}, {'+'.join(self.paths)}"
 
 
-def make_policy(name: str, knob: Knob | None, setup: Setup, workload: Workload) -> Policy:
-    mb = setup.max_batch()
-    if name == "fcfs":
-        return FifoPolicy(mb, BOTH)
-    if name == "gpu-only":
-        return FifoPolicy(mb, ("gpu",))
+def policy_for(name: str, knob: Knob | None, setup: Setup, workload: Workload) -> Policy:
+    """The policy ``name`` at one point of its sweep, from the one factory
+    (``sched_core.policies.make_policy``): ``fixed`` is a batch of the knob's size, ``window``
+    the dynamic batcher with the knob's window (``fixed:window_ms=…``), on the knob's paths."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    spec = name
     if name == "fixed":
         knob = knob or Knob(8.0)
-        return FixedBatch(int(knob.value), mb, knob.paths)
-    if name == "window":
+        spec = f"fixed:batch={int(knob.value)},paths={'+'.join(knob.paths)}"
+    elif name == "window":
         knob = knob or Knob(0.01)
-        return TimeWindow(knob.value, mb, knob.paths)
-    if name == "three-regime":
-        return ThreeRegime({p.path: p.profile for p in setup.pools}, mb, tick_s=setup.tick_s)
-    if name == "tokengate":
-        cls = sched_core.IMPLEMENTATIONS[setup.implementation]
-        return cls(scheduler_config(setup, workload))
-    raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+        spec = f"fixed:window_ms={knob.value * 1000!r},paths={'+'.join(knob.paths)}"
+    return make_policy(spec, scheduler_config(setup, workload), max_batch=setup.max_batch(),
+                       profiles={p.path: p.profile for p in setup.pools}, implementation=setup.implementation,
+                       tick_s=setup.tick_s)
 
 
 def knobs(name: str, setup: Setup) -> tuple[Knob | None, ...]:
@@ -111,7 +108,7 @@ def run_policy(name: str, workload: Workload, setup: Setup) -> dict[str, Any]:
     rows = []
     config = setup.sim_config()
     for knob in knobs(name, setup):
-        policy = make_policy(name, knob, setup, workload)
+        policy = policy_for(name, knob, setup, workload)
         row = summarize(simulate(policy, workload, config), setup.slo, setup.fair_windows)
         row["setting"] = knob.label(name) if knob else None
         rows.append(row)
@@ -204,7 +201,7 @@ def compare_at_load(make_workload: Callable[[float], Workload], setup: Setup, na
     workload = make_workload(rate)
 
     def run(policy: str, k: Knob | None) -> dict[str, Any]:
-        result = simulate(make_policy(policy, k, setup, workload), workload, setup.sim_config())
+        result = simulate(policy_for(policy, k, setup, workload), workload, setup.sim_config())
         return summarize(result, setup.slo, setup.fair_windows)
 
     base, mine = run(name, knob), run(tg, None)

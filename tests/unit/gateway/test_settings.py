@@ -28,3 +28,9 @@ def test_the_admin_token_is_checked_and_never_shown() -> None:
     token = "a-long-admin-token-0123"
     s = GatewaySettings(redis_url="redis://x", model_name="m", admin_token=token)
     assert token not in repr(s)
+
+
+def test_a_batcher_that_waits_for_arrivals_to_end_is_refused() -> None:
+    with pytest.raises(ValueError, match="until arrivals end"):
+        GatewaySettings(redis_url="redis://x", model_name="m", policy="fixed:batch=4")
+    assert GatewaySettings(redis_url="redis://x", model_name="m", policy="fixed:batch=4,window_ms=5").policy

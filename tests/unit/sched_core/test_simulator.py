@@ -12,7 +12,7 @@ from sched_core import SchedulerConfig
 from sched_core.policies import FifoPolicy, FixedBatch
 from sched_core.simulate import CostProfile, Pool, SimConfig, Slo, simulate, summarize
 from sched_core.simulate.engine import Simulation
-from sched_core.simulate.experiment import POLICIES, Knob, Setup, make_policy
+from sched_core.simulate.experiment import POLICIES, Knob, Setup, policy_for
 from sched_core.simulate.workload import DEFAULT_TENANTS, Arrival, Tenant, Workload, poisson
 from sched_core.types import BatchTimings, Dispatch
 
@@ -142,7 +142,7 @@ def small_workload(seed: int = 5) -> Workload:
 def test_every_policy_completes_every_request_exactly_once(name: str) -> None:
     s = setup()
     wl = small_workload()
-    policy = make_policy(name, Knob(4.0) if name == "fixed" else None, s, wl)
+    policy = policy_for(name, Knob(4.0) if name == "fixed" else None, s, wl)
     sent: list[str] = []
 
     class Counting(Simulation):
@@ -165,7 +165,7 @@ def test_runs_are_deterministic_for_a_seed(name: str) -> None:
     def run(seed: int) -> dict[str, object]:
         s = setup(seed=seed)
         wl = small_workload(seed)
-        policy = make_policy(name, Knob(4.0) if name == "fixed" else None, s, wl)
+        policy = policy_for(name, Knob(4.0) if name == "fixed" else None, s, wl)
         return summarize(simulate(policy, wl, s.sim_config()), s.slo)
 
     first, again, other = run(1), run(1), run(2)
@@ -176,10 +176,10 @@ def test_runs_are_deterministic_for_a_seed(name: str) -> None:
 def test_the_tokengate_contracts_are_recorded_and_scored() -> None:
     s = setup()
     wl = small_workload()
-    row = summarize(simulate(make_policy("tokengate", None, s, wl), wl, s.sim_config()), s.slo)
+    row = summarize(simulate(policy_for("tokengate", None, s, wl), wl, s.sim_config()), s.slo)
     assert 0.0 <= row["within_p99_bound"] <= 1.0
     assert row["mape"] is not None and math.isfinite(row["mape"])
-    baseline = summarize(simulate(make_policy("fcfs", None, s, wl), wl, s.sim_config()), s.slo)
+    baseline = summarize(simulate(policy_for("fcfs", None, s, wl), wl, s.sim_config()), s.slo)
     assert baseline["within_p99_bound"] is None and baseline["mape"] is None
 
 
