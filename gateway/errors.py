@@ -8,15 +8,15 @@ APIStatusError, 429 RateLimitError, 503 InternalServerError).
 
 from __future__ import annotations
 
-from typing import Any
-
 import orjson
 from starlette.responses import Response
+
+from gateway.http.shapes import ErrorExtra, ErrorResponse, ErrorType
 
 
 class GatewayError(Exception):
     status = 500
-    type = "server_error"
+    type: ErrorType = "server_error"
     code: str | None = None
 
     def __init__(
@@ -26,7 +26,7 @@ class GatewayError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
-        extra: dict[str, Any] | None = None,
+        extra: ErrorExtra | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -34,23 +34,23 @@ class GatewayError(Exception):
         if code is not None:
             self.code = code
         self.headers = headers or {}
-        self.extra = extra or {}
+        self.extra: ErrorExtra = extra or {}
 
 
 class InvalidRequest(GatewayError):
     status = 400
-    type = "invalid_request_error"
+    type: ErrorType = "invalid_request_error"
 
 
 class Unauthorized(GatewayError):
     status = 401
-    type = "invalid_request_error"
+    type: ErrorType = "invalid_request_error"
     code = "invalid_api_key"
 
 
 class NotFound(GatewayError):
     status = 404
-    type = "invalid_request_error"
+    type: ErrorType = "invalid_request_error"
     code = "not_found"
 
 
@@ -60,7 +60,7 @@ class ModelNotFound(NotFound):
 
 class Conflict(GatewayError):
     status = 409
-    type = "invalid_request_error"
+    type: ErrorType = "invalid_request_error"
     code = "conflict"
 
 
@@ -69,7 +69,7 @@ class ClientGone(GatewayError):
     answer; the status (nginx's 499) only reaches the metrics."""
 
     status = 499
-    type = "invalid_request_error"
+    type: ErrorType = "invalid_request_error"
     code = "client_closed_request"
 
 
@@ -77,13 +77,13 @@ class RequestTimeout(GatewayError):
     """The client did not send its request (headers or body) in time."""
 
     status = 408
-    type = "invalid_request_error"
+    type: ErrorType = "invalid_request_error"
     code = "body_timeout"
 
 
 class PayloadTooLarge(GatewayError):
     status = 413
-    type = "invalid_request_error"
+    type: ErrorType = "invalid_request_error"
     code = "payload_too_large"
 
     def __init__(self, message: str, *, read: int = 0, headers: dict[str, str] | None = None) -> None:
@@ -95,25 +95,25 @@ class UnsupportedMediaType(GatewayError):
     """A body declared as something other than JSON."""
 
     status = 415
-    type = "invalid_request_error"
+    type: ErrorType = "invalid_request_error"
     code = "unsupported_media_type"
 
 
 class RateLimited(GatewayError):
     status = 429
-    type = "requests"
+    type: ErrorType = "requests"
     code = "rate_limit_exceeded"
 
 
 class TokensRateLimited(RateLimited):
     """Over the tenant's token budget (OpenAI's ``tokens`` limit type)."""
 
-    type = "tokens"
+    type: ErrorType = "tokens"
 
 
 class Unavailable(GatewayError):
     status = 503
-    type = "server_error"
+    type: ErrorType = "server_error"
     code = "service_unavailable"
 
 
@@ -127,7 +127,7 @@ class Timeout(Unavailable):
 
 class WorkerFailed(GatewayError):
     status = 500
-    type = "server_error"
+    type: ErrorType = "server_error"
     code = "worker_error"
 
 
@@ -138,15 +138,8 @@ class UpstreamFailed(WorkerFailed):
     code = "upstream_error"
 
 
-def error_body(exc: GatewayError) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "message": exc.message,
-        "type": exc.type,
-        "param": exc.param,
-        "code": exc.code,
-    }
-    body.update(exc.extra)
-    return {"error": body}
+def error_body(exc: GatewayError) -> ErrorResponse:
+    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code, **exc.extra}}
 
 
 RETRY_AFTER_S = 1  # what a 429 or 503 that knows no better tells the client to wait

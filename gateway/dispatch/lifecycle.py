@@ -23,7 +23,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 import orjson
@@ -47,10 +47,11 @@ from gateway.errors import (
     error_body,
 )
 from gateway.http import openai_protocol as oai
+from gateway.http.shapes import ErrorExtra, contract_headers
 from gateway.services import CANCEL_DRAIN_S
 from gateway.tenancy import limits
 from gateway.tenancy.budget import Admission
-from sched_core import Contract, Reject
+from sched_core import Reject
 
 if TYPE_CHECKING:
     from gateway.services import Gateway
@@ -63,26 +64,6 @@ log = logging.getLogger("tokengate.requests")
 
 def _ms(ms: float | None) -> float | None:
     return None if ms is None else ms / 1000
-
-
-def contract_headers(c: Contract | None) -> dict[str, str]:
-    """The latency contract (milliseconds from when the gateway received the request); none
-    under a baseline policy (``--policy fcfs`` or ``fixed:…``), which promises nothing."""
-    if c is None:
-        return {}
-    return {
-        "x-tokengate-ttft-ms": f"{c.ttft_s * 1000:.1f}",
-        "x-tokengate-tpot-ms": f"{c.tpot_s * 1000:.1f}",
-        "x-tokengate-output-tokens": str(c.output_tokens),
-        "x-tokengate-latency-ms": f"{c.total_s * 1000:.1f}",
-        "x-tokengate-ttft-p99-ms": f"{c.ttft_p99_s * 1000:.1f}",
-        "x-tokengate-tpot-p99-ms": f"{c.tpot_p99_s * 1000:.1f}",
-        "x-tokengate-p99-ms": f"{c.p99_s * 1000:.1f}",
-        "x-tokengate-tokens-ahead": str(c.tokens_ahead),
-        "x-tokengate-budget-wait-ms": f"{c.budget_wait_s * 1000:.1f}",
-        "x-tokengate-bucket": str(c.bucket),
-        "x-tokengate-path": c.path,
-    }
 
 
 def failure(ev: p.Failed) -> GatewayError:
@@ -102,18 +83,19 @@ def failure(ev: p.Failed) -> GatewayError:
 
 def refused(rid: str, reject: Reject) -> GatewayError:
     """The scheduler will not run the request: say why, with its estimate."""
-    estimate = {"estimate_ms": round(reject.estimate_s * 1000, 1)} if reject.estimate_s else {}
+    estimate: ErrorExtra = {"estimate_ms": round(reject.estimate_s * 1000, 1)} if reject.estimate_s else {}
     headers = {"retry-after": str(max(1, math.ceil(reject.retry_after_s)))} if reject.retry_after_s else {}
     if estimate:
         headers["x-tokengate-estimate-ms"] = str(estimate["estimate_ms"])
     if reject.reason == "too_long":
         return InvalidRequest(f"Request {rid}: {reject.message}", param="messages", code="prompt_too_long")
     if reject.reason == "slo":
-        best = {"best_ttft_p99_ms": round(reject.ttft_p99_s * 1000, 1), "best_p99_ms": round(reject.p99_s * 1000, 1)}
-        headers["x-tokengate-ttft-p99-ms"] = str(best["best_ttft_p99_ms"])
-        headers["x-tokengate-p99-ms"] = str(best["best_p99_ms"])
+        best_ttft, best = round(reject.ttft_p99_s * 1000, 1), round(reject.p99_s * 1000, 1)
+        headers["x-tokengate-ttft-p99-ms"] = str(best_ttft)
+        headers["x-tokengate-p99-ms"] = str(best)
         return Unavailable(f"Request {rid} cannot meet its SLO now: {reject.message}; retry later, relax the "
-                           "SLO or go elsewhere.", code="slo_unattainable", headers=headers, extra=estimate | best)
+                           "SLO or go elsewhere.", code="slo_unattainable", headers=headers,
+                           extra={**estimate, "best_ttft_p99_ms": best_ttft, "best_p99_ms": best})
     if reject.reason == "wait":
         return Unavailable(f"Request {rid} would wait too long: {reject.message}; retry after the Retry-After "
                            "seconds, or send x-slo-ttft-ms to set your own bound.", code="overloaded",
@@ -123,7 +105,7 @@ def refused(rid: str, reject: Reject) -> GatewayError:
                        extra=estimate)
 
 
-def _sse(doc: dict[str, object]) -> bytes:
+def _sse(doc: Mapping[str, object]) -> bytes:
     return b"data: " + orjson.dumps(doc) + b"\n\n"
 
 
@@ -258,7 +240,7 @@ class RequestLife:
             self.gw.metrics.tokens.labels("completion").inc(ev.completion_tokens)
         return ev
 
-    async def body(self) -> dict[str, object]:
+    async def body(self) -> Mapping[str, object]:
         """The whole completion (non-streaming); raises the request's error. Ends the
         request when its last event arrived; a caller that gives up calls ``end``."""
         parts: list[str] = []

@@ -33,6 +33,7 @@ from gateway.errors import (
 from gateway.http import openai_protocol as oai
 from gateway.http import openapi
 from gateway.http.saturation import SATURATED_S
+from gateway.http.shapes import Health, NotReady, Ready
 from gateway.http.web import ORJSONResponse, declared_length, parse_json, read_body
 from gateway.metrics import Metrics
 from gateway.services import Gateway
@@ -256,25 +257,31 @@ async def get_request(request: Request) -> Response:
 
 
 async def healthz(request: Request) -> Response:
-    return ORJSONResponse({"status": "ok"})
+    ok: Health = {"status": "ok"}
+    return ORJSONResponse(ok)
+
+
+def _not_ready(reason: str) -> Response:
+    body: NotReady = {"ready": False, "reason": reason}
+    return ORJSONResponse(body, status_code=503)
 
 
 async def readyz(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     if gw.dispatcher.failed:
-        return ORJSONResponse({"ready": False, "reason": gw.dispatcher.failed}, status_code=503)
+        return _not_ready(gw.dispatcher.failed)
     try:
         async with asyncio.timeout(READY_PROBE_S):
             await gw.batch.call("PING")
     except RedisError as exc:
-        return ORJSONResponse({"ready": False, "reason": f"redis: {exc}"}, status_code=503)
+        return _not_ready(f"redis: {exc}")
     except TimeoutError:
-        return ORJSONResponse({"ready": False, "reason": f"redis: no answer within {READY_PROBE_S:g} s"},
-                              status_code=503)
+        return _not_ready(f"redis: no answer within {READY_PROBE_S:g} s")
     pools = sorted(gw.dispatcher.alive_pools())
     if not pools:
-        return ORJSONResponse({"ready": False, "reason": "no worker has a live heartbeat"}, status_code=503)
-    return ORJSONResponse({"ready": True, "pools": pools, "workers": len(gw.dispatcher.workers)})
+        return _not_ready("no worker has a live heartbeat")
+    ready: Ready = {"ready": True, "pools": pools, "workers": len(gw.dispatcher.workers)}
+    return ORJSONResponse(ready)
 
 
 async def metrics(request: Request) -> Response:

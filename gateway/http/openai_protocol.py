@@ -17,6 +17,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from common.protocol import TEMPERATURE_MAX, SamplingParams
 from gateway.errors import InvalidRequest
+from gateway.http.shapes import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    FinishReason,
+    ModelCard,
+    ModelList,
+    TextCompletion,
+    TextCompletionChunk,
+    Usage,
+)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_MESSAGES = 4096  # messages per chat request
@@ -272,7 +283,7 @@ def parse_completion(body: Any) -> Generation:
 # -- responses ---------------------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -284,29 +295,35 @@ def response_id(kind: str, rid: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
 
 
+def _reason(finish_reason: str) -> FinishReason:
+    """A worker's finish reason as the shape declares it (any other reads as ``stop``)."""
+    return "length" if finish_reason == "length" else "cancelled" if finish_reason == "cancelled" else "stop"
+
+
 def completion_body(
     gen: Generation, rid: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
-) -> dict[str, Any]:
-    created = int(time.time())
+) -> ChatCompletion | TextCompletion:
+    created, reason = int(time.time()), _reason(finish_reason)
     if gen.kind == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
+        chat: ChatCompletion = {
+            "id": response_id(gen.kind, rid),
+            "object": "chat.completion",
+            "created": created,
+            "model": gen.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": reason}],
+            "usage": usage(prompt_tokens, completion_tokens),
         }
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    return {
+        return chat
+    plain: TextCompletion = {
         "id": response_id(gen.kind, rid),
-        "object": obj,
+        "object": "text_completion",
         "created": created,
         "model": gen.model,
-        "choices": [choice],
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}],
         "usage": usage(prompt_tokens, completion_tokens),
     }
+    return plain
 
 
 def chunk_body(
@@ -316,44 +333,54 @@ def chunk_body(
     text: str | None,
     finish_reason: str | None = None,
     first: bool = False,
-) -> dict[str, Any]:
+) -> ChatCompletionChunk | TextCompletionChunk:
+    reason = None if finish_reason is None else _reason(finish_reason)
     if gen.kind == "chat":
-        delta: dict[str, Any] = {}
+        delta: ChatDelta = {}
         if first:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    body: dict[str, Any] = {
+        chat: ChatCompletionChunk = {
+            "id": response_id(gen.kind, rid),
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": gen.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}],
+        }
+        if gen.include_usage:
+            chat["usage"] = None
+        return chat
+    plain: TextCompletionChunk = {
         "id": response_id(gen.kind, rid),
-        "object": obj,
+        "object": "text_completion",
         "created": created,
         "model": gen.model,
-        "choices": [choice],
+        "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}],
     }
     if gen.include_usage:
-        body["usage"] = None
-    return body
+        plain["usage"] = None
+    return plain
 
 
-def usage_chunk(gen: Generation, rid: str, created: int, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    return {
-        "id": response_id(gen.kind, rid),
-        "object": "chat.completion.chunk" if gen.kind == "chat" else "text_completion",
-        "created": created,
-        "model": gen.model,
-        "choices": [],
-        "usage": usage(prompt_tokens, completion_tokens),
-    }
+def usage_chunk(gen: Generation, rid: str, created: int, prompt_tokens: int,
+                completion_tokens: int) -> ChatCompletionChunk | TextCompletionChunk:
+    """The last event of a stream that asked for usage: no choices, the usage."""
+    if gen.kind == "chat":
+        chat: ChatCompletionChunk = {"id": response_id(gen.kind, rid), "object": "chat.completion.chunk",
+                                     "created": created, "model": gen.model, "choices": [],
+                                     "usage": usage(prompt_tokens, completion_tokens)}
+        return chat
+    plain: TextCompletionChunk = {"id": response_id(gen.kind, rid), "object": "text_completion",
+                                  "created": created, "model": gen.model, "choices": [],
+                                  "usage": usage(prompt_tokens, completion_tokens)}
+    return plain
 
 
-def model_card(model: str, created: int) -> dict[str, Any]:
+def model_card(model: str, created: int) -> ModelCard:
     return {"id": model, "object": "model", "created": created, "owned_by": "tokengate"}
 
 
-def models_body(models: list[str], created: int) -> dict[str, Any]:
+def models_body(models: list[str], created: int) -> ModelList:
     return {"object": "list", "data": [model_card(m, created) for m in models]}
+

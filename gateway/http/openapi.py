@@ -5,7 +5,7 @@ Built once, when the app is made, from the app's own route table (``documented``
 ``OPERATIONS`` and the other way round, or start-up fails naming the difference, so the
 table and the document cannot drift. Request bodies are the JSON schemas of the pydantic
 models that validate them (``gateway.http.openai_protocol``, ``gateway.tenancy.admin_protocol``);
-response bodies are the typed dicts below, the shapes the handlers build, and tests check
+response bodies and headers are the shapes the handlers build (``gateway.http.shapes``), and tests check
 real responses against the document (``tests/integration/gateway/test_openapi.py``).
 """
 
@@ -14,17 +14,24 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, NotRequired
+from typing import Any, Literal
 
 import orjson
-from pydantic import ConfigDict, Field, TypeAdapter, with_config
+from pydantic import TypeAdapter
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
-from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
-from common.protocol import Heartbeat
 from gateway.http import openai_protocol as oai
+from gateway.http.shapes import (
+    ADMITTED_HEADERS,
+    DEADLINE_HEADER,
+    DEADLINE_MS_MAX,
+    HEADERS,
+    OPTIONAL_ADMITTED_HEADERS,
+    RESPONSE_TYPES,
+    SLO_HEADERS,
+)
 from gateway.settings import GatewaySettings
 from gateway.tenancy import admin
 from gateway.tenancy import admin_protocol as ap
@@ -33,315 +40,6 @@ from gateway.tenancy.tenants import SLO_MS_MIN
 OPENAPI_PATH = "/openapi.json"
 REF = "#/components/schemas/{model}"
 
-NonNegative = Annotated[int, Field(ge=0)]
-Seconds = Annotated[float, Field(ge=0.0)]
-FinishReason = Literal["stop", "length", "cancelled"]
-_FORBID = ConfigDict(extra="forbid")
-
-
-# -- response bodies -------------------------------------------------------------------------
-# What the handlers build (``oai.completion_body`` and friends, ``tenants.to_doc``, ...).
-# Extra keys are forbidden, so a field added to a response without its schema fails the
-# tests that validate real responses against this document.
-
-
-@with_config(_FORBID)
-class ErrorObject(TypedDict):
-    """OpenAI's error object; ``budget_wait_s`` on a 429 over the token budget, ``estimate_ms``
-    on a 503 whose deadline or SLO cannot be met, and on the latter the best bounds the
-    gateway could promise (``best_ttft_p99_ms``, ``best_p99_ms``)."""
-
-    message: str
-    type: Literal["invalid_request_error", "server_error", "requests", "tokens"]
-    param: str | None
-    code: str | None
-    budget_wait_s: NotRequired[float]
-    estimate_ms: NotRequired[float]
-    best_ttft_p99_ms: NotRequired[float]
-    best_p99_ms: NotRequired[float]
-
-
-@with_config(_FORBID)
-class ErrorResponse(TypedDict):
-    error: ErrorObject
-
-
-@with_config(_FORBID)
-class Usage(TypedDict):
-    prompt_tokens: NonNegative
-    completion_tokens: NonNegative
-    total_tokens: NonNegative
-
-
-@with_config(_FORBID)
-class AssistantMessage(TypedDict):
-    role: Literal["assistant"]
-    content: str
-
-
-@with_config(_FORBID)
-class ChatChoice(TypedDict):
-    index: Literal[0]
-    message: AssistantMessage
-    logprobs: None
-    finish_reason: FinishReason
-
-
-@with_config(_FORBID)
-class ChatCompletion(TypedDict):
-    id: Annotated[str, Field(pattern=r"^chatcmpl-[0-9a-f]+$")]
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: Annotated[list[ChatChoice], Field(min_length=1, max_length=1)]
-    usage: Usage
-
-
-@with_config(_FORBID)
-class ChatDelta(TypedDict):
-    role: NotRequired[Literal["assistant"]]
-    content: NotRequired[str]
-
-
-@with_config(_FORBID)
-class ChatChunkChoice(TypedDict):
-    index: Literal[0]
-    delta: ChatDelta
-    logprobs: None
-    finish_reason: FinishReason | None
-
-
-@with_config(_FORBID)
-class ChatCompletionChunk(TypedDict):
-    """One ``data:`` event of a chat stream; with ``stream_options.include_usage``, every
-    chunk has ``usage: null`` and one last chunk has no choices and the usage."""
-
-    id: Annotated[str, Field(pattern=r"^chatcmpl-[0-9a-f]+$")]
-    object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
-    choices: Annotated[list[ChatChunkChoice], Field(max_length=1)]
-    usage: NotRequired[Usage | None]
-
-
-@with_config(_FORBID)
-class TextChoice(TypedDict):
-    index: Literal[0]
-    text: str
-    logprobs: None
-    finish_reason: FinishReason
-
-
-@with_config(_FORBID)
-class TextCompletion(TypedDict):
-    id: Annotated[str, Field(pattern=r"^cmpl-[0-9a-f]+$")]
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: Annotated[list[TextChoice], Field(min_length=1, max_length=1)]
-    usage: Usage
-
-
-@with_config(_FORBID)
-class TextChunkChoice(TypedDict):
-    index: Literal[0]
-    text: str
-    logprobs: None
-    finish_reason: FinishReason | None
-
-
-@with_config(_FORBID)
-class TextCompletionChunk(TypedDict):
-    """One ``data:`` event of a completions stream (``usage`` as in chat chunks)."""
-
-    id: Annotated[str, Field(pattern=r"^cmpl-[0-9a-f]+$")]
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: Annotated[list[TextChunkChoice], Field(max_length=1)]
-    usage: NotRequired[Usage | None]
-
-
-@with_config(_FORBID)
-class ModelCard(TypedDict):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-
-
-@with_config(_FORBID)
-class ModelList(TypedDict):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-@with_config(_FORBID)
-class RequestRecord(TypedDict):
-    """``tg:req:{rid}`` as ``gateway.dispatch.records`` reads it; ``schedule`` while this gateway's
-    scheduler still holds the request."""
-
-    id: str
-    object: Literal["request"]
-    tenant: str
-    state: Literal["admitted", "done", "cancelled", "failed"]
-    admitted_at: float
-    prompt_tokens: NonNegative
-    reserved_tokens: NonNegative
-    budget_wait_s: Seconds
-    finished_at: NotRequired[float]
-    charged_tokens: NotRequired[NonNegative]
-    contract_ttft_s: NotRequired[float]
-    contract_total_s: NotRequired[float]
-    contract_p99_s: NotRequired[float]
-    contract_ttft_p99_s: NotRequired[float]
-    ttft_s: NotRequired[float]
-    total_s: NotRequired[float]
-    schedule: NotRequired[dict[str, Any]]
-
-
-@with_config(_FORBID)
-class Health(TypedDict):
-    status: Literal["ok"]
-
-
-@with_config(_FORBID)
-class Ready(TypedDict):
-    ready: Literal[True]
-    pools: list[str]
-    workers: NonNegative
-
-
-@with_config(_FORBID)
-class NotReady(TypedDict):
-    """``/readyz``'s 503: a probe's answer, not an OpenAI error."""
-
-    ready: Literal[False]
-    reason: str
-
-
-@with_config(_FORBID)
-class TenantLimits(TypedDict):
-    max_prompt_tokens: int | None
-    max_output_tokens: int | None
-    max_concurrent: int | None
-    allowed_models: list[str]
-
-
-@with_config(_FORBID)
-class TenantDoc(TypedDict):
-    """``gateway.tenancy.tenants.to_doc``: what the admin API returns and Redis stores."""
-
-    id: Annotated[str, Field(pattern=r"^tn_[0-9a-f]{16}$")]
-    object: Literal["tenant"]
-    name: str
-    rate: float
-    burst: int
-    priority: int
-    weight: float
-    max_queue_delay_s: float
-    slo_ttft_ms: float | None
-    slo_tpot_ms: float | None
-    max_queue_wait_ms: float | None
-    limits: TenantLimits
-    created: int
-
-
-@with_config(_FORBID)
-class BudgetState(TypedDict):
-    remaining_tokens: NonNegative
-    reset_s: Seconds
-    in_flight: NonNegative
-
-
-@with_config(_FORBID)
-class TenantWithState(TenantDoc):
-    state: BudgetState
-
-
-@with_config(_FORBID)
-class TenantList(TypedDict):
-    object: Literal["list"]
-    data: list[TenantDoc]
-
-
-@with_config(_FORBID)
-class TenantDeleted(TypedDict):
-    id: str
-    object: Literal["tenant"]
-    name: str
-    deleted: Literal[True]
-
-
-@with_config(_FORBID)
-class ApiKeyDoc(TypedDict):
-    object: Literal["api_key"]
-    prefix: Annotated[str, Field(pattern=r"^[0-9a-f]{8}$")]
-    tenant: str
-    name: str
-    created: int
-
-
-@with_config(_FORBID)
-class IssuedKey(ApiKeyDoc):
-    """The only reply that shows ``key``."""
-
-    key: Annotated[str, Field(pattern=r"^tg-[0-9a-f]{8}-[A-Za-z0-9_-]{43}$")]
-
-
-@with_config(_FORBID)
-class ApiKeyList(TypedDict):
-    object: Literal["list"]
-    data: list[ApiKeyDoc]
-
-
-@with_config(_FORBID)
-class KeyRevoked(TypedDict):
-    prefix: str
-    object: Literal["api_key"]
-    deleted: Literal[True]
-
-
-@with_config(_FORBID)
-class UsageTotals(TypedDict):
-    requests: NonNegative
-    rate_limited: NonNegative
-    prompt_tokens: NonNegative
-    completion_tokens: NonNegative
-    total_tokens: NonNegative
-
-
-@with_config(_FORBID)
-class UsageMinute(UsageTotals):
-    minute: int
-
-
-@with_config(_FORBID)
-class UsageList(TypedDict):
-    """Minutes with traffic only; ``since``/``until`` are the whole minutes covered."""
-
-    object: Literal["list"]
-    data: list[UsageMinute]
-    tenant: str
-    since: int
-    until: int
-    totals: UsageTotals
-
-
-@with_config(_FORBID)
-class WorkerList(TypedDict):
-    object: Literal["list"]
-    data: list[Heartbeat]
-
-
-@with_config(ConfigDict(extra="allow"))
-class SchedulerSnapshot(TypedDict):
-    """``Dispatcher.snapshot()``: queues per bucket, fitted cost curves, thresholds,
-    per-tenant counters (docs/scheduling.md); its inner shape belongs to ``sched_core``."""
-
-    gateway: str
-    gateways_sharing_capacity: int
-    batches_in_flight: int
 
 
 REQUEST_MODELS: tuple[type[Any], ...] = (
@@ -351,31 +49,6 @@ REQUEST_MODELS: tuple[type[Any], ...] = (
     ap.TenantUpdate,
     ap.KeyCreate,
 )
-RESPONSE_TYPES: tuple[type[Any], ...] = (
-    ErrorResponse,
-    ChatCompletion,
-    ChatCompletionChunk,
-    TextCompletion,
-    TextCompletionChunk,
-    ModelCard,
-    ModelList,
-    RequestRecord,
-    Health,
-    Ready,
-    NotReady,
-    TenantDoc,
-    TenantWithState,
-    TenantList,
-    TenantDeleted,
-    IssuedKey,
-    ApiKeyList,
-    KeyRevoked,
-    UsageList,
-    WorkerList,
-    SchedulerSnapshot,
-)
-
-
 def schemas() -> dict[str, Any]:
     """``components/schemas``: the request models as they validate (``mode="validation"``)
     and the response shapes, with their shared parts once each."""
@@ -391,71 +64,6 @@ def schemas() -> dict[str, Any]:
 
 def ref(name: str) -> dict[str, str]:
     return {"$ref": REF.format(model=name)}
-
-
-# -- headers -----------------------------------------------------------------------------------
-
-_INT = {"type": "integer", "minimum": 0}
-_MS = {"type": "number", "minimum": 0}
-HEADERS: dict[str, dict[str, Any]] = {
-    "x-request-id": {
-        "description": "The request's id, for `GET /v1/requests/{rid}`.",
-        "schema": {"type": "string", "pattern": "^[0-9a-f]{24}$"},
-    },
-    "x-ratelimit-limit-tokens": {"description": "The tenant's burst (tokens).", "schema": _INT},
-    "x-ratelimit-remaining-tokens": {
-        "description": "Tokens the tenant's budget holds after this request's reservation.",
-        "schema": _INT,
-    },
-    "x-ratelimit-reset-tokens": {
-        "description": "Time until the budget is full again, OpenAI's format (`250ms`, `1.5s`, `6m0s`).",
-        "schema": {"type": "string", "pattern": r"^([0-9]+h)?([0-9]+m)?[0-9]+(\.[0-9]+)?(ms|s)$"},
-    },
-    "x-ratelimit-limit-requests": {
-        "description": "The tenant's `limits.max_concurrent` (only when set).",
-        "schema": _INT,
-    },
-    "x-ratelimit-remaining-requests": {
-        "description": "Requests the tenant may still start now (only when `max_concurrent` is set).",
-        "schema": _INT,
-    },
-    "x-tokengate-ttft-ms": {"description": "Predicted time to the first token (ms since arrival).", "schema": _MS},
-    "x-tokengate-tpot-ms": {"description": "Predicted time per output token after the first (ms).", "schema": _MS},
-    "x-tokengate-output-tokens": {"description": "The output length the predicted latency assumes.",
-                                  "schema": _INT},
-    "x-tokengate-latency-ms": {"description": "Predicted time to the last token (ms since arrival).", "schema": _MS},
-    "x-tokengate-ttft-p99-ms": {"description": "The bound the first token should come within 99 times in 100 "
-                                "(ms since arrival); on a 503 `slo_unattainable`, the best the gateway could "
-                                "promise.", "schema": _MS},
-    "x-tokengate-tpot-p99-ms": {"description": "The bound on the time per output token, 99 times in 100 (ms).",
-                                "schema": _MS},
-    "x-tokengate-p99-ms": {"description": "The bound the request should finish within 99 times in 100 (ms since "
-                           "arrival); on a 503 `slo_unattainable`, the best the gateway could promise.",
-                           "schema": _MS},
-    "x-tokengate-tokens-ahead": {"description": "Tokens queued ahead of it in its bucket.", "schema": _INT},
-    "x-tokengate-budget-wait-ms": {"description": "How long the budget limiter held it.", "schema": _MS},
-    "x-tokengate-bucket": {"description": "Its prompt-length bucket (0 = shortest).", "schema": _INT},
-    "x-tokengate-path": {"description": "The worker pool it is headed for.",
-                         "schema": {"type": "string", "enum": ["cpu", "gpu"]}},
-    "x-tokengate-estimate-ms": {
-        "description": "On a 503 `deadline_unmet`: the scheduler's estimate of the latency (ms).",
-        "schema": _MS,
-    },
-    "retry-after": {"description": "Whole seconds to wait before retrying.",
-                    "schema": {"type": "integer", "minimum": 1}},
-}
-# on every admitted generation (streams: before the first event)
-ADMITTED_HEADERS = (
-    "x-request-id", "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens",
-    "x-tokengate-ttft-ms", "x-tokengate-tpot-ms", "x-tokengate-output-tokens", "x-tokengate-latency-ms",
-    "x-tokengate-ttft-p99-ms", "x-tokengate-tpot-p99-ms", "x-tokengate-p99-ms", "x-tokengate-tokens-ahead",
-    "x-tokengate-budget-wait-ms", "x-tokengate-bucket", "x-tokengate-path",
-)
-OPTIONAL_ADMITTED_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests")
-DEADLINE_HEADER = "x-tokengate-deadline-ms"
-DEADLINE_MS_MAX = 86_400_000
-# the SLO pair llm-d and the Gateway API Inference Extension send (docs/tenants.md)
-SLO_HEADERS = {"x-slo-ttft-ms": 600_000.0, "x-slo-tpot-ms": 60_000.0}  # name -> largest value accepted
 
 
 def _headers(required: Sequence[str], optional: Sequence[str] = ()) -> dict[str, Any]:
