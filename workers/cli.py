@@ -13,7 +13,7 @@ from typing import Any
 from common.pools import POOLS
 from common.settings import env_default
 from workers.devices import DTYPES
-from workers.worker import ENGINES, WorkerSettings
+from workers.settings import ENGINES, WorkerSettings
 
 log = logging.getLogger("tokengate.worker")
 
@@ -126,7 +126,8 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
 def run(settings: WorkerSettings) -> None:
     from workers import model_store
     from workers.engine import EchoEngine, Engine
-    from workers.worker import Worker, connect
+    from workers.settings import connect
+    from workers.worker import Worker
 
     model_store.offline()
     engine: Engine

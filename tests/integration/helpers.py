@@ -11,7 +11,8 @@ import redis
 from common import protocol as p
 from common import wire
 from workers.engine import Engine
-from workers.worker import Worker, WorkerSettings, connect
+from workers.settings import WorkerSettings, connect
+from workers.worker import Worker
 
 
 @contextmanager

@@ -163,7 +163,8 @@ def test_heartbeat_names_running_sequences_and_held_batches(redis_client: redis.
 
 
 def test_one_read_takes_as_many_jobs_as_free_slots(redis_client: redis.Redis, redis_url: str) -> None:
-    from workers.worker import Worker, WorkerSettings, connect
+    from workers.settings import WorkerSettings, connect
+    from workers.worker import Worker
 
     for i in range(5):
         send(redis_client, _job(f"b{i}", [f"r{i}"], max_tokens=1000))

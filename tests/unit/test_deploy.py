@@ -31,7 +31,7 @@ from gateway.cli.main import build_parser
 from gateway.cli.server import settings_from_args as gateway_settings  # what `tokengate gateway` builds
 from gateway.settings import GatewaySettings
 from workers import cli as worker_cli
-from workers.worker import WorkerSettings
+from workers.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

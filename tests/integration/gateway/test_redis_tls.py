@@ -28,7 +28,7 @@ from gateway.dispatch.prompts import PromptBuilder
 from gateway.redis_batch import AutoPipeline
 from tests.integration.gateway.conftest import make_harness
 from workers.model_store import ModelSpec
-from workers.worker import WorkerSettings, connect
+from workers.settings import WorkerSettings, connect
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 
@@ -209,7 +209,7 @@ async def test_a_unix_socket_urls_db_and_password(tls: TlsRedis) -> None:
 async def test_a_gateway_and_its_worker_over_tls(
     tls: TlsRedis, prompts: PromptBuilder, model_spec: ModelSpec
 ) -> None:
-    """``redis_client(settings)`` and its AutoPipelines, and ``workers.worker.connect``: a
+    """``redis_client(settings)`` and its AutoPipelines, and ``workers.settings.connect``: a
     tenant is made, a key issued, a completion admitted, run by the worker, settled."""
     url = tls.tls_url()
     with connect(WorkerSettings(redis_url=url)) as worker_client:

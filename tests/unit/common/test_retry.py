@@ -11,7 +11,8 @@ import redis
 
 from common.retry import Outage, Retrier, backoff_policy, is_nogroup
 from workers.engine import EchoEngine
-from workers.worker import Worker, WorkerSettings
+from workers.settings import WorkerSettings
+from workers.worker import Worker
 
 NOGROUP = redis.ResponseError("NOGROUP No such key 'tg:jobs:cpu' or consumer group 'workers' in XREADGROUP")
 

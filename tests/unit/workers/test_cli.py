@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from workers.cli import add_model_args, add_worker_args, setting_default, settings_from_args
-from workers.worker import WorkerSettings
+from workers.settings import WorkerSettings
 
 
 def _parse(*argv: str) -> argparse.Namespace:
