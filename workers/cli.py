@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import functools
 import gc
 import logging
 import signal
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from common.pools import POOLS
-from common.settings import env_default
+from common.settings import add_flags, env_default, field_default
 from workers.devices import DTYPES
 from workers.settings import ENGINES, WorkerSettings
 
@@ -72,12 +72,7 @@ WORKER_FLAGS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
 _PER_CHILD = frozenset({"pool", "worker-id"})
 
 
-def setting_default(name: str) -> Any:
-    """The default of a ``WorkerSettings`` field: the one place each default is written."""
-    for f in dataclasses.fields(WorkerSettings):
-        if f.name == name and f.default is not dataclasses.MISSING:
-            return f.default
-    raise KeyError(f"WorkerSettings.{name} has no plain default")
+setting_default = functools.partial(field_default, WorkerSettings)  # a WorkerSettings field's default
 
 
 def _dest(flag: str) -> str:
@@ -85,18 +80,7 @@ def _dest(flag: str) -> str:
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    for flag, field, help, extra in WORKER_FLAGS:
-        kw = dict(extra)
-        scale = kw.pop("scale", 1.0)
-        try:
-            default = setting_default(field)
-        except KeyError:  # made per worker (its id): no flag default
-            default = None
-        if default is not None and scale != 1.0:
-            default = default * scale
-        if "choices" not in kw and "type" not in kw and default is not None and not isinstance(default, str):
-            kw["type"] = type(default)
-        parser.add_argument(f"--{flag}", dest=_dest(flag), default=env_default(flag, default), help=help, **kw)
+    add_flags(parser, WorkerSettings, WORKER_FLAGS, dest=lambda flag, _field: _dest(flag))
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:

@@ -5,14 +5,12 @@ gateway` and `serve` add these flags; `serve` passes them on to the gateway proc
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from typing import Any
+import functools
 
-from common.settings import env_default
+from common.settings import add_flags, env_default, field_default
 from gateway.settings import GatewaySettings
 from sched_core import SchedulerConfig
 
-_SETTINGS = {f.name: f for f in dataclasses.fields(GatewaySettings)}
 # every GatewaySettings flag: (flag, field, help); its dest is the field's name, its default the field's
 GATEWAY_FLAGS: tuple[tuple[str, str, str | None], ...] = (
     ("host", "host", "address to listen on"),
@@ -72,24 +70,11 @@ GATEWAY_FLAGS: tuple[tuple[str, str, str | None], ...] = (
 SETTING_FLAGS = frozenset(name for _flag, name, _help in GATEWAY_FLAGS)
 
 
-def setting_default(name: str) -> Any:
-    """The default of a ``GatewaySettings`` field: the one place it is written."""
-    default = _SETTINGS[name].default
-    assert default is not dataclasses.MISSING, f"GatewaySettings.{name} has no plain default"
-    return default
-
-
-def _setting(parser: argparse.ArgumentParser, flag: str, name: str, help: str | None = None) -> None:
-    """A flag for the ``GatewaySettings`` field ``name``: its default comes from the field,
-    ``TOKENGATE_<FLAG>`` overrides it (argparse converts a string default with ``type``)."""
-    default = setting_default(name)
-    kind = str if default is None else type(default)
-    parser.add_argument(f"--{flag}", dest=name, type=kind, default=env_default(flag, default), help=help)
+setting_default = functools.partial(field_default, GatewaySettings)  # a GatewaySettings field's default
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
-    for flag, name, help in GATEWAY_FLAGS:
-        _setting(parser, flag, name, help)
+    add_flags(parser, GatewaySettings, GATEWAY_FLAGS, dest=lambda _flag, name: name)
     parser.add_argument("--cost-priors", default=env_default("cost_priors"),
                         help="JSON file of measured per-path cost priors for the scheduler "
                         "(docs/scheduling.md); default: the packaged measured profiles, refitted online")
