@@ -110,9 +110,10 @@ def backend(
     model_dir: str | None = None,
     cpus: Sequence[int] = (),
     extra_worker: Sequence[str] = (),
+    env: Mapping[str, str | None] | None = None,
 ) -> Iterator[tuple[str, list[subprocess.Popen[bytes]]]]:
-    """Redis + N workers, as separate processes (pinned to ``cpus`` if given); yields
-    (redis_url, worker processes)."""
+    """Redis + N workers, as separate processes (pinned to ``cpus`` if given, ``env`` laid over
+    theirs); yields (redis_url, worker processes)."""
     OUT.mkdir(parents=True, exist_ok=True)
     with EmbeddedRedis() as redis:
         if cpus and redis.proc is not None:
@@ -124,6 +125,7 @@ def backend(
                  "--slots", str(slots), "--worker-id", f"bench-{i}", *model, *extra_worker],
                 OUT / f"worker-{i}.log",
                 cpus,
+                env=env,
             )
             for i in range(workers)
         ]
@@ -140,9 +142,10 @@ def gateway_server(
     model_dir: str | None = None,
     backend_procs: Sequence[subprocess.Popen[bytes]] = (),
     cpus: Sequence[int] = (),
+    env: Mapping[str, str | None] | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """One gateway process against ``redis_url``, ready (``/readyz``); yields its base URL and
-    the process (for its pid)."""
+    """One gateway process against ``redis_url`` (``env`` laid over its environment), ready
+    (``/readyz``); yields its base URL and the process (for its pid)."""
     port = free_port()
     model = ["--model", model_dir] if model_dir else []
     proc = spawn(
@@ -150,6 +153,7 @@ def gateway_server(
          "--port", str(port), "--admin-token", ADMIN_TOKEN, *model, *extra_gateway],
         OUT / "gateway.log",
         cpus,
+        env=env,
     )
     base = f"http://127.0.0.1:{port}"
     try:

@@ -2,6 +2,7 @@
 
     python -m bench.peers [--duration 10] [--clients 32] [--rates 200,500,1000,2000]
                           [--gateway-workers 1,2] [--no-litellm] [--no-pin] [--json]
+                          [--baseline-tree DIR]   # also tokengate from another checkout: before/after
 
 Targets, each started fresh for its turn and stopped after it:
   direct                  the zero backend itself (``bench.floor_app``: a fixed chat.completion
@@ -39,8 +40,6 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -53,6 +52,7 @@ import orjson
 import uvloop
 from rich.console import Console
 
+from bench import wrk
 from bench.common import (
     OUT,
     RawClient,
@@ -71,80 +71,15 @@ from bench.common import (
     tree_cpu_s,
     wait_ready,
 )
+from bench.litellm import LITELLM_KEY, TIMEOUT_S, ZERO_MODEL, install_litellm, litellm_config
 from gateway.cli.embedded_redis import free_port
 
-LITELLM_VERSION = "1.106.2"  # pinned: 1.107.0 was a compromised release
-PEERS_VENV = OUT / "peers-venv"
-LITELLM_KEY = "sk-bench-peers-0123456789"
-ZERO_MODEL = "zero"  # the model name LiteLLM serves (and forwards as openai/zero)
-
 GATEWAY_CORE, REST_CORE = 0, 1
-TIMEOUT_S = 10.0
 WARMUP_S = 2.0
 PATH = "/v1/chat/completions"
-WRK = shutil.which("wrk") is not None  # closed loops use wrk where it is installed (apt install wrk)
 PROMPT = ("The quick brown fox jumps over the lazy dog while the gateway counts tokens. " * 13)[:1000]
 
 log = Console(stderr=True)
-
-
-# -- LiteLLM in a venv of its own ----------------------------------------------------------------
-
-
-def install_litellm() -> Path | None:
-    """``litellm[proxy]==LITELLM_VERSION`` in its own venv (once); its CLI, or None if it cannot be had."""
-    exe = PEERS_VENV / "bin" / "litellm"
-    stamp = PEERS_VENV / ".litellm-version"
-    if exe.exists() and stamp.exists() and stamp.read_text().strip() == LITELLM_VERSION:
-        return exe
-    pip_log = OUT / "peers-venv-install.log"
-    OUT.mkdir(parents=True, exist_ok=True)
-    log.print(f"installing litellm[proxy]=={LITELLM_VERSION} into {PEERS_VENV} (once; minutes)")
-    t0 = time.monotonic()
-    try:
-        with open(pip_log, "wb") as out:
-            subprocess.run([sys.executable, "-m", "venv", "--clear", str(PEERS_VENV)], check=True,
-                           stdout=out, stderr=subprocess.STDOUT, timeout=300)
-            subprocess.run([str(PEERS_VENV / "bin" / "python"), "-m", "pip", "install", "-q",
-                            f"litellm[proxy]=={LITELLM_VERSION}"], check=True,
-                           stdout=out, stderr=subprocess.STDOUT, timeout=1800)
-    except (OSError, subprocess.SubprocessError) as exc:
-        tail = pip_log.read_text(errors="replace").strip().splitlines()[-1:] if pip_log.exists() else []
-        log.print(f"LiteLLM could not be installed: {tail[0] if tail else exc} (see {pip_log}); "
-                  "its rows are skipped", markup=False)
-        return None
-    stamp.write_text(LITELLM_VERSION + "\n")
-    log.print(f"litellm {LITELLM_VERSION} installed in {time.monotonic() - t0:.0f} s")
-    return exe
-
-
-def litellm_config(zero_base: str) -> Path:
-    """One model, no database, no callbacks, no per-request logging, no retries."""
-    path = OUT / "peers-litellm.yaml"
-    path.write_text(f"""\
-model_list:
-  - model_name: {ZERO_MODEL}
-    litellm_params:
-      model: openai/{ZERO_MODEL}
-      api_base: {zero_base}/v1
-      api_key: sk-dummy
-    model_info:
-      input_cost_per_token: 0
-      output_cost_per_token: 0
-litellm_settings:
-  set_verbose: false
-  json_logs: false
-  request_timeout: {TIMEOUT_S:g}
-  num_retries: 0
-  callbacks: []
-  success_callback: []
-  failure_callback: []
-general_settings:
-  master_key: {LITELLM_KEY}
-  disable_spend_logs: true
-  disable_error_logs: true
-""")
-    return path
 
 
 # -- targets ---------------------------------------------------------------------------------------
@@ -155,6 +90,7 @@ class Target:
     name: str
     kind: str  # direct | litellm | tokengate
     workers: int = 1
+    tree: str | None = None  # another checkout of tokengate to run instead of this one (--baseline-tree)
 
 
 @dataclass(frozen=True)
@@ -206,8 +142,9 @@ def serve(target: Target, zero_base: str, litellm: Path | None, pin: bool) -> It
     else:
         flags = ["--workers", str(target.workers)] if target.workers != 1 else []
         rest = (REST_CORE,) if pin else ()
-        with backend("echo", slots=256, cpus=rest) as (redis_url, procs):
-            with gateway_server(redis_url, flags, None, procs, gateway_cpus if pin else ()) as (base, proc):
+        env = {"PYTHONPATH": target.tree} if target.tree else None  # ahead of this checkout's install
+        with backend("echo", slots=256, cpus=rest, env=env) as (redis_url, procs):
+            with gateway_server(redis_url, flags, None, procs, gateway_cpus if pin else (), env) as (base, proc):
                 key = bench_key(base)
                 models = httpx.get(base + "/v1/models", headers=auth(key)).raise_for_status().json()
                 yield endpoint(base, auth(key), str(models["data"][0]["id"]), proc.pid)
@@ -279,35 +216,11 @@ async def closed_loop(ep: Endpoint, clients: int, duration: float) -> tuple[list
     return latencies, errors, elapsed
 
 
-WRK_SCRIPT = """
-local f = io.open(os.getenv("PEERS_BODY"), "rb"); wrk.body = f:read("*a"); f:close()
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-local auth = os.getenv("PEERS_AUTH"); if auth ~= "" then wrk.headers["Authorization"] = auth end
-done = function(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format("PEERS %d %d %d %d %d %d %d %d\\n", summary.requests, e.status,
-                         e.connect + e.read + e.write + e.timeout, latency:percentile(50), latency:percentile(99),
-                         latency:percentile(99.9), latency.max, summary.duration))
-end
-"""
-
-
 def wrk_loop(ep: Endpoint, clients: int, duration: float) -> Run:
-    """A closed loop driven by wrk (C, one thread): the Python client tops out near 2,000-3,000
-    requests/s on one core, below what a gateway here can answer. Percentiles are wrk's."""
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "peers.lua").write_text(WRK_SCRIPT)
-    (OUT / "peers-body.json").write_bytes(ep.body)
-    env = {**os.environ, "PEERS_BODY": str(OUT / "peers-body.json"), "PEERS_AUTH": ep.headers.get("authorization", "")}
-    cmd = ["wrk", "-t1", f"-c{clients}", f"-d{max(1, round(duration))}s", "--timeout", f"{TIMEOUT_S:g}s",
-           "-s", str(OUT / "peers.lua"), f"http://{ep.host}:{ep.port}{PATH}"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-    line = next(x for x in out.splitlines() if x.startswith("PEERS "))
-    requests, bad_status, socket_errors, p50_us, p99_us, p999_us, max_us, duration_us = (
-        int(v) for v in line.split()[1:])
-    quantiles = {50: p50_us / 1e6, 99: p99_us / 1e6, 99.9: p999_us / 1e6, 100: max_us / 1e6}
-    return Run([], bad_status + socket_errors, duration_us / 1e6, None, (requests - bad_status, quantiles))
+    """A closed loop driven by wrk (``bench.wrk``); its percentiles, no list of latencies."""
+    ok, errors, elapsed, quantiles = wrk.closed_loop(f"http://{ep.host}:{ep.port}{PATH}", ep.body,
+                                                     ep.headers.get("authorization", ""), clients, duration, TIMEOUT_S)
+    return Run([], errors, elapsed, None, (ok, quantiles))
 
 
 async def quiesce(pid: int | None, limit_s: float = 30.0) -> None:
@@ -339,7 +252,7 @@ async def measure(ep: Endpoint, loads: Sequence[tuple[str, float]], clients: int
 
             lat, errors, elapsed = await open_loop(send, x, duration, seed=int(x))
             await shared.close()
-        elif WRK:
+        elif wrk.INSTALLED:
             run = wrk_loop(ep, int(x), duration)
             run.cpu_s = tree_cpu_s(ep.pid) - cpu0 if ep.pid and cpu0 is not None else None
             runs[load_label(kind, x)] = run
@@ -491,11 +404,15 @@ def report(all_rows: list[Row], gateway_workers: Sequence[int], pin: bool) -> No
 
     names = [tokengate_name(n) for n in gateway_workers]
     pairs = [(n, "litellm") for n in names] + [(n, "tokengate") for n in names if n != "tokengate"]
+    pairs += [("tokengate", BASELINE)]
     ratio_rows = [[f"{a} ÷ {b}", ratio(a, b, "achieved_rps"), ratio(a, b, "gateway_cpu_ms_per_req")]
                   for a, b in pairs]
     ratio_rows = [r for r in ratio_rows if r[1] is not None]
     if ratio_rows:
         table(f"ratios, {closed}: mean (round 1/round 2)", ["ratio", "req/s", "gateway CPU ms/req"], ratio_rows)
+
+
+BASELINE = "tokengate (baseline tree)"
 
 
 def tokengate_name(workers: int) -> str:
@@ -536,6 +453,9 @@ def main() -> None:
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM (and its install)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     parser.add_argument("--json", action="store_true", help="one JSON line per row instead of tables")
+    parser.add_argument("--baseline-tree", help="also run tokengate (one process) from this checkout of another "
+                        "revision, built in place (setup.py build_ext --inplace), to compare before and after "
+                        "in the same run")
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",") if r]
     gateway_workers = [int(n) for n in args.gateway_workers.split(",") if n]
@@ -554,6 +474,8 @@ def main() -> None:
     if litellm is not None:
         targets.append(Target("litellm", "litellm"))
     targets += [Target(tokengate_name(n), "tokengate", n) for n in gateway_workers]
+    if args.baseline_tree:
+        targets.append(Target(BASELINE, "tokengate", 1, str(Path(args.baseline_tree).resolve())))
     loads = [("closed", float(args.clients)), ("sequential", 1.0), *(("open", r) for r in rates)]
 
     results = run_rounds(targets, litellm, pin, loads, args.clients, args.duration)
