@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 
 from common import wire
-from tests.unit.test_deploy import LAUNCHES, k8s_documents, start
+from tests.deploy_launches import LAUNCHES, k8s_documents, start
 
 VERSION = kubernetes_validate.latest_version()  # the newest Kubernetes the installed bundle describes
 KEDA = "keda.sh/v1alpha1"

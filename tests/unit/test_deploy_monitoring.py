@@ -18,7 +18,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import Metrics
-from tests.unit.test_deploy import COMPOSE, DEPLOY, LAUNCHES, OPERATOR_ENV, compose, start
+from tests.deploy_launches import COMPOSE, DEPLOY, LAUNCHES, OPERATOR_ENV, compose, start
 
 SERVICES: dict[str, Any] = compose(OPERATOR_ENV)["services"]
 PROMETHEUS_CONFIG = "/etc/prometheus/prometheus.yml"  # the prom/prometheus image's --config.file
