@@ -8,10 +8,47 @@ APIStatusError, 429 RateLimitError, 503 InternalServerError).
 
 from __future__ import annotations
 
-import orjson
-from starlette.responses import Response
+from typing import Literal
 
-from gateway.http.shapes import ErrorExtra, ErrorResponse, ErrorType
+import orjson
+from pydantic import ConfigDict, with_config
+from starlette.responses import Response
+from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
+
+# -- OpenAI's error object, the shape every error body has (``gateway.api.shapes`` lists it
+# among the response shapes the OpenAPI document publishes)
+
+ErrorType = Literal["invalid_request_error", "server_error", "requests", "tokens"]
+
+
+class ErrorExtra(TypedDict, total=False):
+    """What an error object may add to OpenAI's four fields."""
+
+    budget_wait_s: float
+    estimate_ms: float
+    best_ttft_p99_ms: float
+    best_p99_ms: float
+
+
+@with_config(ConfigDict(extra="forbid"))
+class ErrorObject(ErrorExtra):
+    """OpenAI's error object; ``budget_wait_s`` on a 429 over the token budget, ``estimate_ms``
+    on a 503 whose deadline or SLO cannot be met, and on the latter the best bounds the
+    gateway could promise (``best_ttft_p99_ms``, ``best_p99_ms``)."""
+
+    message: str
+    type: ErrorType
+    param: str | None
+    code: str | None
+
+
+@with_config(ConfigDict(extra="forbid"))
+class ErrorResponse(TypedDict):
+    error: ErrorObject
+
+
+# -- the error tree --------------------------------------------------------------------------
+
 
 
 class GatewayError(Exception):

@@ -109,12 +109,12 @@ async def _run_gateway(
     ``reuse_port``: share the port with other gateway processes (``--workers``)."""
     import uvicorn
 
+    from gateway.api import openai_protocol as oai
     from gateway.cli.shutdown import Drain, QuietServer, expire_after_grace
     from gateway.dispatch.prompts import PromptBuilder
-    from gateway.http import openai_protocol as oai
     from gateway.http.app import create_app
     from gateway.http.protocol import ConnectionLimits, protocol_class
-    from gateway.services import Gateway, redis_client
+    from gateway.http.services import Gateway, redis_client
 
     prompts = PromptBuilder.load(model_dir)
     shipped = model_store.generation_defaults(model_dir)

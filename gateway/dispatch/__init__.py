@@ -1,2 +1,3 @@
-"""One request's way to a worker and back: its life from admission to settlement, the scheduling
-shell around sched_core, the dispatcher's Redis streams, liveness and request records."""
+"""Jobs out to the workers and events back: the scheduling shell around ``sched_core``, the
+dispatcher's Redis streams, the prompts' tokenizing, liveness of gateways and workers, request
+records and what a request consumed."""

@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from gateway.api.openai_protocol import Generation
 from gateway.errors import RETRY_AFTER_S, InvalidRequest, Overloaded, RateLimited
-from gateway.http.openai_protocol import Generation
 from gateway.tenancy.tenants import Tenant
 
 PROMPT_CACHE_ENTRIES = 1024  # tokenized prompts (conversations, completion texts) kept per gateway process

@@ -18,8 +18,9 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.api import openai_protocol as oai
+from gateway.api.shapes import Health, NotReady, Ready
 from gateway.dispatch import records
-from gateway.dispatch.lifecycle import RequestLife
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -30,14 +31,12 @@ from gateway.errors import (
     Unavailable,
     error_response,
 )
-from gateway.http import openai_protocol as oai
-from gateway.http import openapi
+from gateway.http import admin, openapi
+from gateway.http.lifecycle import RequestLife
 from gateway.http.saturation import SATURATED_S
-from gateway.http.shapes import Health, NotReady, Ready
+from gateway.http.services import Gateway
 from gateway.http.web import ORJSONResponse, declared_length, parse_json, read_body
 from gateway.metrics import Metrics
-from gateway.services import Gateway
-from gateway.tenancy import admin
 from gateway.tenancy.auth import AdminGuard
 from gateway.tenancy.tenants import SLO_MS_MIN, Tenant
 

@@ -4,8 +4,8 @@ Built once, when the app is made, from the app's own route table (``documented``
 (method, path) of the routes, the ``/admin`` mount included, must have exactly one entry in
 ``OPERATIONS`` and the other way round, or start-up fails naming the difference, so the
 table and the document cannot drift. Request bodies are the JSON schemas of the pydantic
-models that validate them (``gateway.http.openai_protocol``, ``gateway.tenancy.admin_protocol``);
-response bodies and headers are the shapes the handlers build (``gateway.http.shapes``), and tests check
+models that validate them (``gateway.api.openai_protocol``, ``gateway.tenancy.admin_protocol``);
+response bodies and headers are the shapes the handlers build (``gateway.api.shapes``), and tests check
 real responses against the document (``tests/integration/gateway/test_openapi.py``).
 """
 
@@ -22,8 +22,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 
-from gateway.http import openai_protocol as oai
-from gateway.http.shapes import (
+from gateway.api import openai_protocol as oai
+from gateway.api.shapes import (
     ADMITTED_HEADERS,
     DEADLINE_HEADER,
     DEADLINE_MS_MAX,
@@ -32,8 +32,8 @@ from gateway.http.shapes import (
     RESPONSE_TYPES,
     SLO_HEADERS,
 )
+from gateway.http import admin
 from gateway.settings import GatewaySettings
-from gateway.tenancy import admin
 from gateway.tenancy import admin_protocol as ap
 from gateway.tenancy.tenants import SLO_MS_MIN
 

@@ -12,8 +12,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from gateway.api.openai_protocol import validation_error
 from gateway.errors import InvalidRequest
-from gateway.http.openai_protocol import validation_error
 from gateway.tenancy.tenants import (
     DEFAULT_MAX_QUEUE_DELAY_S,
     NAME_PATTERN,

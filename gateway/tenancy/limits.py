@@ -3,8 +3,8 @@ Pure; every refusal is a 400 naming the field, raised before anything is queued.
 
 from __future__ import annotations
 
+from gateway.api.openai_protocol import Generation
 from gateway.errors import InvalidRequest
-from gateway.http.openai_protocol import Generation
 from gateway.tenancy.tenants import Tenant
 
 

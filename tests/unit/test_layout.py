@@ -1,6 +1,7 @@
 """The house's rules (docs/architecture.md), checked from the source: no import cycle between
 modules (imports inside functions and under ``TYPE_CHECKING`` counted: a cycle is a cycle),
-and each package imports only the packages below it (``common`` none of them)."""
+each package imports only the packages below it (``common`` none of them), and each part of
+the gateway only its own layer and those below."""
 
 from __future__ import annotations
 
@@ -97,6 +98,25 @@ def test_each_package_imports_only_those_below_it() -> None:
     leaks = {f"{m} -> {t}" for m, ts in imports().items() for t in ts
              if t.split(".")[0] != m.split(".")[0] and t.split(".")[0] not in ALLOWED[m.split(".")[0]]}
     assert not leaks, sorted(leaks)
+
+
+#: the gateway's layers, bottom up (docs/architecture.md): its own modules (errors, settings,
+#: metrics, Redis glue), the API's vocabulary, tenancy, dispatch, the HTTP app, the commands
+GATEWAY_LAYERS = ("", "api", "tenancy", "dispatch", "http", "cli")
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    sub = parts[1] if len(parts) > 1 and parts[1] in GATEWAY_LAYERS else ""
+    return GATEWAY_LAYERS.index(sub)
+
+
+def test_each_part_of_the_gateway_imports_only_its_own_layer_and_those_below() -> None:
+    graph = imports()
+    assert {m.split(".")[1] for m in graph if m.count(".") >= 2 and m.startswith("gateway.")} <= set(GATEWAY_LAYERS)
+    up = {f"{m} -> {t}" for m, ts in graph.items() if m.startswith("gateway.") for t in ts
+          if t.startswith("gateway.") and _layer(t) > _layer(m)}
+    assert not up, sorted(up)
 
 
 def test_the_walk_sees_imports_in_functions_and_relative_ones() -> None:

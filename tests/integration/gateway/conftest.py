@@ -15,7 +15,7 @@ import pytest
 
 from gateway.dispatch.prompts import PromptBuilder
 from gateway.http.app import create_app
-from gateway.services import Gateway, redis_client
+from gateway.http.services import Gateway, redis_client
 from gateway.settings import GatewaySettings
 from tests.integration.helpers import running_worker
 from workers.engine import EchoEngine, Engine

@@ -15,9 +15,9 @@ import redis.asyncio as aioredis
 
 from common import protocol as p
 from gateway.cli.embedded_redis import EmbeddedRedis
-from gateway.dispatch.lifecycle import refund_if_admitted
 from gateway.dispatch.prompts import PromptBuilder
 from gateway.dispatch.scheduling import Origin
+from gateway.http.lifecycle import refund_if_admitted
 from gateway.tenancy.limits import RefusalBucket
 from tests.integration.gateway.conftest import Harness, make_harness
 from workers.engine import EchoEngine

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.api.openai_protocol import parse_chat, parse_completion
 from gateway.dispatch.prompts import PREFIX_CHARS_PER_TOKEN, PromptBuilder, PromptTooLong
-from gateway.http.openai_protocol import parse_chat, parse_completion
 
 
 class Spy:

@@ -34,7 +34,7 @@ def test_headers_and_extra_fields_travel() -> None:
 
 def test_worker_and_scheduler_failures_map_to_the_right_status() -> None:
     from common import protocol as p
-    from gateway.dispatch.lifecycle import failure as _failure
+    from gateway.http.lifecycle import failure as _failure
 
     dropped = _failure(p.Failed("r1", "deadline", "queued past its deadline"))
     assert (dropped.status, dropped.code) == (503, "deadline_unmet") and "r1" in dropped.message
@@ -51,7 +51,7 @@ def test_every_429_and_503_says_when_to_retry() -> None:
 
 def test_lost_work_and_shutdown_are_503s_a_client_may_retry() -> None:
     from common import protocol as p
-    from gateway.dispatch.lifecycle import failure
+    from gateway.http.lifecycle import failure
 
     for code in ("lost", "shutdown", "gateway_error", "no_worker"):
         err = failure(p.Failed("r", code, "gone"))

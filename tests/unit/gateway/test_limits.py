@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.api.openai_protocol import parse_chat, parse_completion
 from gateway.errors import InvalidRequest
-from gateway.http.openai_protocol import parse_chat, parse_completion
 from gateway.tenancy.limits import output_tokens
 from gateway.tenancy.tenants import Limits, Tenant
 

@@ -2,8 +2,8 @@ from typing import Any
 
 import pytest
 
+from gateway.api.openai_protocol import SamplingDefaults, chunk_body, completion_body, parse_chat, parse_completion
 from gateway.errors import InvalidRequest
-from gateway.http.openai_protocol import SamplingDefaults, chunk_body, completion_body, parse_chat, parse_completion
 
 MSG = [{"role": "user", "content": "hi"}]
 

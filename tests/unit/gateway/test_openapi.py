@@ -12,9 +12,9 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.routing import Mount, Route
 
+from gateway.api import openai_protocol as oai
 from gateway.errors import InvalidRequest
 from gateway.http import app as gateway_app
-from gateway.http import openai_protocol as oai
 from gateway.http import openapi
 from gateway.settings import GatewaySettings
 from gateway.tenancy import admin_protocol as ap

@@ -16,8 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from common.protocol import TEMPERATURE_MAX, SamplingParams
-from gateway.errors import InvalidRequest
-from gateway.http.shapes import (
+from gateway.api.shapes import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatDelta,
@@ -28,6 +27,7 @@ from gateway.http.shapes import (
     TextCompletionChunk,
     Usage,
 )
+from gateway.errors import InvalidRequest
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_MESSAGES = 4096  # messages per chat request

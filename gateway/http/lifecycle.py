@@ -31,11 +31,14 @@ from redis.exceptions import RedisError
 
 from common import protocol as p
 from common.retry import Retrier
+from gateway.api import openai_protocol as oai
+from gateway.api.shapes import contract_headers
 from gateway.dispatch.dispatcher import BACKOFF, Pending
 from gateway.dispatch.meter import Meter
 from gateway.dispatch.prompts import LARGE_PROMPT_CHARS, PromptBuilder, PromptTooLong
 from gateway.dispatch.scheduling import Origin
 from gateway.errors import (
+    ErrorExtra,
     GatewayError,
     InvalidRequest,
     ModelNotFound,
@@ -46,15 +49,13 @@ from gateway.errors import (
     WorkerFailed,
     error_body,
 )
-from gateway.http import openai_protocol as oai
-from gateway.http.shapes import ErrorExtra, contract_headers
-from gateway.services import CANCEL_DRAIN_S
+from gateway.http.services import CANCEL_DRAIN_S
 from gateway.tenancy import limits
 from gateway.tenancy.budget import Admission
 from sched_core import Reject
 
 if TYPE_CHECKING:
-    from gateway.services import Gateway
+    from gateway.http.services import Gateway
     from gateway.tenancy.auth import Caller
     from gateway.tenancy.tenants import Tenant
 

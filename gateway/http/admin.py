@@ -18,7 +18,7 @@ from gateway.tenancy import usage
 from gateway.tenancy.tenants import to_doc
 
 if TYPE_CHECKING:
-    from gateway.services import Gateway
+    from gateway.http.services import Gateway
 
 _ADMIN_BODY_LIMIT = 64 * 1024
 

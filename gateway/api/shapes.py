@@ -1,6 +1,6 @@
 """What the gateway answers: the response bodies and the headers, declared once.
 
-The handlers build these shapes (``gateway.http.openai_protocol``'s builders are typed with
+The handlers build these shapes (``gateway.api.openai_protocol``'s builders are typed with
 them, so mypy checks every body against its declaration) and the OpenAPI document
 (``gateway.http.openapi``) publishes them; extra keys are forbidden, so a field added to a
 response without its schema also fails the tests that validate real responses against the
@@ -16,6 +16,7 @@ from pydantic import ConfigDict, Field, with_config
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
 from common.protocol import Heartbeat
+from gateway.errors import ErrorResponse
 from sched_core import Contract
 
 NonNegative = Annotated[int, Field(ge=0)]
@@ -28,35 +29,6 @@ _FORBID = ConfigDict(extra="forbid")
 # What the handlers build (``oai.completion_body`` and friends, ``tenants.to_doc``, ...).
 # Extra keys are forbidden, so a field added to a response without its schema fails the
 # tests that validate real responses against this document.
-
-
-ErrorType = Literal["invalid_request_error", "server_error", "requests", "tokens"]
-
-
-class ErrorExtra(TypedDict, total=False):
-    """What an error object may add to OpenAI's four fields."""
-
-    budget_wait_s: float
-    estimate_ms: float
-    best_ttft_p99_ms: float
-    best_p99_ms: float
-
-
-@with_config(_FORBID)
-class ErrorObject(ErrorExtra):
-    """OpenAI's error object; ``budget_wait_s`` on a 429 over the token budget, ``estimate_ms``
-    on a 503 whose deadline or SLO cannot be met, and on the latter the best bounds the
-    gateway could promise (``best_ttft_p99_ms``, ``best_p99_ms``)."""
-
-    message: str
-    type: ErrorType
-    param: str | None
-    code: str | None
-
-
-@with_config(_FORBID)
-class ErrorResponse(TypedDict):
-    error: ErrorObject
 
 
 @with_config(_FORBID)

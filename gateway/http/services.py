@@ -1,7 +1,7 @@
 """The gateway's services, built once per process and shared by every request: Redis, the
 budget, the dispatcher, the tenant store, authentication, metrics, the long-prompt thread,
 background tasks. ``Gateway`` only holds them: ``gateway.http.app`` routes requests to them,
-and ``gateway.dispatch.lifecycle`` drives one request through them (its tokenizing, its
+and ``gateway.http.lifecycle`` drives one request through them (its tokenizing, its
 settlement)."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from gateway.api import openai_protocol as oai
 from gateway.dispatch.dispatcher import Dispatcher
 from gateway.dispatch.prompts import LongPrompts, PromptBuilder
-from gateway.http import openai_protocol as oai
 from gateway.http.saturation import LoopLag
 from gateway.metrics import Metrics
 from gateway.redis_batch import AutoPipeline
