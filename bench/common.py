@@ -164,19 +164,6 @@ def gateway_server(
 
 
 @contextmanager
-def gateway_process(
-    redis_url: str,
-    extra_gateway: Sequence[str] = (),
-    model_dir: str | None = None,
-    backend_procs: Sequence[subprocess.Popen[bytes]] = (),
-    cpus: Sequence[int] = (),
-) -> Iterator[str]:
-    """One gateway process against ``redis_url``, ready (``/readyz``); yields its base URL."""
-    with gateway_server(redis_url, extra_gateway, model_dir, backend_procs, cpus) as (base, _proc):
-        yield base
-
-
-@contextmanager
 def floor_server(cpus: Sequence[int] = ()) -> Iterator[str]:
     """``bench.floor_app`` (a zero-cost OpenAI chat endpoint) on uvicorn+httptools+uvloop,
     answering; yields its base URL."""
@@ -210,7 +197,7 @@ def stack(
     """Redis + N workers + one gateway, as separate processes (each group pinned to its cpus
     if given); yields (base_url, redis_url, API key of a tenant whose budget never binds)."""
     with backend(engine, workers, echo_tokens, slots, model_dir, backend_cpus, extra_worker) as (redis_url, procs):
-        with gateway_process(redis_url, extra_gateway, model_dir, procs, cpus=gateway_cpus) as base:
+        with gateway_server(redis_url, extra_gateway, model_dir, procs, cpus=gateway_cpus) as (base, _proc):
             yield base, redis_url, bench_key(base)
 
 

@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 import orjson
 
-from bench.common import ADMIN_TOKEN, OUT, backend, gateway_process, pct, save_plot, table
+from bench.common import ADMIN_TOKEN, OUT, backend, gateway_server, pct, save_plot, table
 from bench.traffic import (
     BUDGETS,
     DEFAULT_TRACE,
@@ -190,7 +190,7 @@ def main() -> None:
     samples: list[Sample] = []
     with backend("hf", slots=SLOTS, model_dir=model_dir) as (redis_url, procs):
         if not args.overload:
-            with gateway_process(redis_url, flags, model_dir, procs) as base:
+            with gateway_server(redis_url, flags, model_dir, procs) as (base, _proc):
                 keys = make_tenants(base, len(BUDGETS))
                 asyncio.run(warm(base, keys, warmup, args.seed))
                 fig, samples = run(base, keys, f"{args.speed:g}x trace", rows, args.seed)
@@ -203,13 +203,14 @@ def main() -> None:
             if args.busy:
                 summary |= {"busy_within_ttft": runs[1].within_ttft, "busy_within_total": runs[1].within_total}
         else:
-            with gateway_process(redis_url, flags, model_dir, procs) as base:
+            with gateway_server(redis_url, flags, model_dir, procs) as (base, _proc):
                 keys = make_tenants(base, len(BUDGETS))
                 capacity = asyncio.run(closed_loop(base, keys, rows, args.seed, SLOTS))
                 set_slo(base, len(BUDGETS), (args.slo_ttft_ms, args.slo_tpot_ms))
             print(f"measured capacity: {capacity:.2f} requests/s ({SLOTS} requests always outstanding)")
             for load in (1.0, 2.0):
-                with gateway_process(redis_url, flags, model_dir, procs) as base:  # a fresh gateway, warm from Redis
+                # a fresh gateway, warm from Redis
+                with gateway_server(redis_url, flags, model_dir, procs) as (base, _proc):
                     fig, samples = run(base, keys, f"{load:g}x capacity", scaled(rows, load * capacity),
                                        args.seed, slo)
                     runs.append(fig)

@@ -49,7 +49,7 @@ import numpy as np
 import orjson
 import redis
 
-from bench.common import OUT, backend, gateway_process, pct, table
+from bench.common import OUT, backend, gateway_server, pct, table
 from bench.profile import nn_relative_fit
 from bench.traffic import (
     BUDGETS,
@@ -107,7 +107,7 @@ class Live:
     def gateway(self, policy: str) -> Iterator[str]:
         flags = ["--policy", policy, "--slo-ttft-ms", f"{self.slo.ttft_s * 1000:g}",
                  "--slo-tpot-ms", f"{self.slo.tpot_s * 1000:g}", "--aging-tokens", f"{self.aging:g}"]
-        with gateway_process(self.redis_url, flags, self.model_dir, self.procs) as base:
+        with gateway_server(self.redis_url, flags, self.model_dir, self.procs) as (base, _proc):
             if not self.keys:
                 self.keys = make_tenants(base, len(BUDGETS))
             yield base

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -224,19 +224,26 @@ def validation_error(exc: ValidationError) -> InvalidRequest:
     return InvalidRequest(f"Invalid value for '{param}': {msg}" if param else msg, param=param)
 
 
-def parse_chat(body: Any) -> Generation:
+R = TypeVar("R", bound=BaseModel)
+
+
+def _validated(model: type[R], body: Any) -> R:
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     try:
-        req = ChatCompletionRequest.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
-    max_tokens = req.max_completion_tokens or req.max_tokens
+
+
+def _generation(req: ChatCompletionRequest | CompletionRequest, kind: Literal["chat", "completion"],
+                messages: tuple[tuple[str, str], ...], prompt: str | tuple[int, ...],
+                max_tokens: int | None) -> Generation:
     return Generation(
-        kind="chat",
+        kind=kind,
         model=req.model,
-        messages=tuple((m.role, m.text()) for m in req.messages),
-        prompt="",
+        messages=messages,
+        prompt=prompt,
         max_tokens=max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
@@ -249,13 +256,14 @@ def parse_chat(body: Any) -> Generation:
     )
 
 
+def parse_chat(body: Any) -> Generation:
+    req = _validated(ChatCompletionRequest, body)
+    messages = tuple((m.role, m.text()) for m in req.messages)
+    return _generation(req, "chat", messages, "", req.max_completion_tokens or req.max_tokens)
+
+
 def parse_completion(body: Any) -> Generation:
-    if not isinstance(body, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
-    try:
-        req = CompletionRequest.model_validate(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    req = _validated(CompletionRequest, body)
     prompt: str | tuple[int, ...]
     if isinstance(req.prompt, str):
         prompt = req.prompt
@@ -263,21 +271,7 @@ def parse_completion(body: Any) -> Generation:
         prompt = str(req.prompt[0])
     else:
         prompt = tuple(int(t) for t in req.prompt)
-    return Generation(
-        kind="completion",
-        model=req.model,
-        messages=(),
-        prompt=prompt,
-        max_tokens=req.max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        seed=req.seed,
-        stop=req.stops(),
-        ignore_eos=req.ignore_eos,
-        stream=req.stream,
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        user=req.user,
-    )
+    return _generation(req, "completion", (), prompt, req.max_tokens)
 
 
 # -- responses ---------------------------------------------------------------------------
