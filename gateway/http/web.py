@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse
 
 from gateway.errors import ClientGone, InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 
-# The scope extension in which the server (``http_protocol.GuardedProtocol``) puts the event
+# The scope extension in which the server (``gateway.http.protocol.GuardedProtocol``) puts the event
 # loop time by which a request's body must have arrived: ``{"at": loop_time}``.
 BODY_DEADLINE = "tokengate.body_deadline"
 
