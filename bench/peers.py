@@ -142,7 +142,8 @@ def serve(target: Target, zero_base: str, litellm: Path | None, pin: bool) -> It
     else:
         flags = ["--workers", str(target.workers)] if target.workers != 1 else []
         rest = (REST_CORE,) if pin else ()
-        env = {"PYTHONPATH": target.tree} if target.tree else None  # ahead of this checkout's install
+        # that checkout ahead of this one (PYTHONSAFEPATH: the working directory, this checkout, is not)
+        env = {"PYTHONPATH": target.tree, "PYTHONSAFEPATH": "1"} if target.tree else None
         with backend("echo", slots=256, cpus=rest, env=env) as (redis_url, procs):
             with gateway_server(redis_url, flags, None, procs, gateway_cpus if pin else (), env) as (base, proc):
                 key = bench_key(base)
