@@ -227,7 +227,8 @@ def validation_error(exc: ValidationError) -> InvalidRequest:
 R = TypeVar("R", bound=BaseModel)
 
 
-def _validated(model: type[R], body: Any) -> R:
+def validated(model: type[R], body: Any) -> R:
+    """``body`` as ``model`` validates it, or the 400 that names the first field at fault."""
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     try:
@@ -257,13 +258,13 @@ def _generation(req: ChatCompletionRequest | CompletionRequest, kind: Literal["c
 
 
 def parse_chat(body: Any) -> Generation:
-    req = _validated(ChatCompletionRequest, body)
+    req = validated(ChatCompletionRequest, body)
     messages = tuple((m.role, m.text()) for m in req.messages)
     return _generation(req, "chat", messages, "", req.max_completion_tokens or req.max_tokens)
 
 
 def parse_completion(body: Any) -> Generation:
-    req = _validated(CompletionRequest, body)
+    req = validated(CompletionRequest, body)
     prompt: str | tuple[int, ...]
     if isinstance(req.prompt, str):
         prompt = req.prompt

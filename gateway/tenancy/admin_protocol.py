@@ -10,10 +10,9 @@ import time
 from dataclasses import replace
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gateway.api.openai_protocol import validation_error
-from gateway.errors import InvalidRequest
+from gateway.api.openai_protocol import validated
 from gateway.tenancy.tenants import (
     DEFAULT_MAX_QUEUE_DELAY_S,
     NAME_PATTERN,
@@ -132,17 +131,8 @@ class KeyCreate(_Model):
     name: Annotated[str, Field(max_length=128)] = ""
 
 
-def _parse(model: type[_Model], body: Any) -> Any:
-    if not isinstance(body, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-
-
 def parse_create(body: Any, now: float | None = None) -> Tenant:
-    req: TenantCreate = _parse(TenantCreate, body)
+    req: TenantCreate = validated(TenantCreate, body)
     return Tenant(
         id=new_id(),
         name=req.name,
@@ -160,7 +150,7 @@ def parse_create(body: Any, now: float | None = None) -> Tenant:
 
 
 def parse_update(body: Any) -> TenantUpdate:
-    upd: TenantUpdate = _parse(TenantUpdate, body)
+    upd: TenantUpdate = validated(TenantUpdate, body)
     return upd
 
 
@@ -184,5 +174,5 @@ def apply_update(tenant: Tenant, upd: TenantUpdate) -> Tenant:
 
 
 def parse_key_create(body: Any) -> str:
-    req: KeyCreate = _parse(KeyCreate, body)
+    req: KeyCreate = validated(KeyCreate, body)
     return req.name
