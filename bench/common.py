@@ -8,13 +8,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 from rich.console import Console
 from rich.table import Table
 
@@ -353,6 +354,12 @@ def save_plot(fig: Any, name: str, dpi: int = 120) -> Path:
     path = OUT / name
     fig.savefig(path, dpi=dpi)
     return path
+
+
+def json_lines(rows: Iterable[Mapping[str, Any]]) -> None:
+    """A benchmark's ``--json`` output: one JSON object per row, one per line."""
+    for row in rows:
+        print(orjson.dumps(row).decode())
 
 
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:

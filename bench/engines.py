@@ -26,10 +26,9 @@ from __future__ import annotations
 import argparse
 import time
 
-import orjson
 import torch
 
-from bench.common import table
+from bench.common import json_lines, table
 from bench.model import PROMPTS
 from common.protocol import Finished, SamplingParams, SeqJob
 from workers import model_store
@@ -135,8 +134,7 @@ def main_join(args: argparse.Namespace, engine: HFEngine, model: str) -> None:
         trials = [run_join(engine, args.running, args.long_prompt, budget) for _ in range(args.trials)]
         rows.append({"step_tokens": budget, **min(trials, key=lambda r: r["worst_gap_ms"])})
     if args.json:
-        for row in rows:
-            print(orjson.dumps(row).decode())
+        json_lines(rows)
         return
     table(
         f"a {args.long_prompt}-token prompt joining {args.running} running sequences ({model}, this CPU)",
@@ -191,8 +189,7 @@ def main() -> None:
             rows.append({"engine": name, "concurrency": b, "tokens": tokens, "seconds": secs,
                          "tokens_per_s": tps, "vs_b1": tps / base})
     if args.json:
-        for r in rows:
-            print(orjson.dumps(r).decode())
+        json_lines(rows)
         return
     table(
         f"continuous batching on this CPU ({spec.name}, greedy, {args.new_tokens} new tokens, "

@@ -16,9 +16,7 @@ import asyncio
 import time
 from urllib.parse import urlparse
 
-import orjson
-
-from bench.common import RawClient, auth, pct, stack, table
+from bench.common import RawClient, auth, json_lines, pct, stack, table
 from bench.overhead import CHAT
 
 
@@ -54,8 +52,7 @@ def main() -> None:
     rows = [{"policy": p, "requests": len(lat), "p50_ms": pct(lat, 50) * 1e3, "p99_ms": pct(lat, 99) * 1e3,
              "p50_minus_first_ms": (pct(lat, 50) - base_p50) * 1e3} for p, lat in samples.items()]
     if args.json:
-        for r in rows:
-            print(orjson.dumps(r).decode())
+        json_lines(rows)
         return
     table(f"closed loop, concurrency 1, echo engine ({args.rounds} rounds, order reversed each round)",
           ["policy", "requests", "p50 ms", "p99 ms", f"p50 - {policies[0]} ms"],

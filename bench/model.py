@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 import orjson
 
-from bench.common import RawClient, auth, stack, table
+from bench.common import RawClient, auth, json_lines, stack, table
 from common.protocol import Finished, SamplingParams, SeqJob
 from workers import model_store
 from workers.devices import probe
@@ -105,8 +105,7 @@ def main() -> None:
             rows.append({"config": "gateway + 1 cpu worker", "concurrency": c, "tokens": tokens, "seconds": secs,
                          "tokens_per_s": tokens / secs, "vs_one_at_a_time": tokens / secs / base_tps})
     if args.json:
-        for r in rows:
-            print(orjson.dumps(r).decode())
+        json_lines(rows)
         return
     table(
         f"SmolLM2-135M-Instruct on this CPU ({args.requests} chat requests, max_tokens {args.max_tokens}, greedy)",
