@@ -78,26 +78,26 @@ def start(
     return wait_ready(launch(args, tmp, new_session), ready_path, timeout_s)
 
 
-def banner_key(served: Served, timeout_s: float = 10) -> str:
-    """The demo tenant's key as `serve` prints it."""
+def banner_match(served: Served, pattern: str, timeout_s: float = 10) -> re.Match[str]:
+    """``pattern`` (multi-line) in what `serve` printed, once it is there: the banner goes out
+    after /readyz can already answer (a loop polls for the first worker every 0.1 s)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        found = re.search(r"Bearer (tg-[0-9a-f]{8}-[A-Za-z0-9_-]{43})'", served.log.read_text())
+        found = re.search(pattern, served.log.read_text(), re.MULTILINE)
         if found:
-            return found.group(1)
+            return found
         time.sleep(0.1)
-    raise AssertionError(f"no API key in the banner:\n{served.log.read_text()[-4000:]}")
+    raise AssertionError(f"no {pattern!r} in the banner:\n{served.log.read_text()[-4000:]}")
+
+
+def banner_key(served: Served, timeout_s: float = 10) -> str:
+    """The demo tenant's key as `serve` prints it."""
+    return banner_match(served, r"Bearer (tg-[0-9a-f]{8}-[A-Za-z0-9_-]{43})'", timeout_s).group(1)
 
 
 def banner_admin_token(served: Served, timeout_s: float = 10) -> str:
     """The admin token as `serve` prints it."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = re.search(r"^Admin token \(.*?\): (\S+)", served.log.read_text(), re.MULTILINE)
-        if found:
-            return found.group(1)
-        time.sleep(0.1)
-    raise AssertionError(f"no admin token in the banner:\n{served.log.read_text()[-4000:]}")
+    return banner_match(served, r"^Admin token \(.*?\): (\S+)", timeout_s).group(1)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import ADMIN_TOKEN, start
+from tests.e2e.conftest import ADMIN_TOKEN, banner_match, start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -43,8 +43,7 @@ def test_a_worker_measures_itself_and_the_gateway_prices_with_it(tmp_path: Path)
             prof["step_model"]["decode_launch"] + prof["step_model"]["decode_seq"], rel=0.5)
         metrics = httpx.get(served.base_url + "/metrics").text
         assert re.search(r'tokengate_worker_decode_step_seconds\{.*worker="' + re.escape(hb["worker"]), metrics)
-        assert re.search(r"^\s+cpu worker .*: echo on cpu, none .*measured at start \(measured",
-                         served.log.read_text(), re.MULTILINE)
+        banner_match(served, r"^\s+cpu worker .*: echo on cpu, none .*measured at start \(measured")
         conn = ["--url", served.base_url, "--admin-token", ADMIN_TOKEN]
         listed = _cli("workers", "list", *conn)
         assert listed.returncode == 0, listed.stderr
