@@ -38,6 +38,7 @@ def gone_key(reply_stream: str) -> str:
 WORKERS_ZSET = "tg:workers"  # worker id -> last heartbeat (seconds)
 GATEWAYS_ZSET = "tg:gateways"  # gateway id -> last refresh (Redis server time, seconds)
 PROFILES_HASH = "tg:profiles"  # machine fingerprint -> the step-time profile workers measured there (JSON)
+BACKLOG_HASH = "tg:backlog"  # gateway id -> its queued work per pool, JSON (docs/operations.md, "Scaling on backlog")
 
 
 def worker_key(worker_id: str) -> str:

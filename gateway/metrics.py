@@ -42,6 +42,19 @@ class Metrics:
         self.in_flight = Gauge(
             "tokengate_requests_in_flight", "Generation requests awaiting their result", registry=self.registry
         )
+        self.backlog_requests = Gauge(
+            "tokengate_backlog_requests",
+            "Requests queued in this gateway, by the pool each would go to were both pools staffed "
+            "(docs/operations.md, \"Scaling on backlog\")",
+            ["pool"],
+            registry=self.registry,
+        )
+        self.backlog_tokens = Gauge(
+            "tokengate_backlog_tokens",
+            "Tokens (prompt and expected output) of the requests queued in this gateway, by pool",
+            ["pool"],
+            registry=self.registry,
+        )
         self.contract_inside = Counter(
             "tokengate_contract_outcomes",
             "Finished requests with a contract, by path, component (ttft: first token; total: last) and "
@@ -102,6 +115,11 @@ class Metrics:
                 self.worker_profile.labels(*labels).set(float(hb.profile.get("cost_s", 0.0)))
             except (KeyError, TypeError, ValueError):
                 continue
+
+    def observe_backlog(self, backlog: dict[str, tuple[int, int]]) -> None:
+        for pool, (requests, tokens) in backlog.items():
+            self.backlog_requests.labels(pool).set(requests)
+            self.backlog_tokens.labels(pool).set(tokens)
 
     def observe_contract(self, acc: Accuracy | None) -> None:
         """How a finished request's promise fared (None: it had none, or did not finish)."""

@@ -44,6 +44,11 @@ class FifoPolicy:
     def queued(self) -> int:
         return len(self._queue)
 
+    def backlog(self) -> tuple[int, int]:
+        """Queued requests and their tokens (prompt, and expected output or else max_tokens)."""
+        return len(self._queue), sum(r.prompt_tokens + (r.expected_output_tokens or r.max_tokens)
+                                     for r in self._queue)
+
     def arrive(self, req: Request, now: float) -> None:
         self._queue.append(req)
 

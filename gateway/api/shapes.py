@@ -299,6 +299,14 @@ class WorkerList(TypedDict):
     data: list[Heartbeat]
 
 
+@with_config(_FORBID)
+class PoolBacklog(TypedDict):
+    """A pool's queued work (docs/operations.md, "Scaling on backlog")."""
+
+    requests: NonNegative
+    tokens: NonNegative
+
+
 @with_config(ConfigDict(extra="allow"))
 class SchedulerSnapshot(TypedDict):
     """``Dispatcher.snapshot()``: queues per bucket, fitted cost curves, thresholds,
@@ -307,6 +315,7 @@ class SchedulerSnapshot(TypedDict):
     gateway: str
     gateways_sharing_capacity: int
     batches_in_flight: int
+    backlog: dict[str, PoolBacklog]
 
 
 RESPONSE_TYPES: tuple[type[Any], ...] = (

@@ -162,6 +162,7 @@ class Dispatcher:
         with contextlib.suppress(RedisError):
             await self._save_model()
             await self.liveness.leave(self.replies)
+            await self.client.hdel(wire.BACKLOG_HASH, self.settings.gateway_id)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -193,7 +194,12 @@ class Dispatcher:
         snap["gateway"] = self.settings.gateway_id
         snap["gateways_sharing_capacity"] = self.gateways
         snap["batches_in_flight"] = self.shell.leases
+        snap["backlog"] = self.backlog()
         return snap
+
+    def backlog(self) -> dict[str, dict[str, int]]:
+        """This gateway's queued requests and tokens per pool (``SchedulerShell.backlog``)."""
+        return {pool: {"requests": n, "tokens": t} for pool, (n, t) in self.shell.backlog().items()}
 
     def forget(self, rid: str) -> None:
         """The request is over here: stop routing its events; its batch's lease learns it."""
@@ -386,6 +392,8 @@ class Dispatcher:
             swept = await self.liveness.sweep(gateway_id)
             if swept >= 0:
                 log.warning("gateway %s is gone: settled %d of its requests", gateway_id, swept)
+                await self.client.hdel(wire.BACKLOG_HASH, gateway_id)
+        await self._publish_backlog()
         workers = await self.liveness.workers()
         self.workers = workers
         self.gateways = max(1, view.alive)
@@ -393,6 +401,12 @@ class Dispatcher:
         self._wake.set()
         if self._on_workers is not None:
             self._on_workers(workers)
+
+    async def _publish_backlog(self) -> None:
+        """This gateway's queued work per pool into ``wire.BACKLOG_HASH`` (every ``WATCH_S``),
+        for whatever scales the workers on it; the time lets a reader skip a stale entry."""
+        doc = {"at": time.time(), **self.backlog()}
+        await self.batch.call("HSET", wire.BACKLOG_HASH, self.settings.gateway_id, orjson.dumps(doc))
 
     async def _watch_loop(self) -> None:
         retry = Retrier(BACKOFF, self.outage)

@@ -165,6 +165,43 @@ class SchedulerShell:
     def next_tick(self, now: float) -> float:
         return self.driver.next_tick(now)
 
+    def backlog(self) -> dict[str, tuple[int, int]]:
+        """Queued requests and tokens (prompt and expected output) per pool. Each bucket's queue
+        counts for the pool the scheduler would send it to now, and also for the pool it would
+        prefer were both staffed when that pool has no worker: its bucket's crossover B1 at the
+        queue's length (``sched_core.report.thresholds``). So a pool with no worker shows the
+        demand it would take (what scales it up from zero), while the pool that runs the work
+        now shows it too. A baseline counts its queue for the pool it fills first."""
+        policy = self.driver.policy
+        staffed = [pool for pool in POOLS if self.driver.free(pool) + self.driver.running(pool) > 0]
+        out = dict.fromkeys(POOLS, (0, 0))
+
+        def add(pool: str, requests: int, tokens: int) -> None:
+            out[pool] = (out[pool][0] + requests, out[pool][1] + tokens)
+
+        backlog = getattr(policy, "backlog", None)
+        if backlog is not None:  # a baseline: its order of paths, no cost model
+            requests, tokens = backlog()
+            paths: tuple[str, ...] = policy.paths  # type: ignore[attr-defined]
+            now = next((pool for pool in paths if pool in staffed), paths[0])
+            add(now, requests, tokens)
+            if paths[0] != now:
+                add(paths[0], requests, tokens)
+            return out
+        snapshot = getattr(policy, "snapshot", None)
+        for b in snapshot()["buckets"] if snapshot is not None else ():
+            n = b["queued"]
+            if not n:
+                continue
+            tokens = int(b["tokens"] + n * b["mean_output"])
+            b1 = b["b1"]  # None: the cpu line never crosses the gpu line
+            preferred = "cpu" if b1 is None or n < b1 else "gpu"
+            now = preferred if preferred in staffed or not staffed else staffed[0]
+            add(now, n, tokens)
+            if now != preferred:
+                add(preferred, n, tokens)
+        return out
+
     def arrive(self, seq: p.SeqJob, who: Origin, now: float) -> Contract | Reject | None:
         req = Request(
             id=seq.rid,

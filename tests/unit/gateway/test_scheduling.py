@@ -259,3 +259,39 @@ def test_baseline_policies_take_no_prior() -> None:
     shell = _shell(policy="fcfs")
     shell.capacity({"a": _profiled("a", 8, 1e-3, "fa")}, gateways=1, now=1.0)
     assert shell.snapshot()["priors"]["cpu"] == "packaged profile"  # type: ignore[index]
+
+
+def test_the_backlog_counts_queued_work_for_the_pool_it_would_go_to() -> None:
+    """Queued (not yet ticked) work counts for the cpu pool that would run it now, and, by the
+    cost lines' crossover, for the gpu pool that has no worker: the demand that scales it up
+    from zero. With no worker at all it counts where the scheduler would prefer it. Dispatched
+    work is no longer backlog."""
+    shell = SchedulerShell("gw1", "tg:replies:gw1")
+    shell.capacity({}, gateways=1, now=0.0)
+    assert shell.backlog() == {"cpu": (0, 0), "gpu": (0, 0)}
+    for i in range(64):
+        shell.arrive(_seq(f"long{i}", n=3000, max_tokens=64), WHO, now=0.0)
+    backlog = shell.backlog()
+    assert backlog["cpu"] == (0, 0) and backlog["gpu"][0] == 64 and backlog["gpu"][1] >= 64 * 3000
+    shell.capacity({"w": _hb("w", "cpu", 128)}, gateways=1, now=0.0)
+    assert shell.backlog() == {"cpu": backlog["gpu"], "gpu": backlog["gpu"]}
+    shell.capacity({"w": _hb("w", "cpu", 128), "g": _hb("g", "gpu", 8)}, gateways=1, now=0.0)
+    assert shell.backlog() == {"cpu": (0, 0), "gpu": backlog["gpu"]}  # the gpu pool, staffed, takes it
+    t = 0.0
+    for _ in range(10_000):  # each dispatched request finishes at once: the queue drains
+        if not len(shell):
+            break
+        t += 0.05
+        for send in shell.tick(t)[0]:
+            for s in send.job.seqs:
+                shell.finished(s.rid, 64, t)
+    assert shell.backlog() == {"cpu": (0, 0), "gpu": (0, 0)}
+
+
+def test_a_baseline_counts_its_queue_for_the_pool_it_fills_first() -> None:
+    shell = SchedulerShell("gw1", "tg:replies:gw1", policy="fcfs")
+    shell.capacity({"w": _hb("w", "cpu", 1)}, gateways=1, now=0.0)
+    for i in range(3):
+        shell.arrive(_seq(f"r{i}", n=10, max_tokens=5), WHO, now=0.0)
+    # fcfs fills gpu first: with no gpu worker the queue goes to cpu, and is gpu demand too
+    assert shell.backlog() == {"cpu": (3, 45), "gpu": (3, 45)}
