@@ -9,10 +9,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import kubernetes_validate
+import promql_parser
 import pytest
 
 from common import wire
 from tests.deploy_launches import LAUNCHES, k8s_documents, start
+from tests.unit.test_deploy_monitoring import exported_series
 
 VERSION = kubernetes_validate.latest_version()  # the newest Kubernetes the installed bundle describes
 KEDA = "keda.sh/v1alpha1"
@@ -89,7 +91,7 @@ def _scaled_objects() -> list[tuple[Path, dict[str, Any]]]:
 @pytest.mark.parametrize("document", _scaled_objects(), ids=_id)
 def test_keda_watches_the_stream_its_target_reads(document: tuple[Path, dict[str, Any]]) -> None:
     """The trigger names the pool's jobs stream and the workers' group on the Redis the target's
-    workers use; a pool that may scale to zero must scale on lag (only that can wake it up)."""
+    workers use."""
     _, doc = document
     namespace, name = _names(doc)
     workload = ("Deployment", namespace, doc["spec"]["scaleTargetRef"]["name"])
@@ -107,5 +109,31 @@ def test_keda_watches_the_stream_its_target_reads(document: tuple[Path, dict[str
         address = metadata.get("address") or f"{metadata.get('host')}:{metadata.get('port', '6379')}"
         assert address == f"{redis.hostname}:{redis.port or 6379}", f"{name}: not the workers' Redis {redis.netloc}"
         assert metadata.get("databaseIndex", "0") == (redis.path.strip("/") or "0"), f"{name}: another database"
-        if doc["spec"].get("minReplicaCount", 0) == 0:
-            assert "lagCount" in metadata, f"{name}: scales to zero, so it must scale on lagCount"
+
+
+
+@pytest.mark.parametrize("document", _scaled_objects(), ids=_id)
+def test_keda_scales_each_pool_on_its_backlog(document: tuple[Path, dict[str, Any]]) -> None:
+    """A Prometheus trigger sums the gateways' exported backlog of the target's pool (the queue
+    lives in the gateways, so the stream's lag alone stays near zero); a pool that may scale to
+    zero wakes on any of it (a pool with no worker still shows the work it would take)."""
+    _, doc = document
+    namespace, name = _names(doc)
+    workload = ("Deployment", namespace, doc["spec"]["scaleTargetRef"]["name"])
+    (pool,) = {started.worker.pool for launch in LAUNCHES if launch.workload == workload
+               if (started := start(launch)).worker is not None}
+    exported = exported_series()
+    triggers = [t["metadata"] for t in doc["spec"]["triggers"] if t["type"] == "prometheus"]
+    assert len(triggers) == 1, f"{name}: one prometheus trigger on the backlog"
+    metadata = triggers[0]
+    query = promql_parser.parse(metadata["query"])
+    selectors: list[promql_parser.VectorSelector] = []
+    promql_parser.walk(query, lambda node: selectors.append(node)
+                       if isinstance(node, promql_parser.VectorSelector) else None)
+    assert [s.name for s in selectors] == ["tokengate_backlog_tokens"], f"{name}: {metadata['query']}"
+    assert selectors[0].name in exported
+    pools = [m.value for m in selectors[0].matchers.matchers if m.name == "pool"]
+    assert pools == [pool], f"{name}: the query reads pool {pools}, its workers serve {pool}"
+    assert float(metadata["threshold"]) > 0 and metadata["serverAddress"].startswith("http")
+    if doc["spec"].get("minReplicaCount", 0) == 0:
+        assert float(metadata.get("activationThreshold", "1")) == 0.0, f"{name}: must wake on any backlog"
