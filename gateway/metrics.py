@@ -116,10 +116,10 @@ class Metrics:
             except (KeyError, TypeError, ValueError):
                 continue
 
-    def observe_backlog(self, backlog: dict[str, tuple[int, int]]) -> None:
-        for pool, (requests, tokens) in backlog.items():
-            self.backlog_requests.labels(pool).set(requests)
-            self.backlog_tokens.labels(pool).set(tokens)
+    def observe_backlog(self, backlog: dict[str, dict[str, int]]) -> None:
+        for pool, queued in backlog.items():
+            self.backlog_requests.labels(pool).set(queued["requests"])
+            self.backlog_tokens.labels(pool).set(queued["tokens"])
 
     def observe_contract(self, acc: Accuracy | None) -> None:
         """How a finished request's promise fared (None: it had none, or did not finish)."""

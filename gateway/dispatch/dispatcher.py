@@ -162,7 +162,6 @@ class Dispatcher:
         with contextlib.suppress(RedisError):
             await self._save_model()
             await self.liveness.leave(self.replies)
-            await self.client.hdel(wire.BACKLOG_HASH, self.settings.gateway_id)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -392,7 +391,6 @@ class Dispatcher:
             swept = await self.liveness.sweep(gateway_id)
             if swept >= 0:
                 log.warning("gateway %s is gone: settled %d of its requests", gateway_id, swept)
-                await self.client.hdel(wire.BACKLOG_HASH, gateway_id)
         await self._publish_backlog()
         workers = await self.liveness.workers()
         self.workers = workers

@@ -4,7 +4,8 @@ Every gateway renews its entry in ``wire.GATEWAYS_ZSET`` (score: Redis's clock) 
 ``WATCH_S``; an entry ``gateway_dead_after_s`` old belongs to a dead gateway. The first
 survivor to notice sweeps it (``gateway.tenancy.budget.SWEEP``, atomic, so sweeping twice does
 nothing): its unsettled requests are refunded and marked ``abandoned``, its reply stream
-is deleted, and a marker tells workers to drop the jobs still queued for it. A gateway
+and its backlog entry are deleted, and a marker tells workers to drop the jobs still queued
+for it. A gateway that exits cleanly sweeps itself. A gateway
 that finds its own entry gone (Redis restarted without its data, or a peer swept it
 after a long stall) knows its dispatched batches are lost.
 
@@ -89,6 +90,7 @@ class Liveness:
                     wire.gateway_requests(gateway_id),
                     wire.replies_stream(gateway_id),
                     wire.gone_key(wire.replies_stream(gateway_id)),
+                    wire.BACKLOG_HASH,
                 ],
                 args=[gateway_id, "-1e308" if force else repr(self.dead_after_s), GONE_TTL_S,
                       "" if now is None else repr(now)],

@@ -44,8 +44,6 @@ class Send:
     batch: int  # the scheduler's batch id
 
 
-
-
 def scheduler_config(priors_path: str | None, **fields: Any) -> SchedulerConfig:
     """The scheduler's config: the given fields (the SLO it schedules for, its aging rate;
     left out, the defaults), with per-path step-time priors from a JSON file if one is given.

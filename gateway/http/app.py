@@ -285,7 +285,7 @@ async def readyz(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    gw.metrics.observe_backlog(gw.dispatcher.shell.backlog())
+    gw.metrics.observe_backlog(gw.dispatcher.backlog())
     return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

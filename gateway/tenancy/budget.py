@@ -129,9 +129,9 @@ return 1
 
 # A dead gateway's requests: each is settled as ``abandoned`` and refunded its whole
 # reservation at the rate it was admitted with (exactly undoing the admission); then its
-# reply stream goes, and a marker tells workers to drop the jobs still queued for it.
-# Does nothing (-1) unless the gateway's last refresh is ``dead after`` seconds old.
-# KEYS: gateways zset, the gateway's requests, its reply stream, its gone marker
+# reply stream and its backlog entry go, and a marker tells workers to drop the jobs still
+# queued for it. Does nothing (-1) unless the gateway's last refresh is ``dead after`` seconds old.
+# KEYS: gateways zset, the gateway's requests, its reply stream, its gone marker, the backlog hash
 # ARGV: gateway id, dead after s, gone marker ttl s, now ('' for Redis TIME)
 SWEEP = (
     CLOCK
@@ -150,6 +150,7 @@ for i = 1, #entries, 2 do
   end
 end
 redis.call('DEL', KEYS[2], KEYS[3])
+redis.call('HDEL', KEYS[5], ARGV[1])
 redis.call('SET', KEYS[4], 1, 'EX', ARGV[3])
 redis.call('ZREM', KEYS[1], ARGV[1])
 return n
