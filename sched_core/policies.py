@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from common.pools import POOLS
+from sched_core import IMPLEMENTATIONS
 from sched_core.driver import TICK_S, Policy
 from sched_core.reference import RateMeter
 from sched_core.types import BatchTimings, Dispatch, Reject, Request, SchedulerConfig
@@ -259,9 +260,7 @@ def make_policy(spec: str, config: SchedulerConfig, *, max_batch: Mapping[str, i
         paths = tuple(knobs.pop("paths", "+".join(BOTH)).split("+"))
         if not paths or any(p not in POOLS for p in paths):
             raise ValueError(paths)
-        if name == "tokengate" and not knobs and not args:
-            from sched_core import IMPLEMENTATIONS  # the package imports this module's neighbours first
-
+        if name == "tokengate" and not args:
             return IMPLEMENTATIONS[implementation](config)
         if name in ("fcfs", "gpu-only") and not knobs:
             return FifoPolicy(max_batch, ("gpu",) if name == "gpu-only" else paths)
