@@ -26,6 +26,12 @@ def replies_stream(gateway_id: str) -> str:
 
 REPLIES_TTL_MS = 60_000  # every write renews it: a dead gateway's reply stream expires
 
+# -- the one scheduler (gateway.dispatch.election) ------------------------------------------
+
+SCHEDULER_LEASE = "tg:scheduler"  # the id of the gateway that schedules for all, with a TTL
+ARRIVALS_STREAM = "tg:arrivals"  # what other gateways send the scheduler: admissions and their ends
+ARRIVALS_GROUP = "scheduler"  # its consumer group: an admission stays pending until dispatched or refused
+
 
 def gone_key(reply_stream: str) -> str:
     """Set (with a TTL) once a dead gateway's requests were settled by a survivor: workers

@@ -315,6 +315,10 @@ class Driver:
         """The batches whose lease ran out."""
         return [b for b, batch in self._open.items() if batch.expires <= now]
 
+    def batch_of(self, request_id: str) -> int | None:
+        """The open batch a dispatched request runs in (None: not dispatched, or its batch ended)."""
+        return self._batch_of.get(request_id)
+
     def open_batches(self) -> list[int]:
         return list(self._open)
 

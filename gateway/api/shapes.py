@@ -313,7 +313,8 @@ class SchedulerSnapshot(TypedDict):
     per-tenant counters (docs/scheduling.md); its inner shape belongs to ``sched_core``."""
 
     gateway: str
-    gateways_sharing_capacity: int
+    role: Literal["scheduler", "follower"]  # a follower forwards its requests to the scheduler
+    gateways: int  # live gateway processes
     batches_in_flight: int
     backlog: dict[str, PoolBacklog]
 

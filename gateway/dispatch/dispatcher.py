@@ -25,16 +25,18 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from common import protocol as p
 from common import wire
 from common.retry import Outage, Retrier, backoff_policy
+from gateway.dispatch import election
 from gateway.dispatch.liveness import Liveness
 from gateway.dispatch.scheduling import Origin, SchedulerShell, Send
 from gateway.redis_batch import AutoPipeline
@@ -50,6 +52,8 @@ MODEL_SAVE_S = 10.0  # how often the fitted model and calibration are saved for 
 TELEMETRY_BACKLOG = 16  # telemetry entries a starting gateway observes (the workers' warm-ups)
 READ_BLOCK_MS = 1000  # the reply loop's blocking read returns at least this often
 BACKOFF = backoff_policy(base_s=0.05, cap_s=2.0)  # after the n-th Redis failure in a row of one loop
+DECIDE_S = 5.0  # a follower waits this long for the scheduler's decision (a failover takes ~1 s)
+RECLAIM_S = 1.0  # the scheduler takes over arrivals left pending this long by another consumer
 
 
 @dataclass(slots=True)
@@ -76,10 +80,16 @@ class Dispatcher:
         # the blocking read of replies and telemetry has a connection of its own
         self._reads = AutoPipeline(client, timeout_s=settings.redis_timeout_s + READ_BLOCK_MS / 1000)
         self.replies = wire.replies_stream(settings.gateway_id)
-        self.shell = SchedulerShell(
-            settings.gateway_id, self.replies, config, settings.handoff_min_prompt,
-            lease_s=settings.request_timeout_s + 30.0, policy=settings.policy,
-        )
+        self._config = config
+        self.shell = self._new_shell()
+        # one gateway schedules for all (``election``): this one, or the one it forwards to
+        self.leader = False
+        self._leading = asyncio.Event()
+        self._hold = client.register_script(election.HOLD)
+        self._release = client.register_script(election.RELEASE)
+        self._arrivals = AutoPipeline(client, timeout_s=settings.redis_timeout_s + READ_BLOCK_MS / 1000)
+        self._decisions: dict[str, asyncio.Future[Contract | Reject | None]] = {}  # forwarded, undecided
+        self._remote: set[str] = set()  # requests this gateway forwarded, until they end here
         self.liveness = Liveness(client, settings)
         self.pending: dict[str, Pending] = {}
         self.workers: dict[str, p.Heartbeat] = {}
@@ -95,16 +105,24 @@ class Dispatcher:
 
     # -- lifecycle ------------------------------------------------------------------------
 
+    def _new_shell(self) -> SchedulerShell:
+        s = self.settings
+        return SchedulerShell(s.gateway_id, self.replies, self._config, s.handoff_min_prompt,
+                              lease_s=s.request_timeout_s + 30.0, policy=s.policy)
+
     async def start(self) -> None:
         try:
             await self._load_model()
             await self.refresh_workers()
+            await self._elect()
         except RedisError as exc:  # not ready until Redis answers; the watch loop retries
             log.warning("Redis is not reachable at start-up: %s", exc)
         self._tasks = [
             asyncio.create_task(self._supervised("send", self._send_loop), name="send"),
             asyncio.create_task(self._supervised("replies", self._reply_loop), name="replies"),
             asyncio.create_task(self._supervised("workers", self._watch_loop), name="workers"),
+            asyncio.create_task(self._supervised("election", self._election_loop), name="election"),
+            asyncio.create_task(self._supervised("arrivals", self._arrivals_loop), name="arrivals"),
         ]
 
     async def _load_model(self) -> None:
@@ -159,7 +177,10 @@ class Dispatcher:
                 log.error("the %s loop did not stop within 5 s", task.get_name())
         self.fail_all("shutdown", "The gateway is shutting down; retry on another replica.")
         await self._reads.close()
+        await self._arrivals.close()
         with contextlib.suppress(RedisError):
+            if self.leader:  # the next scheduler takes over now, not a lease later
+                await self._release(keys=[wire.SCHEDULER_LEASE], args=[self.settings.gateway_id])
             await self._save_model()
             await self.liveness.leave(self.replies)
 
@@ -173,16 +194,42 @@ class Dispatcher:
         """Why the workers that are alive but take no job say they are down."""
         return sorted({hb.down for hb in self.workers.values() if hb.down})
 
-    def submit(self, seq: p.SeqJob, who: Origin) -> Pending | Reject:
+    async def submit(self, seq: p.SeqJob, who: Origin) -> Pending | Reject:
         """Hand a request to the scheduler: its contract (and a place to wait for its
-        events), or the rejection to answer at once."""
+        events), or the rejection to answer at once. The scheduler is this gateway's own
+        core, or the elected one's, through ``wire.ARRIVALS_STREAM`` (``election``)."""
         now = time.monotonic()
-        decision = self.shell.arrive(seq, who, now)
-        if isinstance(decision, Reject):
-            return decision
-        pending = Pending(seq, now, decision)
-        self.pending[seq.rid] = pending
-        self._wake.set()
+        if self.leader:
+            decision = self.shell.arrive(seq, who, now)
+            if isinstance(decision, Reject):
+                return decision
+            pending = Pending(seq, now, decision)
+            self.pending[seq.rid] = pending
+            self._wake.set()
+            return pending
+        pending = Pending(seq, now, None)
+        self.pending[seq.rid] = pending  # the workers' events may come before the decision: both wait here
+        decided = self._decisions[seq.rid] = asyncio.get_running_loop().create_future()
+        self._remote.add(seq.rid)
+        try:
+            await self.batch.call("XADD", wire.ARRIVALS_STREAM, "*",
+                                  *_flat(election.encode_arrival(seq, who, self.replies)))
+            async with asyncio.timeout(DECIDE_S):
+                remote = await decided
+        except TimeoutError:
+            self.cancel(seq.rid)  # should a scheduler take it up later, it never runs
+            self.forget(seq.rid)
+            return Reject(seq.rid, "no_scheduler", f"no scheduler answered within {DECIDE_S:g} s", 1.0, 0.0)
+        except BaseException:
+            self.cancel(seq.rid)
+            self.forget(seq.rid)
+            raise
+        finally:
+            self._decisions.pop(seq.rid, None)
+        if isinstance(remote, Reject):
+            self.forget(seq.rid)
+            return remote
+        pending.contract = remote
         return pending
 
     def explain(self, rid: str) -> dict[str, object] | None:
@@ -191,7 +238,8 @@ class Dispatcher:
     def snapshot(self) -> dict[str, object]:
         snap = self.shell.snapshot()
         snap["gateway"] = self.settings.gateway_id
-        snap["gateways_sharing_capacity"] = self.gateways
+        snap["role"] = "scheduler" if self.leader else "follower"  # a follower's queue is the scheduler's
+        snap["gateways"] = self.gateways
         snap["batches_in_flight"] = self.shell.leases
         snap["backlog"] = self.backlog()
         return snap
@@ -203,16 +251,39 @@ class Dispatcher:
     def forget(self, rid: str) -> None:
         """The request is over here: stop routing its events; its batch's lease learns it."""
         self.pending.pop(rid, None)
+        self._remote.discard(rid)
         self.shell.request_ended(rid, time.monotonic())
 
     def first_token(self, rid: str, ttft_s: float) -> None:
         """A streamed request's first token came ``ttft_s`` after it arrived."""
-        self.shell.driver.first_token(rid, ttft_s, time.monotonic())
+        if rid in self._remote:
+            self._note("first", rid, ttft_s=ttft_s)
+        else:
+            self.shell.driver.first_token(rid, ttft_s, time.monotonic())
 
     def outcome(self, rid: str, ttft_s: float | None, total_s: float | None, tokens: int) -> Accuracy | None:
         """What the request took (seconds from arrival; None: not seen): it calibrates the
-        contracts; how its promise fared."""
+        contracts (the scheduler's, for a forwarded request); how its promise fared (None
+        for a forwarded one: the scheduler keeps the calibration)."""
+        if rid in self._remote:
+            self._note("end", rid, ttft_s=ttft_s, total_s=total_s, tokens=tokens)
+            return None
         return self.shell.outcome(rid, ttft_s, total_s, tokens, time.monotonic())
+
+    def _note(self, kind: str, rid: str, **values: float | int | None) -> None:
+        """Tell the scheduler about a request this gateway forwarded (``election.encode_note``)."""
+        self._spawn(self._xadd_arrivals(election.encode_note(kind, rid, **values)))
+
+    async def _xadd_arrivals(self, fields: dict[bytes, bytes]) -> None:
+        try:
+            await self.batch.call("XADD", wire.ARRIVALS_STREAM, "*", *_flat(fields))
+        except RedisError as exc:  # the scheduler learns the slot back from the batch's report
+            log.warning("could not tell the scheduler: %s", exc)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def fail_all(self, code: str, message: str) -> None:
         """End every waiting request with an error event (shutdown, a lost loop)."""
@@ -224,12 +295,12 @@ class Dispatcher:
         dispatched. Otherwise its worker is told (a TTL'd key for workers that have not
         read it yet, a pub/sub message for the one running it) and stops it within one
         decode step; its final event still arrives here. Harmless if repeated."""
-        if self.shell.cancel(rid, time.monotonic()):
+        if rid in self._remote:  # the scheduler drops it if still queued, and says so with a final event
+            self._note("cancel", rid)
+        elif self.shell.cancel(rid, time.monotonic()):
             self.pending.pop(rid, None)
             return True
-        task = asyncio.get_running_loop().create_task(self._send_cancel(rid))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._spawn(self._send_cancel(rid))
         return False
 
     async def _send_cancel(self, rid: str) -> None:
@@ -257,16 +328,46 @@ class Dispatcher:
             self._wake.clear()
             sends, rejects = self.shell.tick(time.monotonic())
             for r in rejects:
-                self._route_event(p.Failed(r.request_id, r.reason, r.message))
+                self._refuse_queued(r.request_id, r.reason, r.message)
             if sends:
                 await self._send(sends)
+
+    def _refuse_queued(self, rid: str, code: str, message: str) -> None:
+        """A queued request will not run: its final event, here or at the gateway that forwarded it."""
+        origin = self.shell.take_origin(rid)
+        if origin is None:
+            self._route_event(p.Failed(rid, code, message))
+            return
+        reply_to, entry = origin
+        events = p.encode_events([p.Failed(rid, code, message)])["m"]
+        self._spawn(self._settle_quietly([(reply_to, b"m", events)], [entry]))
+
+    async def _settle_arrivals(self, writes: list[tuple[str, bytes, bytes]], entries: list[str]) -> bool:
+        """Write ``(stream, field, payload)`` entries and acknowledge the arrival ``entries``
+        they answer, in one script fenced by the lease (``election.DISPATCH``); False, and
+        this gateway steps down, if it no longer schedules."""
+        keys = [wire.SCHEDULER_LEASE, wire.ARRIVALS_STREAM, *(w[0] for w in writes)]
+        args: list[bytes | str | int] = [self.settings.gateway_id, wire.ARRIVALS_GROUP, p.VERSION, len(writes)]
+        for _stream, name, payload in writes:
+            args += [name, payload]
+        done = await self.batch.call("EVAL", election.DISPATCH, len(keys), *keys, *args, *entries)
+        if done == -1:
+            self._step_down("another gateway schedules now")
+            return False
+        return True
+
+    async def _settle_quietly(self, writes: list[tuple[str, bytes, bytes]], entries: list[str]) -> None:
+        try:
+            await self._settle_arrivals(writes, entries)
+        except RedisError as exc:  # not acknowledged: taken up again after RECLAIM_S, and decided anew
+            log.warning("could not answer %d forwarded requests: %s", len(entries), exc)
 
     async def _send(self, sends: list[Send]) -> None:
         """XADD the batches, in the same round trip as whatever else this loop turn sends
         (``AutoPipeline``). A batch that cannot be encoded or queued fails its requests with
         a clear error and gives its slots back at once."""
         queued: list[Send] = []
-        replies: list[asyncio.Future[object]] = []
+        replies: list[Awaitable[object]] = []
         for send in sends:
             try:
                 fields = p.encode_job(send.job)
@@ -274,8 +375,11 @@ class Dispatcher:
                 log.error("batch %s cannot be encoded: %r", send.job.batch_id, exc)
                 self._lost(send, "unencodable", f"The request could not be queued: {exc}")
                 continue
-            replies.append(self.batch.call("XADD", wire.jobs_stream(send.pool), "*",
-                                           *(x for item in fields.items() for x in item)))
+            stream = wire.jobs_stream(send.pool)
+            if send.acks:  # forwarded requests: the job and their arrivals' ack in one fenced script
+                replies.append(self._settle_arrivals([(stream, b"m", fields["m"])], list(send.acks)))
+            else:
+                replies.append(self.batch.call("XADD", stream, "*", *_flat(fields)))
             queued.append(send)
         if not queued:
             return
@@ -284,6 +388,8 @@ class Dispatcher:
             if isinstance(result, Exception):
                 log.warning("queueing batch %s failed: %s", send.job.batch_id, result)
                 self._lost(send, "redis", f"Could not queue the request: {result}")
+            elif result is False:  # not sent: the next scheduler takes its forwarded requests up
+                self._lost(send, "gateway_error", "The gateway stopped scheduling; retry the request.")
 
     def _lost(self, send: Send, code: str, message: str) -> None:
         self.shell.abort(send.batch, time.monotonic())
@@ -348,11 +454,41 @@ class Dispatcher:
             log.warning("dropping unreadable worker telemetry: %s", exc)
 
     def _route(self, fields: dict[bytes, bytes]) -> None:
+        if election.DECISION in fields:
+            self._decided(fields[election.DECISION])
+            return
         try:
             events = p.decode_events(fields)
         except p.ProtocolError as exc:
             log.error("dropping unreadable reply: %s", exc)
             return
+        if not self.leader:  # what the scheduler must learn: slots back, batches ended
+            mine = f"{self.settings.gateway_id}:"
+            news: list[p.Event] = [
+                ev for ev in events
+                if (isinstance(ev, p.BatchReport) and not ev.batch_id.startswith(mine))
+                or (isinstance(ev, p.Finished | p.Failed) and ev.rid in self._remote)
+            ]
+            if news:
+                self._spawn(self._xadd_arrivals(election.encode_events(news)))
+        self._handle(events)
+
+    def _decided(self, raw: bytes) -> None:
+        """The scheduler's answer to a forwarded request. A second answer (a new scheduler
+        took the request up again) counts only if it refuses what was promised: the request
+        then ends with that refusal."""
+        try:
+            rid, decision = election.decode_decision(raw)
+        except p.ProtocolError as exc:
+            log.error("dropping an unreadable decision: %s", exc)
+            return
+        waiting = self._decisions.pop(rid, None)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(decision)
+        elif isinstance(decision, Reject):
+            self._route_event(p.Failed(rid, decision.reason, decision.message))
+
+    def _handle(self, events: list[p.Event]) -> None:
         for ev in events:
             try:
                 if isinstance(ev, p.BatchReport):
@@ -391,11 +527,15 @@ class Dispatcher:
             swept = await self.liveness.sweep(gateway_id)
             if swept >= 0:
                 log.warning("gateway %s is gone: settled %d of its requests", gateway_id, swept)
+            if self.leader:  # its queued requests leave the queue, the jobs sent to it their slots
+                dropped = self.shell.origin_gone(wire.replies_stream(gateway_id), time.monotonic())
+                if dropped:
+                    await self.client.xack(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, *dropped)
         await self._publish_backlog()
         workers = await self.liveness.workers()
         self.workers = workers
         self.gateways = max(1, view.alive)
-        self.shell.capacity(workers, self.gateways, time.monotonic())
+        self.shell.capacity(workers, time.monotonic())
         self._wake.set()
         if self._on_workers is not None:
             self._on_workers(workers)
@@ -405,6 +545,165 @@ class Dispatcher:
         for whatever scales the workers on it; the time lets a reader skip a stale entry."""
         doc = {"at": time.time(), **self.backlog()}
         await self.batch.call("HSET", wire.BACKLOG_HASH, self.settings.gateway_id, orjson.dumps(doc))
+
+    # -- the one scheduler (``election``) ---------------------------------------------------
+
+    async def _elect(self) -> None:
+        """Hold the lease, or seek it: this gateway takes over scheduling when it gets it,
+        and steps down when another holds it."""
+        held = await self._hold(keys=[wire.SCHEDULER_LEASE], args=[self.settings.gateway_id, election.LEASE_MS])
+        if held and not self.leader:
+            await self._take_over()
+        elif not held and self.leader:
+            self._step_down("another gateway holds the scheduling lease")
+
+    async def _take_over(self) -> None:
+        """Schedule for every gateway from now on: the workers' running sequences are the
+        previous scheduler's until they end, and the arrivals it left are taken up."""
+        with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists
+            await self.client.xgroup_create(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, id="$", mkstream=True)
+        self.workers = await self.liveness.workers()
+        self.shell.take_over(self.workers)
+        self.shell.capacity(self.workers, time.monotonic())
+        self.leader = True
+        self._leading.set()
+        log.info("this gateway schedules for all gateways now")
+        await self._reclaim(0)
+        self._wake.set()
+
+    def _step_down(self, why: str) -> None:
+        """Another gateway schedules now. This one's queued requests go: its own clients'
+        fail (retry), the forwarded ones stay pending for the new scheduler; what was
+        dispatched runs on, its events still come here."""
+        if not self.leader:
+            return
+        log.warning("this gateway stops scheduling: %s", why)
+        self.leader = False
+        self._leading.clear()
+        state = self.shell.model_state()
+        for rid in self.shell.queued_ids():
+            if self.shell.take_origin(rid) is None:
+                self._route_event(p.Failed(rid, "gateway_error", "The gateway stopped scheduling; retry the request."))
+        self.shell = self._new_shell()
+        if state is not None:
+            self.shell.load_model_state(state)
+
+    async def _reclaim(self, idle_ms: int) -> None:
+        """Take up the arrivals pending ``idle_ms`` or longer with any consumer (a previous
+        scheduler's; this one's own queued ones come back too, and are recognised)."""
+        cursor = "0-0"
+        while True:
+            cursor_raw, entries, *_ = await self.client.xautoclaim(
+                wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, self.settings.gateway_id, idle_ms, cursor, count=1000
+            )
+            self._take_arrivals(entries)
+            cursor = wire.text(cursor_raw)
+            if cursor == "0-0":
+                return
+
+    async def _election_loop(self) -> None:
+        retry = Retrier(BACKOFF, self.outage)
+        reclaimed = renewed = time.monotonic()
+        while not self._closing:
+            await asyncio.sleep(election.RENEW_S)
+            started = time.monotonic()
+            try:
+                await self._elect()
+                renewed = started
+                if self.leader and started - reclaimed >= RECLAIM_S:
+                    reclaimed = started
+                    await self._reclaim(int(RECLAIM_S * 1000))
+            except RedisError as exc:
+                if self.leader and time.monotonic() - renewed > election.LEASE_MS / 1000:
+                    self._step_down(f"the lease could not be renewed: {exc}")
+                await asyncio.sleep(retry.count(exc))
+                continue
+            retry.succeeded(started)
+
+    async def _arrivals_loop(self) -> None:
+        """The scheduler's read of what the other gateways send (``election``)."""
+        retry = Retrier(BACKOFF, self.outage)
+        while not self._closing:
+            if not self.leader:
+                await self._leading.wait()
+                continue
+            started = time.monotonic()
+            try:
+                reply = await self._arrivals.call(
+                    "XREADGROUP", "GROUP", wire.ARRIVALS_GROUP, self.settings.gateway_id, "COUNT", 1000,
+                    "BLOCK", READ_BLOCK_MS, "STREAMS", wire.ARRIVALS_STREAM, ">",
+                )
+            except RedisError as exc:
+                if "NOGROUP" in str(exc) and self.leader:  # the stream was deleted (Redis restarted)
+                    with contextlib.suppress(RedisError):
+                        await self.client.xgroup_create(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, id="$",
+                                                        mkstream=True)
+                await asyncio.sleep(retry.count(exc))
+                continue
+            retry.succeeded(started)
+            for _stream, entries in reply or []:
+                self._take_arrivals(entries)
+
+    def _take_arrivals(self, entries: list[tuple[bytes, dict[bytes, bytes] | list[bytes] | None]]) -> None:
+        """Admissions go to the scheduler (answered on their gateway's reply stream); the
+        rest (workers' events, notes) are applied and acknowledged at once."""
+        done: list[bytes] = []
+        now = time.monotonic()
+        for entry_id, raw in entries:
+            if raw is None:  # deleted while pending
+                done.append(entry_id)
+                continue
+            fields = raw if isinstance(raw, dict) else dict(zip(raw[::2], raw[1::2], strict=True))
+            kind = fields.get(b"k")
+            try:
+                if kind == b"a":
+                    self._admit(wire.text(entry_id), election.decode_arrival(fields), now)
+                    continue
+                done.append(entry_id)
+                if kind == b"e":
+                    self._handle(p.decode_events({b"v": str(p.VERSION).encode(), b"m": fields[b"m"]}))
+                elif kind == b"n":
+                    self._apply_note(election.decode_note(fields), now)
+            except p.ProtocolError as exc:
+                log.error("dropping an unreadable arrival: %s", exc)
+                done.append(entry_id)
+        if done:
+            self._spawn(self._ack(done))
+        self._wake.set()
+
+    async def _ack(self, entries: list[bytes]) -> None:
+        with contextlib.suppress(RedisError):  # taken up again later, and recognised
+            await self.batch.call("XACK", wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, *entries)
+
+    def _admit(self, entry: str, arrival: election.Arrival, now: float) -> None:
+        seq = arrival.seq
+        if self.shell.knows(seq.rid):  # taken up again while still queued or running here
+            return
+        decision = self.shell.arrive(seq, arrival.who, now, forwarded=(arrival.reply_to, entry))
+        answer = election.encode_decision(seq.rid, decision)
+        if isinstance(decision, Reject):  # answered and acknowledged together
+            self._spawn(self._settle_quietly([(arrival.reply_to, election.DECISION, answer)], [entry]))
+        else:  # the arrival stays pending until its job leaves
+            self._spawn(self._xadd_decision(arrival.reply_to, answer))
+
+    async def _xadd_decision(self, stream: str, answer: bytes) -> None:
+        try:
+            await self.batch.call("XADD", stream, "*", b"v", str(p.VERSION).encode(), election.DECISION, answer)
+        except RedisError as exc:  # the follower gives up after DECIDE_S and cancels the request
+            log.warning("could not send a decision to %s: %s", stream, exc)
+
+    def _apply_note(self, note: dict[str, object], now: float) -> None:
+        rid, kind = str(note["rid"]), note.get("kind")
+        if kind == "first" and isinstance(note.get("ttft_s"), float):
+            self.shell.driver.first_token(rid, note["ttft_s"], now)  # type: ignore[arg-type]
+        elif kind == "end":
+            ttft, total, tokens = note.get("ttft_s"), note.get("total_s"), note.get("tokens")
+            self.shell.request_ended(rid, now)
+            self.shell.outcome(rid, ttft if isinstance(ttft, float) else None,
+                               total if isinstance(total, float) else None,
+                               tokens if isinstance(tokens, int) else 0, now)
+        elif kind == "cancel" and self.shell.cancel(rid, now):
+            self._refuse_queued(rid, "cancelled", "The client went away.")
 
     async def _watch_loop(self) -> None:
         retry = Retrier(BACKOFF, self.outage)
@@ -428,3 +727,7 @@ class Dispatcher:
                 continue
             wait = WATCH_S
             retry.succeeded(started)
+
+
+def _flat(fields: dict[bytes, bytes] | dict[str, bytes]) -> list[bytes | str]:
+    return [x for item in fields.items() for x in item]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -42,6 +41,7 @@ class Send:
     pool: str
     job: p.BatchJob
     batch: int  # the scheduler's batch id
+    acks: tuple[str, ...] = ()  # the arrival entries of forwarded requests it dispatches (election.DISPATCH)
 
 
 def scheduler_config(priors_path: str | None, **fields: Any) -> SchedulerConfig:
@@ -82,14 +82,8 @@ def scheduler_config(priors_path: str | None, **fields: Any) -> SchedulerConfig:
     return replace(config, **paths)
 
 
-def capacity_share(workers: dict[str, p.Heartbeat], gateways: int) -> dict[str, tuple[int, int]]:
-    """Slots and workers per pool this gateway may fill: the pool's live slots split over
-    live gateways, and as many workers as carry that share (at least one). A worker that
-    says it is down counts for nothing.
-
-    Every gateway runs its own scheduler; each gets an equal share (rounded up, so a small
-    pool is never shared down to nothing). Workers queue any excess internally.
-    """
+def capacity_share(workers: dict[str, p.Heartbeat]) -> dict[str, tuple[int, int]]:
+    """Live slots and workers per pool. A worker that says it is down counts for nothing."""
     slots: dict[str, int] = {pool: 0 for pool in POOLS}
     count: dict[str, int] = {pool: 0 for pool in POOLS}
     for hb in workers.values():
@@ -97,8 +91,16 @@ def capacity_share(workers: dict[str, p.Heartbeat], gateways: int) -> dict[str, 
             continue
         slots[hb.pool] = slots.get(hb.pool, 0) + hb.slots
         count[hb.pool] = count.get(hb.pool, 0) + 1
-    n = max(1, gateways)
-    return {pool: (math.ceil(slots[pool] / n), max(1, round(count[pool] / n))) for pool in slots}
+    return {pool: (slots[pool], max(1, count[pool])) for pool in slots}
+
+
+def running_by_pool(workers: dict[str, p.Heartbeat]) -> dict[str, int]:
+    """Sequences the workers of each pool said they hold, at their last heartbeat."""
+    out = dict.fromkeys(POOLS, 0)
+    for hb in workers.values():
+        if hb.pool in out and not hb.down:
+            out[hb.pool] += hb.running
+    return out
 
 
 def measured_prior(workers: dict[str, p.Heartbeat], pool: str, base: PathConfig) -> tuple[str, PathConfig] | None:
@@ -145,6 +147,12 @@ class SchedulerShell:
         self._step_tokens: dict[str, int] = {}  # per pool, from the workers' telemetry
         self.priors: dict[str, str] = {}  # per pool: the measured profiles its step model starts from
         self._attention: dict[str, float] = {}  # per pool: the prior's prefill_attention (s per squared token)
+        # a request another gateway forwarded -> (that gateway's reply stream, its arrival entry)
+        self._origin: dict[str, tuple[str, str]] = {}
+        # a dispatched batch with forwarded requests -> its jobs (local id -> reply stream, requests)
+        self._parts: dict[int, dict[str, tuple[str, tuple[str, ...]]]] = {}
+        # per pool: sequences a previous scheduler left on the workers (from their heartbeats), until they end
+        self._foreign: dict[str, int] = {}
 
     def __len__(self) -> int:
         return self.driver.queued
@@ -200,7 +208,10 @@ class SchedulerShell:
                 add(preferred, n, tokens)
         return out
 
-    def arrive(self, seq: p.SeqJob, who: Origin, now: float) -> Contract | Reject | None:
+    def arrive(self, seq: p.SeqJob, who: Origin, now: float,
+               forwarded: tuple[str, str] | None = None) -> Contract | Reject | None:
+        """The scheduler's decision on a request; ``forwarded``: another gateway sent it
+        (its reply stream, the request's arrival entry)."""
         req = Request(
             id=seq.rid,
             tenant=who.tenant,
@@ -219,7 +230,21 @@ class SchedulerShell:
         decision = self.driver.arrive(req, now)
         if not isinstance(decision, Reject):
             self._seqs[seq.rid] = seq
+            if forwarded is not None:
+                self._origin[seq.rid] = forwarded
         return decision
+
+    def knows(self, rid: str) -> bool:
+        """The request is queued or running here."""
+        return rid in self._seqs or self.driver.batch_of(rid) is not None
+
+    def queued_ids(self) -> list[str]:
+        """The requests queued here, not yet dispatched."""
+        return list(self._seqs)
+
+    def take_origin(self, rid: str) -> tuple[str, str] | None:
+        """A forwarded request leaves the queue unsent (refused, cancelled): where it came from."""
+        return self._origin.pop(rid, None)
 
     def outcome(self, rid: str, ttft_s: float | None, total_s: float | None, tokens: int,
                 now: float) -> Accuracy | None:
@@ -268,32 +293,59 @@ class SchedulerShell:
         rejects: list[Reject] = []
         for d in self.driver.tick(now):
             if isinstance(d, Dispatch):
-                sends.append(self._job(d))
+                sends += self._jobs(d)
             else:
                 self._seqs.pop(d.request_id, None)
                 rejects.append(d)
         return sends, rejects
 
-    def _job(self, d: Dispatch) -> Send:
+    def _jobs(self, d: Dispatch) -> list[Send]:
+        """The batch's job: one per gateway its requests came from, each to that gateway's
+        reply stream (``{gateway}:{batch}.{part}`` when there are several)."""
         seqs = tuple(self._seqs.pop(rid) for rid in d.request_ids)
         if d.path == "cpu" and self._gpu_alive and self.handoff_min_prompt:
             # disaggregated prefill: long prompts prefill here and decode on the gpu pool
             seqs = tuple(
                 replace(s, handoff="gpu") if len(s.prompt_ids) >= self.handoff_min_prompt else s for s in seqs
             )
-        job = p.BatchJob(f"{self.gateway_id}:{d.batch_id}", self.reply_to, d.bucket, seqs)
-        return Send(d.path, job, d.batch_id)
+        if not self._origin:  # no forwarded request waits: the one job, as a lone gateway sends it
+            return [Send(d.path, p.BatchJob(f"{self.gateway_id}:{d.batch_id}", self.reply_to, d.bucket, seqs),
+                         d.batch_id)]
+        groups: dict[str, tuple[list[p.SeqJob], list[str]]] = {}
+        for s in seqs:
+            reply_to, entry = self._origin.pop(s.rid, (self.reply_to, ""))
+            group = groups.setdefault(reply_to, ([], []))
+            group[0].append(s)
+            if entry:
+                group[1].append(entry)
+        if len(groups) == 1 and self.reply_to in groups:
+            return [Send(d.path, p.BatchJob(f"{self.gateway_id}:{d.batch_id}", self.reply_to, d.bucket, seqs),
+                         d.batch_id)]
+        parts = self._parts[d.batch_id] = {}
+        sends = []
+        for k, (reply_to, (part, entries)) in enumerate(groups.items()):
+            local = str(d.batch_id) if len(groups) == 1 else f"{d.batch_id}.{k}"
+            parts[local] = (reply_to, tuple(s.rid for s in part))
+            job = p.BatchJob(f"{self.gateway_id}:{local}", reply_to, d.bucket, tuple(part))
+            sends.append(Send(d.path, job, d.batch_id, tuple(entries)))
+        return sends
 
     def completed(self, report: p.BatchReport, now: float) -> None:
         """Feed a worker's timings back; reports of batches this gateway did not schedule
         (hand-over decode jobs, a previous incarnation's) or whose lease already ended are
         ignored."""
         prefix, _, local = report.batch_id.rpartition(":")
-        if prefix != self.gateway_id or not local.isdigit():
+        batch = local.partition(".")[0]
+        if prefix != self.gateway_id or not batch.isdigit():
             return
+        parts = self._parts.get(int(batch))
+        if parts is not None:
+            self._part_ended(int(batch), local, report.output_tokens, now)
+            if int(batch) in self._parts:  # another part still runs
+                return
         self.driver.completed(
             BatchTimings(
-                batch_id=int(local),
+                batch_id=int(batch),
                 path=report.pool,
                 batch_size=report.batch_size,
                 prompt_tokens=report.prompt_tokens,
@@ -306,14 +358,41 @@ class SchedulerShell:
             now,
         )
 
+    def _part_ended(self, batch: int, local: str, outputs: tuple[int, ...], now: float) -> None:
+        """One job of a batch sent as several ended: its requests' slots come back."""
+        parts = self._parts[batch]
+        _reply_to, rids = parts.pop(local, ("", ()))
+        for i, rid in enumerate(rids):
+            self.driver.finished(rid, outputs[i] if len(outputs) == len(rids) else -1, now)
+        if not parts:
+            del self._parts[batch]
+
+    def origin_gone(self, reply_to: str, now: float) -> list[str]:
+        """The gateway answering on ``reply_to`` is gone: its queued requests leave the queue
+        and the jobs sent to it (which workers drop unanswered) give their slots back. Returns
+        the arrival entries of the requests dropped."""
+        entries = []
+        for rid, (origin, entry) in list(self._origin.items()):
+            if origin == reply_to and self.cancel(rid, now):
+                del self._origin[rid]
+                entries.append(entry)
+        for batch, parts in list(self._parts.items()):
+            for local, (origin, _rids) in list(parts.items()):
+                if origin == reply_to:
+                    self._part_ended(batch, local, (), now)
+            if batch not in self._parts:
+                self.driver.abort(batch, now)
+        return entries
+
     def abort(self, batch: int, now: float) -> list[str]:
         """The batch will never report (its job could not be sent, or is lost): its slots come
         back now, nothing is fitted. Returns the requests still waiting on it here."""
+        self._parts.pop(batch, None)
         return self.driver.abort(batch, now)
 
     def abort_all(self, now: float) -> list[str]:
         """Every dispatched batch is lost (Redis lost its data): abort them all."""
-        return [rid for batch in self.driver.open_batches() for rid in self.driver.abort(batch, now)]
+        return [rid for batch in self.driver.open_batches() for rid in self.abort(batch, now)]
 
     def finished(self, rid: str, output_tokens: int, now: float) -> bool:
         """A worker finished (or failed, ``output_tokens`` < 0) one request: its slot comes
@@ -336,20 +415,31 @@ class SchedulerShell:
 
     def expire(self, now: float) -> list[str]:
         """End the leases that ran out; returns the requests still waiting on them."""
-        return [rid for batch in self.driver.expired(now) for rid in self.driver.abort(batch, now)]
+        return [rid for batch in self.driver.expired(now) for rid in self.abort(batch, now)]
 
     @property
     def leases(self) -> int:
         return len(self.driver.open_batches())
 
-    def capacity(self, workers: dict[str, p.Heartbeat], gateways: int, now: float) -> None:
-        """The live workers' slots, and the priors their measured profiles give each pool's
-        step-time model (re-seeded when the set of profiles changes)."""
-        share = capacity_share(workers, gateways)
+    def take_over(self, workers: dict[str, p.Heartbeat]) -> None:
+        """This scheduler starts where another stopped: the sequences the workers hold now
+        (their heartbeats say) are the other one's, and keep their slots until they end."""
+        self._foreign = {pool: n for pool, n in running_by_pool(workers).items() if n > 0}
+
+    def capacity(self, workers: dict[str, p.Heartbeat], now: float) -> None:
+        """The live workers' slots (less what a previous scheduler left running on them), and
+        the priors their measured profiles give each pool's step-time model (re-seeded when
+        the set of profiles changes)."""
+        share = capacity_share(workers)
         self._gpu_alive = share["gpu"][0] > 0
+        if self._foreign:  # it shrinks as the workers report fewer sequences than this scheduler sent
+            running = running_by_pool(workers)
+            self._foreign = {pool: left for pool, n in self._foreign.items()
+                             if (left := min(n, running[pool] - self.driver.running(pool))) > 0}
         config = getattr(self.driver.policy, "config", None)
         for pool in POOLS:
             slots, count = share[pool]
+            slots = max(0, slots - self._foreign.get(pool, 0))
             self.driver.capacity(pool, slots, now, count, self._step_tokens.get(pool, 0))
             if isinstance(config, SchedulerConfig):
                 measured = measured_prior(workers, pool, getattr(config, pool))

@@ -183,7 +183,7 @@ class RequestLife:
                 slo_tpot_s=self.slo_tpot_s,
                 max_wait_s=self.max_wait_s,
             )
-            decision = gw.dispatcher.submit(seq, who)
+            decision = await gw.dispatcher.submit(seq, who)
             if isinstance(decision, Reject):
                 raise refused(seq.rid, decision)
         except BaseException:

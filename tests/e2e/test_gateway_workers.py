@@ -120,18 +120,18 @@ def _pid(gateway_id: str) -> int:
 
 def _both_share(served: Served, pids: set[int], timeout_s: float = 60) -> None:
     """Every one of ``pids`` answers /admin/scheduler (a fresh connection each time: the kernel
-    picks the process) with a worker in view and gateways_sharing_capacity == 2."""
+    picks the process) with a worker in view and gateways == 2."""
     seen: set[int] = set()
 
     def check() -> bool:
         r = httpx.get(served.base_url + "/admin/scheduler", headers=served.auth(ADMIN_TOKEN), timeout=5)
         assert r.status_code == 200, r.text
         snap: dict[str, Any] = r.json()
-        if snap["gateways_sharing_capacity"] == PROCESSES and snap["paths"]["cpu"]["workers"] >= 1:
+        if snap["gateways"] == PROCESSES and snap["paths"]["cpu"]["workers"] >= 1:
             seen.add(_pid(snap["gateway"]))
         return seen == pids
 
-    _until(check, f"each of {sorted(pids)} reporting {PROCESSES} gateways sharing capacity (seen {seen})",
+    _until(check, f"each of {sorted(pids)} reporting {PROCESSES} live gateways (seen {seen})",
            served, timeout_s)
 
 

@@ -158,7 +158,7 @@ async def test_workers_and_scheduler(harness: Harness) -> None:
     workers = (await harness.admin("GET", "/workers")).json()["data"]
     assert len(workers) == 1 and workers[0]["engine"] == "echo" and workers[0]["pool"] == "cpu"
     snap = (await harness.admin("GET", "/scheduler")).json()
-    assert snap["gateway"] and snap["gateways_sharing_capacity"] == 1
+    assert snap["gateway"] and snap["role"] == "scheduler" and snap["gateways"] == 1
     assert len(snap["buckets"]) == 8 and {"b1", "b2", "queued"} <= set(snap["buckets"][0])
     assert snap["paths"]["cpu"]["capacity"] == workers[0]["slots"]  # fed from the heartbeat
     assert {"step_model", "step_s", "workers", "step_tokens"} <= set(snap["paths"]["gpu"])

@@ -49,7 +49,7 @@ async def test_a_job_that_cannot_be_encoded_fails_alone_and_gives_its_slot_back(
     _, key = await harness.tenant("acme")
     # past validation nothing can build such a job; the dispatcher must still survive one
     bad = p.SeqJob("bad-seed", (1, 2, 3), p.SamplingParams(4, seed=2**70))
-    pending = harness.gw.dispatcher.submit(bad, Origin("t", 1000.0))
+    pending = await harness.gw.dispatcher.submit(bad, Origin("t", 1000.0))
     assert not isinstance(pending, type(None))
     ev = await asyncio.wait_for(pending.events.get(), 5)  # type: ignore[union-attr]
     assert isinstance(ev, p.Failed) and ev.code == "unencodable"

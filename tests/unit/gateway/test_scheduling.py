@@ -27,21 +27,20 @@ def _seq(rid: str, n: int = 20, max_tokens: int = 8) -> p.SeqJob:
 
 def _shell(**kw: object) -> SchedulerShell:
     shell = SchedulerShell("gw1", "tg:replies:gw1", **kw)  # type: ignore[arg-type]
-    shell.capacity({"w": _hb("w", "cpu", 8)}, gateways=1, now=0.0)
+    shell.capacity({"w": _hb("w", "cpu", 8)}, now=0.0)
     return shell
 
 
-def test_capacity_is_split_over_live_gateways_rounding_up() -> None:
+def test_capacity_is_every_live_worker_of_each_pool() -> None:
     workers = {"a": _hb("a", "cpu", 32), "b": _hb("b", "cpu", 32), "g": _hb("g", "gpu", 5)}
-    assert capacity_share(workers, 1) == {"cpu": (64, 2), "gpu": (5, 1)}
-    assert capacity_share(workers, 3) == {"cpu": (22, 1), "gpu": (2, 1)}
-    assert capacity_share({}, 0) == {"cpu": (0, 1), "gpu": (0, 1)}
+    assert capacity_share(workers) == {"cpu": (64, 2), "gpu": (5, 1)}
+    assert capacity_share({}) == {"cpu": (0, 1), "gpu": (0, 1)}
 
 
 def test_a_worker_that_says_it_is_down_adds_no_capacity() -> None:
     down = replace(_hb("b", "cpu", 32), down="upstream http://h:1 does not answer")
-    assert capacity_share({"a": _hb("a", "cpu", 8), "b": down}, 1)["cpu"] == (8, 1)
-    assert capacity_share({"b": down}, 1)["cpu"] == (0, 1)
+    assert capacity_share({"a": _hb("a", "cpu", 8), "b": down})["cpu"] == (8, 1)
+    assert capacity_share({"b": down})["cpu"] == (0, 1)
 
 
 def test_admitted_requests_leave_as_stream_jobs_in_dispatch_order() -> None:
@@ -83,11 +82,11 @@ def test_completed_feeds_own_batches_and_ignores_foreign_ones() -> None:
 
 def test_cancel_while_queued_means_never_dispatched() -> None:
     shell = _shell()
-    shell.capacity({}, gateways=1, now=0.0)  # no capacity: everything waits
+    shell.capacity({}, now=0.0)  # no capacity: everything waits
     shell.arrive(_seq("gone"), WHO, now=0.0)
     assert shell.cancel("gone", 0.1)
     assert not shell.cancel("gone", 0.2)  # repeated cancel is harmless
-    shell.capacity({"w": _hb("w", "cpu", 8)}, gateways=1, now=0.3)
+    shell.capacity({"w": _hb("w", "cpu", 8)}, now=0.3)
     sends, rejects = shell.tick(1.0)
     assert not sends and not rejects
 
@@ -101,7 +100,7 @@ def test_a_deadline_the_contract_cannot_meet_is_rejected_at_once() -> None:
 
 def test_long_prompts_are_handed_to_the_gpu_pool_when_asked() -> None:
     shell = SchedulerShell("gw1", "tg:replies:gw1", handoff_min_prompt=10)
-    shell.capacity({"c": _hb("c", "cpu", 8), "g": _hb("g", "gpu", 1)}, 1, 0.0)
+    shell.capacity({"c": _hb("c", "cpu", 8), "g": _hb("g", "gpu", 1)}, 0.0)
     shell.driver.policy.worker_capacity("gpu", 0, 0.0)  # keep the batch on the cpu path
     shell.arrive(_seq("long", n=40), WHO, 0.0)
     shell.arrive(_seq("short", n=5), WHO, 0.0)
@@ -235,15 +234,15 @@ def test_the_workers_measured_profiles_seed_their_pools_step_model() -> None:
     assert shell.snapshot()["priors"] == {"cpu": "packaged profile", "gpu": "packaged profile"}
     # two workers, 8 and 24 slots: the prior is their slot-weighted mean
     workers = {"a": _profiled("a", 8, 1e-3, "fa"), "b": _profiled("b", 24, 3e-3, "fb")}
-    shell.capacity(workers, gateways=1, now=1.0)
+    shell.capacity(workers, now=1.0)
     snap = shell.snapshot()
     model = snap["paths"]["cpu"]["step_model"]  # type: ignore[index]
     assert model["prefill_token"] == pytest.approx((8 * 1e-3 + 24 * 3e-3) / 32)
     assert model["decode_launch"] == pytest.approx(0.01) != packaged["decode_launch"]
     assert snap["priors"] == {"cpu": "a=fa b=fb", "gpu": "packaged profile"}
     # the same profiles again change nothing; a worker gone re-seeds from the one left
-    shell.capacity(workers, gateways=1, now=2.0)
-    shell.capacity({"b": workers["b"]}, gateways=1, now=3.0)
+    shell.capacity(workers, now=2.0)
+    shell.capacity({"b": workers["b"]}, now=3.0)
     assert shell.snapshot()["paths"]["cpu"]["step_model"]["prefill_token"] == pytest.approx(3e-3)  # type: ignore[index]
 
 
@@ -251,13 +250,13 @@ def test_an_unreadable_profile_keeps_the_prior_it_has() -> None:
     shell = _shell()
     before = shell.snapshot()["paths"]["cpu"]["step_model"]  # type: ignore[index]
     bad = replace(_hb("a", "cpu", 8), profile={"fingerprint": "x", "step_model": {"prefill_token": "fast"}})
-    shell.capacity({"a": bad}, gateways=1, now=1.0)
+    shell.capacity({"a": bad}, now=1.0)
     assert shell.snapshot()["paths"]["cpu"]["step_model"] == before  # type: ignore[index]
 
 
 def test_baseline_policies_take_no_prior() -> None:
     shell = _shell(policy="fcfs")
-    shell.capacity({"a": _profiled("a", 8, 1e-3, "fa")}, gateways=1, now=1.0)
+    shell.capacity({"a": _profiled("a", 8, 1e-3, "fa")}, now=1.0)
     assert shell.snapshot()["priors"]["cpu"] == "packaged profile"  # type: ignore[index]
 
 
@@ -267,15 +266,15 @@ def test_the_backlog_counts_queued_work_for_the_pool_it_would_go_to() -> None:
     from zero. With no worker at all it counts where the scheduler would prefer it. Dispatched
     work is no longer backlog."""
     shell = SchedulerShell("gw1", "tg:replies:gw1")
-    shell.capacity({}, gateways=1, now=0.0)
+    shell.capacity({}, now=0.0)
     assert shell.backlog() == {"cpu": (0, 0), "gpu": (0, 0)}
     for i in range(64):
         shell.arrive(_seq(f"long{i}", n=3000, max_tokens=64), WHO, now=0.0)
     backlog = shell.backlog()
     assert backlog["cpu"] == (0, 0) and backlog["gpu"][0] == 64 and backlog["gpu"][1] >= 64 * 3000
-    shell.capacity({"w": _hb("w", "cpu", 128)}, gateways=1, now=0.0)
+    shell.capacity({"w": _hb("w", "cpu", 128)}, now=0.0)
     assert shell.backlog() == {"cpu": backlog["gpu"], "gpu": backlog["gpu"]}
-    shell.capacity({"w": _hb("w", "cpu", 128), "g": _hb("g", "gpu", 8)}, gateways=1, now=0.0)
+    shell.capacity({"w": _hb("w", "cpu", 128), "g": _hb("g", "gpu", 8)}, now=0.0)
     assert shell.backlog() == {"cpu": (0, 0), "gpu": backlog["gpu"]}  # the gpu pool, staffed, takes it
     t = 0.0
     for _ in range(10_000):  # each dispatched request finishes at once: the queue drains
@@ -290,7 +289,7 @@ def test_the_backlog_counts_queued_work_for_the_pool_it_would_go_to() -> None:
 
 def test_a_baseline_counts_its_queue_for_the_pool_it_fills_first() -> None:
     shell = SchedulerShell("gw1", "tg:replies:gw1", policy="fcfs")
-    shell.capacity({"w": _hb("w", "cpu", 1)}, gateways=1, now=0.0)
+    shell.capacity({"w": _hb("w", "cpu", 1)}, now=0.0)
     for i in range(3):
         shell.arrive(_seq(f"r{i}", n=10, max_tokens=5), WHO, now=0.0)
     # fcfs fills gpu first: with no gpu worker the queue goes to cpu, and is gpu demand too

@@ -1,0 +1,141 @@
+"""One scheduler for every gateway: the lease that elects it, and what the others send it.
+
+docs/scheduling.md §15 gives the design. One gateway holds ``wire.SCHEDULER_LEASE`` (a key
+with a ``LEASE_MS`` TTL, renewed every ``RENEW_S``) and runs the one scheduling core over
+every queued request. The others (followers) keep their HTTP work, the budget and their
+reply streams, and write what the scheduler needs to ``wire.ARRIVALS_STREAM``:
+
+* an **admission** (the tokenized request, who sent it, the follower's reply stream); it
+  stays pending in ``wire.ARRIVALS_GROUP`` until the scheduler dispatches or refuses it, in
+  the same fenced script (``DISPATCH``) that writes the job or the refusal, so that a new
+  scheduler reclaims exactly what the old one left undone;
+* what the follower learns about a forwarded request afterwards: the workers' final events
+  and batch reports (slots come back), its first token, its end (the contracts calibrate),
+  a cancel.
+
+The scheduler answers each admission on the follower's reply stream with its contract or
+its refusal (a ``decision`` entry); the workers reply to the follower directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from common import protocol as p
+from gateway.dispatch.scheduling import Origin
+from sched_core import Contract, Reject
+
+LEASE_MS = 1000  # a scheduler silent this long has lost the lease
+RENEW_S = 0.25  # how often the lease is renewed, or sought
+
+# KEYS: the lease; ARGV: this gateway's id, TTL ms. 1: this gateway holds it now; 0: another does
+HOLD = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if holder then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# KEYS: the lease; ARGV: this gateway's id. A clean exit hands the lease on at once.
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+# KEYS: 1 the lease, 2 the arrivals stream, then one stream per entry to add
+# ARGV: 1 this gateway's id, 2 the arrivals group, 3 protocol version, 4 n entries, then n
+#       (field, payload) pairs, then the arrival entry ids they settle (XACK)
+# -1, and nothing written, when this gateway no longer holds the lease.
+DISPATCH = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return -1
+end
+local n = tonumber(ARGV[4])
+for i = 1, n do
+  redis.call('XADD', KEYS[2 + i], '*', 'v', ARGV[3], ARGV[3 + 2 * i], ARGV[4 + 2 * i])
+end
+for i = 5 + 2 * n, #ARGV do
+  redis.call('XACK', KEYS[2], ARGV[2], ARGV[i])
+end
+return 1
+"""
+
+DECISION = b"d"  # the field of a decision entry on a follower's reply stream (events use b"m")
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """An admission a follower forwarded: the request, who sent it, where to answer."""
+
+    seq: p.SeqJob
+    who: Origin
+    reply_to: str
+
+
+def encode_arrival(seq: p.SeqJob, who: Origin, reply_to: str) -> dict[bytes, bytes]:
+    job = p.encode_job(p.BatchJob("arrival", reply_to, 0, (seq,)))
+    return {b"k": b"a", b"m": job["m"], b"o": orjson.dumps(dataclasses.asdict(who))}
+
+
+def encode_events(events: list[p.Event]) -> dict[bytes, bytes]:
+    """Worker events about forwarded requests (final events, batch reports), for the scheduler."""
+    return {b"k": b"e", b"m": p.encode_events(events)["m"]}
+
+
+def encode_note(kind: str, rid: str, **values: float | int | None) -> dict[bytes, bytes]:
+    """``first`` (its first token came), ``end`` (it ended where it was sent from; what it
+    took), ``cancel`` (its client left)."""
+    return {b"k": b"n", b"m": orjson.dumps({"kind": kind, "rid": rid, **values})}
+
+
+def decode_arrival(fields: dict[bytes, bytes]) -> Arrival:
+    try:
+        job = p.decode_job({b"v": str(p.VERSION).encode(), b"m": fields[b"m"]})
+        who = Origin(**orjson.loads(fields[b"o"]))
+    except (KeyError, TypeError, orjson.JSONDecodeError) as exc:
+        raise p.ProtocolError(f"malformed arrival: {exc!r}") from exc
+    if len(job.seqs) != 1:
+        raise p.ProtocolError("an arrival carries one request")
+    return Arrival(job.seqs[0], who, job.reply_to)
+
+
+def decode_note(fields: dict[bytes, bytes]) -> dict[str, Any]:
+    try:
+        doc = orjson.loads(fields[b"m"])
+    except (KeyError, orjson.JSONDecodeError) as exc:
+        raise p.ProtocolError(f"malformed note: {exc!r}") from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("rid"), str):
+        raise p.ProtocolError("a note names a request")
+    return doc
+
+
+def encode_decision(rid: str, decision: Contract | Reject | None) -> bytes:
+    """The scheduler's answer: a contract, a refusal, or (a baseline policy) admitted without one."""
+    if decision is None:
+        return orjson.dumps({"rid": rid})
+    kind = "contract" if isinstance(decision, Contract) else "reject"
+    return orjson.dumps({"rid": rid, kind: dataclasses.asdict(decision)})
+
+
+def decode_decision(raw: bytes) -> tuple[str, Contract | Reject | None]:
+    try:
+        doc = orjson.loads(raw)
+        if "contract" in doc:
+            return str(doc["rid"]), Contract(**doc["contract"])
+        if "reject" in doc:
+            return str(doc["rid"]), Reject(**doc["reject"])
+        return str(doc["rid"]), None
+    except (KeyError, TypeError, orjson.JSONDecodeError) as exc:
+        raise p.ProtocolError(f"malformed decision: {exc!r}") from exc

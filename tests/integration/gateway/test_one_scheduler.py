@@ -1,0 +1,109 @@
+"""Two gateways on one Redis and one worker: one schedules for both (docs/scheduling.md §15).
+
+The first gateway to start holds the lease; the second forwards its admissions, gets its
+contracts back, and its clients' results come from the worker directly. When the scheduler
+goes without a word (its loops stop, as at a kill), the other takes the lease within about a
+second and what was queued there is not lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+import pytest
+
+from common import wire
+from gateway.dispatch import election
+from gateway.dispatch.prompts import PromptBuilder
+from gateway.http.app import create_app
+from gateway.http.services import Gateway, redis_client
+from gateway.settings import GatewaySettings
+from tests.integration.gateway.conftest import ADMIN, Harness, make_harness
+from workers.engine import EchoEngine
+from workers.model_store import ModelSpec
+
+pytestmark = pytest.mark.anyio
+
+
+@contextlib.asynccontextmanager
+async def follower(redis_url: str, prompts: PromptBuilder, model: str) -> AsyncIterator[Harness]:
+    """A second gateway on the same Redis, without a worker of its own."""
+    config = GatewaySettings(redis_url=redis_url, model_name=model, admin_token=ADMIN, request_timeout_s=10)
+    client = redis_client(config)
+    gw = Gateway(config, prompts, client)
+    await gw.dispatcher.start()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(gw)), base_url="http://follower") as http:
+        yield Harness(gw, http, model)
+    await gw.drain()
+    await gw.dispatcher.close()
+    await client.aclose()
+
+
+async def _until(check: Callable[[], bool], what: str, timeout_s: float = 5.0) -> float:
+    started = time.monotonic()
+    while not check():
+        assert time.monotonic() - started < timeout_s, what
+        await asyncio.sleep(0.02)
+    return time.monotonic() - started
+
+
+async def test_a_follower_gets_its_contract_from_the_scheduler_and_its_result_from_the_worker(
+    redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec
+) -> None:
+    async with make_harness(redis_url, prompts, model_spec.name) as lead, \
+            follower(redis_url, prompts, model_spec.name) as other:
+        assert lead.gw.dispatcher.leader and not other.gw.dispatcher.leader
+        assert (await other.admin("GET", "/scheduler")).json()["role"] == "follower"
+        _, key = await lead.tenant("acme", rate=10**6, burst=10**8)
+        responses = await asyncio.gather(*(other.complete(key) for _ in range(12)), lead.complete(key))
+        for r in responses:
+            assert r.status_code == 200, r.text
+            assert float(r.headers["x-tokengate-p99-ms"]) > 0  # a contract, made by the scheduler
+        assert {r.json()["choices"][0]["text"] for r in responses[:12]} == {responses[0].json()["choices"][0]["text"]}
+        # the scheduler saw every request (one view) and has every slot back
+        driver = lead.gw.dispatcher.shell.driver
+        await _until(lambda: driver.running("cpu") == 0 and not driver.open_batches(), "slots came back")
+        pending = await lead.gw.dispatcher.client.xpending(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP)
+        assert pending["pending"] == 0  # every forwarded admission was dispatched and acknowledged once
+
+
+async def test_a_refusal_made_by_the_scheduler_reaches_the_follower_s_client(
+    redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec
+) -> None:
+    async with make_harness(redis_url, prompts, model_spec.name) as lead, \
+            follower(redis_url, prompts, model_spec.name) as other:
+        _, key = await lead.tenant("acme", rate=10**6, burst=10**8)
+        doc = {"model": other.model, "prompt": [1, 2, 3], "max_tokens": 4}
+        headers = {"authorization": f"Bearer {key}", "x-slo-ttft-ms": "0.01"}  # no worker is that fast
+        r = await other.http.post("/v1/completions", json=doc, headers=headers)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "slo_unattainable", r.text
+        assert int(r.headers["retry-after"]) >= 1
+        pending = await lead.gw.dispatcher.client.xpending(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP)
+        assert pending["pending"] == 0
+
+
+async def test_when_the_scheduler_goes_silent_the_follower_takes_over_and_loses_nothing_queued(
+    redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec
+) -> None:
+    """The scheduler stops without releasing its lease (its loops die, as at kill -9) while
+    forwarded requests wait in its queue: the follower takes the lease once it lapses, takes
+    up the pending arrivals, and every request is answered, once."""
+    engine = EchoEngine(tokens=8, step_s=0.05)  # slow enough that a queue builds
+    async with make_harness(redis_url, prompts, model_spec.name, engine=engine) as lead, \
+            follower(redis_url, prompts, model_spec.name) as other:
+        _, key = await lead.tenant("acme", rate=10**6, burst=10**8)
+        calls = [asyncio.create_task(other.complete(key)) for _ in range(40)]
+        await _until(lambda: lead.gw.dispatcher.shell.driver.queued > 0, "a queue at the scheduler")
+        for task in lead.gw.dispatcher._tasks:  # the scheduler dies: no release, no more dispatches
+            task.cancel()
+        lead.gw.dispatcher.leader = False
+        took = await _until(lambda: other.gw.dispatcher.leader, "the follower took over", timeout_s=3.0)
+        assert took <= election.LEASE_MS / 1000 + 1.0  # the lease lapses, then the next renewal takes it
+        responses = await asyncio.gather(*calls)
+        assert [r.status_code for r in responses] == [200] * 40, [r.text for r in responses if r.status_code != 200]
+        ids = [r.json()["id"] for r in responses]
+        assert len(set(ids)) == 40
