@@ -294,3 +294,66 @@ def test_a_baseline_counts_its_queue_for_the_pool_it_fills_first() -> None:
         shell.arrive(_seq(f"r{i}", n=10, max_tokens=5), WHO, now=0.0)
     # fcfs fills gpu first: with no gpu worker the queue goes to cpu, and is gpu demand too
     assert shell.backlog() == {"cpu": (3, 45), "gpu": (3, 45)}
+
+
+# -- one scheduler for several gateways (docs/scheduling.md §15) ------------------------------
+
+
+def _forwarded_batch(shell: SchedulerShell) -> tuple[list, float]:
+    """One batch mixing this gateway's request "own" with two forwarded from gw2 and gw3."""
+    shell.capacity({}, now=0.0)  # held until all three are queued: one batch
+    assert isinstance(shell.arrive(_seq("own"), WHO, now=0.0), Contract)
+    assert isinstance(shell.arrive(_seq("f2"), WHO, now=0.0, forwarded=("tg:replies:gw2", "1-0")), Contract)
+    assert isinstance(shell.arrive(_seq("f3"), WHO, now=0.0, forwarded=("tg:replies:gw3", "2-0")), Contract)
+    shell.capacity({"w": _hb("w", "cpu", 8)}, now=0.01)
+    t, sends = 0.01, []
+    while len(shell):
+        t += 0.05
+        sends += shell.tick(t)[0]
+    return sends, t
+
+
+def test_a_batch_goes_out_as_one_job_per_gateway_its_requests_came_from() -> None:
+    shell = _shell()
+    sends, _ = _forwarded_batch(shell)
+    by_stream = {send.job.reply_to: send for send in sends}
+    assert set(by_stream) == {"tg:replies:gw1", "tg:replies:gw2", "tg:replies:gw3"}
+    assert [s.rid for s in by_stream["tg:replies:gw2"].job.seqs] == ["f2"]
+    assert by_stream["tg:replies:gw2"].acks == ("1-0",) and by_stream["tg:replies:gw3"].acks == ("2-0",)
+    assert by_stream["tg:replies:gw1"].acks == ()  # this gateway's own request has no arrival entry
+    assert len({send.batch for send in sends}) == 1 and len({send.job.batch_id for send in sends}) == 3
+
+
+def test_a_split_batch_ends_when_its_last_job_reports() -> None:
+    shell = _shell()
+    sends, t = _forwarded_batch(shell)
+    assert shell.leases == 1 and _used(shell) == 3
+    for i, send in enumerate(sends):
+        shell.completed(_report(send, shell), t + i)
+        assert _used(shell) == 2 - i  # each job's requests give their slots back as it reports
+    assert shell.leases == 0
+
+
+def test_a_gone_gateway_s_queued_requests_leave_and_its_jobs_give_their_slots_back() -> None:
+    shell = _shell()
+    sends, t = _forwarded_batch(shell)
+    shell.capacity({}, now=t)
+    assert isinstance(shell.arrive(_seq("late"), WHO, now=t, forwarded=("tg:replies:gw2", "3-0")), Contract)
+    assert shell.origin_gone("tg:replies:gw2", t) == ["3-0"]  # its queued arrival, to acknowledge
+    assert len(shell) == 0 and _used(shell) == 2  # f2's slot came back; own and f3 still run
+    shell.capacity({"w": _hb("w", "cpu", 8)}, now=t)
+    assert not shell.tick(t + 1)[0]
+
+
+def test_a_new_scheduler_leaves_the_previous_one_s_sequences_their_slots_until_they_end() -> None:
+    shell = _shell()
+    busy = {"w": replace(_hb("w", "cpu", 8), running=6)}
+    shell.take_over(busy)
+    shell.capacity(busy, now=0.0)
+    assert shell.driver.free("cpu") == 2
+    shell.capacity({"w": replace(_hb("w", "cpu", 8), running=1)}, now=1.0)  # five of them ended
+    assert shell.driver.free("cpu") == 7
+    shell.capacity({"w": replace(_hb("w", "cpu", 8), running=3)}, now=2.0)  # never grows back
+    assert shell.driver.free("cpu") == 7
+    shell.capacity({"w": _hb("w", "cpu", 8)}, now=3.0)
+    assert shell.driver.free("cpu") == 8
