@@ -318,7 +318,7 @@ class SchedulerShell:
             group[0].append(s)
             if entry:
                 group[1].append(entry)
-        if len(groups) == 1 and self.reply_to in groups:
+        if len(groups) == 1 and self.reply_to in groups and not groups[self.reply_to][1]:
             return [Send(d.path, p.BatchJob(f"{self.gateway_id}:{d.batch_id}", self.reply_to, d.bucket, seqs),
                          d.batch_id)]
         parts = self._parts[d.batch_id] = {}

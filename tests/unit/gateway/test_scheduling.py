@@ -357,3 +357,15 @@ def test_a_new_scheduler_leaves_the_previous_one_s_sequences_their_slots_until_t
     assert shell.driver.free("cpu") == 7
     shell.capacity({"w": _hb("w", "cpu", 8)}, now=3.0)
     assert shell.driver.free("cpu") == 8
+
+
+def test_its_own_requests_taken_up_from_the_arrivals_are_acknowledged_when_sent() -> None:
+    """A follower that becomes the scheduler takes up the requests it forwarded itself: their
+    job answers on its own stream and still acknowledges their arrival entries."""
+    shell = _shell()
+    assert isinstance(shell.arrive(_seq("mine"), WHO, now=0.0, forwarded=("tg:replies:gw1", "7-0")), Contract)
+    t, sends = 0.0, []
+    while not sends:
+        t += 0.05
+        sends = shell.tick(t)[0]
+    assert [(s.job.reply_to, s.acks) for s in sends] == [("tg:replies:gw1", ("7-0",))]
