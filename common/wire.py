@@ -20,6 +20,15 @@ def jobs_stream(pool: str) -> str:
     return f"tg:jobs:{pool}"
 
 
+def bell_stream(worker_id: str) -> str:
+    """A worker's doorbell: one entry for each job the scheduler delivered to the worker
+    itself (the job is already in the worker's pending entries of its pool's stream)."""
+    return f"tg:bell:{worker_id}"
+
+
+BELL_MAXLEN = 64  # approximate MAXLEN of a doorbell: its entries only wake the worker
+
+
 def replies_stream(gateway_id: str) -> str:
     return f"tg:replies:{gateway_id}"
 

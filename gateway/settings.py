@@ -13,6 +13,7 @@ from sched_core import SchedulerConfig
 from sched_core.policies import make_policy
 
 ADMIN_TOKEN_MIN_CHARS = 16
+ROUTINGS = ("worker", "pool")  # where a dispatched job goes (--routing)
 
 
 def _gateway_id() -> str:
@@ -41,6 +42,7 @@ class GatewaySettings:
     handoff_min_prompt: int = 0  # >0: prompts this long prefill on cpu and decode on gpu
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # cost priors from --cost-priors
     policy: str = "tokengate"  # sched_core.policies.make_policy: tokengate, fcfs, fixed:batch=B,window_ms=W, …
+    routing: str = "worker"  # worker: each job to the worker where it starts first; pool: to whichever reads it
     shutdown_grace_s: int = 10  # after Ctrl-C/SIGTERM, in-flight requests get this long
     max_in_flight: int = 4096  # requests admitted here and not yet answered; beyond: 503 at once
     redis_max_connections: int = 256  # the gateway's Redis pool; a request waits for a free one
@@ -79,6 +81,8 @@ class GatewaySettings:
             raise ValueError("the auth cache time must not be negative")
         if self.shutdown_grace_s <= 0:
             raise ValueError("the shutdown grace time must be positive")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, not {self.routing!r}")
         if self.handoff_min_prompt < 0:
             raise ValueError("the hand-off prompt length must not be negative")
         if self.max_in_flight < 1 or self.redis_max_connections < 4:

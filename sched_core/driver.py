@@ -315,6 +315,11 @@ class Driver:
         """The batches whose lease ran out."""
         return [b for b, batch in self._open.items() if batch.expires <= now]
 
+    def requests(self, batch_id: int) -> tuple[str, ...]:
+        """An open batch's requests (empty: not open)."""
+        batch = self._open.get(batch_id)
+        return batch.requests if batch is not None else ()
+
     def batch_of(self, request_id: str) -> int | None:
         """The open batch a dispatched request runs in (None: not dispatched, or its batch ended)."""
         return self._batch_of.get(request_id)

@@ -163,7 +163,7 @@ class Presence:
     def deregister(self) -> None:
         try:  # one round trip: with Redis down, an exit waits one timeout, not two
             pipe = self.client.pipeline(transaction=False)
-            pipe.delete(wire.worker_key(self.settings.worker_id))
+            pipe.delete(wire.worker_key(self.settings.worker_id), wire.bell_stream(self.settings.worker_id))
             pipe.zrem(wire.WORKERS_ZSET, self.settings.worker_id)
             pipe.execute()
         except redis.RedisError:

@@ -66,6 +66,7 @@ class Worker:
         self.client = client
         self.model = model
         self.stream = wire.jobs_stream(settings.pool)
+        self.bell = wire.bell_stream(settings.worker_id)
         self.fence = Fence(client, self.stream, settings.worker_id)
         self._batches: dict[str, Batch] = {}  # batch_id -> state
         self._batch_of: dict[str, str] = {}  # rid -> batch_id
@@ -196,33 +197,59 @@ class Worker:
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+        try:
+            self.client.xgroup_create(self.bell, wire.GROUP, id="$", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
         self._group_ready = True
 
     # -- jobs in ----------------------------------------------------------------------------
 
     def _read(self, block_ms: int) -> None:
-        """As many jobs as the engine has free slots, in one XREADGROUP. After a Redis failure,
-        first this consumer's own pending entries that it does not hold: a read that timed out
-        here may have been delivered by Redis all the same, and would otherwise wait for the
-        claim idle time."""
+        """As many jobs as the engine has free slots, in one XREADGROUP that also watches
+        this worker's doorbell: the scheduler delivers a job it chose this worker for
+        straight into this consumer's pending entries and rings (docs/scheduling.md §15),
+        and a ring reads them. After a Redis failure, first this consumer's own pending
+        entries that it does not hold: a read that timed out here may have been delivered by
+        Redis all the same, and would otherwise wait for the claim idle time."""
         free = self.engine.free_slots
         if free <= 0:
             return
         reread = self._reread_own
         held = {b.entry_id for b in self._batches.values()} if reread else set()
         reply = self.client.xreadgroup(
-            wire.GROUP, self.settings.worker_id, {self.stream: "0" if reread else ">"}, count=free + len(held),
-            block=None if reread else block_ms or None,
+            wire.GROUP, self.settings.worker_id, {self.stream: "0" if reread else ">", self.bell: ">"},
+            count=free + len(held), block=None if reread else block_ms or None,
         )
         # RESP2: [[stream, [(id, fields), ...]]], or None when the block timed out
-        entries = [entry for _stream, got in reply for entry in got] if isinstance(reply, list) else []
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = []
+        rings: list[bytes] = []
+        for stream, got in reply if isinstance(reply, list) else []:
+            if wire.text(stream) == self.bell:
+                rings += [entry_id for entry_id, _fields in got]
+            else:
+                entries += got
         if reread:
             self._reread_own = False
             entries = [(entry_id, fields) for entry_id, fields in entries if entry_id not in held and fields][:free]
             if entries:
                 log.info("re-reading %d jobs delivered while Redis failed", len(entries))
+        if rings:
+            entries += self._delivered(rings, {entry_id for entry_id, _ in entries})
         readable = [self._decode(entry_id, fields) for entry_id, fields in entries]
         self._admit([Admission(entry_id, job, {}) for entry_id, job in readable if job is not None])
+
+    def _delivered(self, rings: list[bytes], read: set[bytes]) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """The jobs the scheduler delivered to this worker that it does not run yet (all of
+        them: the scheduler counted this worker's slots), with the rings acknowledged."""
+        held = {b.entry_id for b in self._batches.values()} | read
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xack(self.bell, wire.GROUP, *rings)
+        pipe.xreadgroup(wire.GROUP, self.settings.worker_id, {self.stream: "0"}, count=len(held) + 1000)
+        _acked, reply = pipe.execute()
+        own = [entry for _stream, got in reply or [] for entry in got]
+        return [(entry_id, fields) for entry_id, fields in own if entry_id not in held and fields]
 
     def _release_abandoned(self) -> None:
         """Entries abandoned while Redis failed go to the next XAUTOCLAIM (this worker's, at

@@ -54,6 +54,10 @@ GATEWAY_FLAGS: tuple[tuple[str, str, str | None], ...] = (
      "scheduling policy: tokengate (the step-time scheduler: fair share, least slack, latency "
      "contracts), fcfs, or fixed:batch=B,window_ms=W (a dynamic batcher); baselines send no "
      "contract headers"),
+    ("routing", "routing",
+     "worker: the scheduler sends each job to the worker of its pool where it is predicted to start "
+     "first, within that worker's free slots (docs/scheduling.md §15); pool: to whichever worker of "
+     "the pool reads it first"),
     ("max-in-flight", "max_in_flight",
      "requests this gateway holds at once (admitted, not yet answered); beyond it a 503 at once"),
     ("redis-max-connections", "redis_max_connections",

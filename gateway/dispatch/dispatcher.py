@@ -108,7 +108,7 @@ class Dispatcher:
     def _new_shell(self) -> SchedulerShell:
         s = self.settings
         return SchedulerShell(s.gateway_id, self.replies, self._config, s.handoff_min_prompt,
-                              lease_s=s.request_timeout_s + 30.0, policy=s.policy)
+                              lease_s=s.request_timeout_s + 30.0, policy=s.policy, routing=s.routing)
 
     async def start(self) -> None:
         try:
@@ -342,14 +342,18 @@ class Dispatcher:
         events = p.encode_events([p.Failed(rid, code, message)])["m"]
         self._spawn(self._settle_quietly([(reply_to, b"m", events)], [entry]))
 
-    async def _settle_arrivals(self, writes: list[tuple[str, bytes, bytes]], entries: list[str]) -> bool:
-        """Write ``(stream, field, payload)`` entries and acknowledge the arrival ``entries``
-        they answer, in one script fenced by the lease (``election.DISPATCH``); False, and
-        this gateway steps down, if it no longer schedules."""
-        keys = [wire.SCHEDULER_LEASE, wire.ARRIVALS_STREAM, *(w[0] for w in writes)]
-        args: list[bytes | str | int] = [self.settings.gateway_id, wire.ARRIVALS_GROUP, p.VERSION, len(writes)]
-        for _stream, name, payload in writes:
-            args += [name, payload]
+    async def _settle_arrivals(self, writes: list[tuple[str, bytes, bytes]], entries: list[str],
+                               worker: str = "") -> bool:
+        """Write ``(stream, field, payload)`` entries (a job for ``worker``: delivered to it)
+        and acknowledge the arrival ``entries`` they answer, in one script (``election.DISPATCH``)
+        fenced by the lease when there are entries; False, and this gateway steps down, if it
+        no longer schedules."""
+        keys = [wire.SCHEDULER_LEASE, wire.ARRIVALS_STREAM]
+        args: list[bytes | str | int] = [self.settings.gateway_id if entries else "", wire.ARRIVALS_GROUP,
+                                         p.VERSION, len(writes), wire.GROUP, wire.BELL_MAXLEN]
+        for stream, name, payload in writes:
+            keys += [stream, wire.bell_stream(worker) if worker else stream]
+            args += [name, payload, worker]
         done = await self.batch.call("EVAL", election.DISPATCH, len(keys), *keys, *args, *entries)
         if done == -1:
             self._step_down("another gateway schedules now")
@@ -376,9 +380,9 @@ class Dispatcher:
                 self._lost(send, "unencodable", f"The request could not be queued: {exc}")
                 continue
             stream = wire.jobs_stream(send.pool)
-            if send.acks:  # forwarded requests: the job and their arrivals' ack in one fenced script
-                replies.append(self._settle_arrivals([(stream, b"m", fields["m"])], list(send.acks)))
-            else:
+            if send.acks or send.worker:  # to its worker, and forwarded requests' arrivals acknowledged
+                replies.append(self._settle_arrivals([(stream, b"m", fields["m"])], list(send.acks), send.worker))
+            else:  # to whichever worker of the pool reads it first
                 replies.append(self.batch.call("XADD", stream, "*", *_flat(fields)))
             queued.append(send)
         if not queued:

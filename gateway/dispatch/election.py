@@ -54,19 +54,29 @@ end
 return 0
 """
 
-# KEYS: 1 the lease, 2 the arrivals stream, then one stream per entry to add
-# ARGV: 1 this gateway's id, 2 the arrivals group, 3 protocol version, 4 n entries, then n
-#       (field, payload) pairs, then the arrival entry ids they settle (XACK)
-# -1, and nothing written, when this gateway no longer holds the lease.
+# KEYS: 1 the lease, 2 the arrivals stream, then per entry its stream and a doorbell
+# ARGV: 1 this gateway's id ('' = not fenced: this gateway's own requests), 2 the arrivals
+#       group, 3 protocol version, 4 n entries, 5 the jobs' consumer group, 6 doorbell MAXLEN,
+#       then per entry (field, payload, consumer: '' = none), then the arrival entry ids they
+#       settle (XACK)
+# An entry with a consumer is a job the scheduler chose that worker for: it is delivered to
+# the worker's pending entries at once (the stream's oldest undelivered entry: this one, as
+# every scheduled job is delivered this way) and the worker's doorbell rings.
+# -1, and nothing written, when a fenced call's gateway no longer holds the lease.
 DISPATCH = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return -1
 end
 local n = tonumber(ARGV[4])
 for i = 1, n do
-  redis.call('XADD', KEYS[2 + i], '*', 'v', ARGV[3], ARGV[3 + 2 * i], ARGV[4 + 2 * i])
+  local stream, bell, a = KEYS[1 + 2 * i], KEYS[2 + 2 * i], 4 + 3 * i
+  local id = redis.call('XADD', stream, '*', 'v', ARGV[3], ARGV[a], ARGV[a + 1])
+  if ARGV[a + 2] ~= '' then
+    redis.call('XREADGROUP', 'GROUP', ARGV[5], ARGV[a + 2], 'COUNT', 1, 'STREAMS', stream, '>')
+    redis.call('XADD', bell, 'MAXLEN', '~', ARGV[6], '*', 'j', id)
+  end
 end
-for i = 5 + 2 * n, #ARGV do
+for i = 7 + 3 * n, #ARGV do
   redis.call('XACK', KEYS[2], ARGV[2], ARGV[i])
 end
 return 1

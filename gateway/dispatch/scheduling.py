@@ -15,6 +15,7 @@ import orjson
 
 from common import protocol as p
 from common.pools import POOLS
+from gateway.dispatch.placement import Placement
 from sched_core import BatchTimings, Contract, Dispatch, PathConfig, Reject, Request, SchedulerConfig
 from sched_core.contracts import Accuracy
 from sched_core.costmodel import COEFFICIENTS
@@ -42,6 +43,7 @@ class Send:
     job: p.BatchJob
     batch: int  # the scheduler's batch id
     acks: tuple[str, ...] = ()  # the arrival entries of forwarded requests it dispatches (election.DISPATCH)
+    worker: str = ""  # the worker chosen to run it ('' : whichever worker of the pool reads it)
 
 
 def scheduler_config(priors_path: str | None, **fields: Any) -> SchedulerConfig:
@@ -135,7 +137,8 @@ class SchedulerShell:
     is ``REPORT_GRACE_S`` late, or ``lease_s`` after dispatch at the latest."""
 
     def __init__(self, gateway_id: str, reply_to: str, config: SchedulerConfig | None = None,
-                 handoff_min_prompt: int = 0, lease_s: float = 150.0, policy: str = "tokengate") -> None:
+                 handoff_min_prompt: int = 0, lease_s: float = 150.0, policy: str = "tokengate",
+                 routing: str = "worker") -> None:
         self.policy = policy
         self.driver = Driver(make_policy(policy, config or SchedulerConfig()), lease_s=lease_s)
         self.gateway_id = gateway_id
@@ -153,6 +156,8 @@ class SchedulerShell:
         self._parts: dict[int, dict[str, tuple[str, tuple[str, ...]]]] = {}
         # per pool: sequences a previous scheduler left on the workers (from their heartbeats), until they end
         self._foreign: dict[str, int] = {}
+        self.placement = Placement() if routing == "worker" else None  # None: jobs go to the pool's stream
+        self._tenants: dict[str, str] = {}  # a queued request's tenant, for the placement's prefix hint
 
     def __len__(self) -> int:
         return self.driver.queued
@@ -165,6 +170,8 @@ class SchedulerShell:
         snapshot = getattr(self.driver.policy, "snapshot", None)
         snap: dict[str, object] = snapshot() if snapshot is not None else {"queued": self.driver.queued}
         snap["policy"] = self.policy
+        if self.placement is not None:
+            snap["placed"] = self.placement.held()  # requests running per worker, as this scheduler placed them
         snap["priors"] = {pool: self.priors.get(pool, "packaged profile") for pool in POOLS}
         return snap
 
@@ -232,6 +239,8 @@ class SchedulerShell:
             self._seqs[seq.rid] = seq
             if forwarded is not None:
                 self._origin[seq.rid] = forwarded
+            if self.placement is not None:
+                self._tenants[seq.rid] = who.tenant
         return decision
 
     def knows(self, rid: str) -> bool:
@@ -308,26 +317,27 @@ class SchedulerShell:
             seqs = tuple(
                 replace(s, handoff="gpu") if len(s.prompt_ids) >= self.handoff_min_prompt else s for s in seqs
             )
-        if not self._origin:  # no forwarded request waits: the one job, as a lone gateway sends it
-            return [Send(d.path, p.BatchJob(f"{self.gateway_id}:{d.batch_id}", self.reply_to, d.bucket, seqs),
-                         d.batch_id)]
-        groups: dict[str, tuple[list[p.SeqJob], list[str]]] = {}
+        tenants = {s.rid: self._tenants.pop(s.rid, "") for s in seqs}
+        workers = self.placement.place(d.path, seqs, tenants) if self.placement is not None else {}
+        groups: dict[tuple[str, str], tuple[list[p.SeqJob], list[str]]] = {}
         for s in seqs:
-            reply_to, entry = self._origin.pop(s.rid, (self.reply_to, ""))
-            group = groups.setdefault(reply_to, ([], []))
+            reply_to, entry = self._origin.pop(s.rid, (self.reply_to, "")) if self._origin else (self.reply_to, "")
+            group = groups.setdefault((reply_to, workers.get(s.rid, "")), ([], []))
             group[0].append(s)
             if entry:
                 group[1].append(entry)
-        if len(groups) == 1 and self.reply_to in groups and not groups[self.reply_to][1]:
-            return [Send(d.path, p.BatchJob(f"{self.gateway_id}:{d.batch_id}", self.reply_to, d.bucket, seqs),
-                         d.batch_id)]
+        if len(groups) == 1:
+            (reply_to, worker), (_part, entries) = next(iter(groups.items()))
+            if reply_to == self.reply_to and not entries:  # this gateway's own requests, to one worker
+                job = p.BatchJob(f"{self.gateway_id}:{d.batch_id}", reply_to, d.bucket, seqs)
+                return [Send(d.path, job, d.batch_id, (), worker)]
         parts = self._parts[d.batch_id] = {}
         sends = []
-        for k, (reply_to, (part, entries)) in enumerate(groups.items()):
+        for k, ((reply_to, worker), (part, entries)) in enumerate(groups.items()):
             local = str(d.batch_id) if len(groups) == 1 else f"{d.batch_id}.{k}"
             parts[local] = (reply_to, tuple(s.rid for s in part))
             job = p.BatchJob(f"{self.gateway_id}:{local}", reply_to, d.bucket, tuple(part))
-            sends.append(Send(d.path, job, d.batch_id, tuple(entries)))
+            sends.append(Send(d.path, job, d.batch_id, tuple(entries), worker))
         return sends
 
     def completed(self, report: p.BatchReport, now: float) -> None:
@@ -343,6 +353,7 @@ class SchedulerShell:
             self._part_ended(int(batch), local, report.output_tokens, now)
             if int(batch) in self._parts:  # another part still runs
                 return
+        self._release(int(batch))
         self.driver.completed(
             BatchTimings(
                 batch_id=int(batch),
@@ -364,6 +375,8 @@ class SchedulerShell:
         _reply_to, rids = parts.pop(local, ("", ()))
         for i, rid in enumerate(rids):
             self.driver.finished(rid, outputs[i] if len(outputs) == len(rids) else -1, now)
+            if self.placement is not None:
+                self.placement.release(rid)
         if not parts:
             del self._parts[batch]
 
@@ -388,7 +401,14 @@ class SchedulerShell:
         """The batch will never report (its job could not be sent, or is lost): its slots come
         back now, nothing is fitted. Returns the requests still waiting on it here."""
         self._parts.pop(batch, None)
+        self._release(batch)
         return self.driver.abort(batch, now)
+
+    def _release(self, batch: int) -> None:
+        """The batch ends: its requests' places on their workers are free."""
+        if self.placement is not None:
+            for rid in self.driver.requests(batch):
+                self.placement.release(rid)
 
     def abort_all(self, now: float) -> list[str]:
         """Every dispatched batch is lost (Redis lost its data): abort them all."""
@@ -397,6 +417,8 @@ class SchedulerShell:
     def finished(self, rid: str, output_tokens: int, now: float) -> bool:
         """A worker finished (or failed, ``output_tokens`` < 0) one request: its slot comes
         back now. True if that freed a slot."""
+        if self.placement is not None:
+            self.placement.release(rid)
         return self.driver.finished(rid, output_tokens, now)
 
     def telemetry(self, t: p.Telemetry, now: float) -> None:
@@ -405,6 +427,8 @@ class SchedulerShell:
         if t.pool not in POOLS:
             return
         self._step_tokens[t.pool] = t.step_tokens
+        if self.placement is not None:
+            self.placement.observe(t.worker, t.queued_prefill)
         q = self._attention.get(t.pool, 0.0)
         self.driver.steps(t.pool, [(s.prefill_tokens, s.decode_seqs, s.kv_tokens, _linear_part(s, q)) for s in t.steps],
                           now)
@@ -432,6 +456,8 @@ class SchedulerShell:
         the set of profiles changes)."""
         share = capacity_share(workers)
         self._gpu_alive = share["gpu"][0] > 0
+        if self.placement is not None:
+            self.placement.workers(workers)
         if self._foreign:  # it shrinks as the workers report fewer sequences than this scheduler sent
             running = running_by_pool(workers)
             self._foreign = {pool: left for pool, n in self._foreign.items()

@@ -157,8 +157,8 @@ def test_the_group_is_created_first_and_retried_when_redis_is_down() -> None:
     worker = _worker(client, clock)
     for _ in range(4):
         worker.tick()
-    assert calls == 3 and clock.slept == [0.1, 0.2]
-    assert client.calls.count("xreadgroup") == 2  # only once the group exists
+    assert calls == 4 and clock.slept == [0.1, 0.2]  # the jobs stream's group failed twice; then the doorbell's
+    assert client.calls.count("xreadgroup") == 2  # only once the groups exist
 
 
 def test_a_lost_group_is_created_again_at_once(caplog: pytest.LogCaptureFixture) -> None:
@@ -168,8 +168,9 @@ def test_a_lost_group_is_created_again_at_once(caplog: pytest.LogCaptureFixture)
     worker = _worker(client, clock)
     for _ in range(3):
         assert worker.tick()
-    create = "xgroup_create tg:jobs:cpu workers 0 mkstream=True"
-    assert client.calls == [create, "xreadgroup", "xreadgroup", create, "xreadgroup"]
+    create = ["xgroup_create tg:jobs:cpu workers 0 mkstream=True",
+              f"xgroup_create {worker.bell} workers $ mkstream=True"]
+    assert client.calls == [*create, "xreadgroup", "xreadgroup", *create, "xreadgroup"]
     assert clock.slept == []  # Redis answered: nothing to wait for
     assert _messages(caplog, logging.WARNING) == ["consumer group workers of tg:jobs:cpu is gone: creating it again"]
 

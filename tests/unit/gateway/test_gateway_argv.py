@@ -36,6 +36,7 @@ GIVEN = {
     "max-connections": "1000",
     "keep-alive-timeout": "11",
     "policy": "fixed:batch=4,window_ms=5",
+    "routing": "pool",
     "max-in-flight": "123",
     "redis-max-connections": "32",
     "redis-timeout": "2.75",
