@@ -55,6 +55,8 @@ WORKER_FLAGS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
     ("echo-tokens", "echo_tokens", "echo engine: tokens it answers per request (fewer if max_tokens is lower)", {}),
     ("echo-step-ms", "echo_step_s", "echo engine: 0 answers at once; >0 emits one token per step of this length",
      {"scale": 1000.0}),
+    ("echo-prefill-us", "echo_prefill_s", "echo engine (with --echo-step-ms): microseconds a step takes per "
+     "prompt token it prefills, as a model's prefill does", {"scale": 1e6}),
     ("claim-idle", "claim_idle_s", "seconds after which a silent worker's pending batches are taken over", {}),
     ("heartbeat", "heartbeat_s", "seconds between heartbeats (and liveness touches of running batches)", {}),
     ("heartbeat-ttl", "heartbeat_ttl_s", "seconds without a heartbeat after which gateways drop this worker", {}),
@@ -116,7 +118,8 @@ def run(settings: WorkerSettings) -> None:
     model_store.offline()
     engine: Engine
     if settings.engine == "echo":
-        engine = EchoEngine(tokens=settings.echo_tokens, slots=settings.slots, step_s=settings.echo_step_s)
+        engine = EchoEngine(tokens=settings.echo_tokens, slots=settings.slots, step_s=settings.echo_step_s,
+                            prefill_s=settings.echo_prefill_s)
         model_name = settings.model_name or "echo"
     elif settings.engine == "upstream":
         from workers.upstream import UpstreamEngine

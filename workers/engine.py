@@ -105,7 +105,8 @@ class EchoEngine:
     With ``step_s == 0`` every sequence is answered whole in one step: its own time is
     microseconds, which ``bench/overhead.py`` subtracts to isolate the gateway's cost.
     With ``step_s > 0`` it behaves like a decoding engine: one token per running sequence
-    per step, each step taking ``step_s`` (for fault-injection tests and benchmarks).
+    per step, each step taking ``step_s`` (for fault-injection tests and benchmarks), plus
+    ``prefill_s`` per prompt token it prefills: a worker with a model's prefill cost.
     """
 
     name = "echo"
@@ -117,10 +118,11 @@ class EchoEngine:
     down = ""
     metrics: dict[str, float] = {}
 
-    def __init__(self, tokens: int = 16, slots: int = 256, step_s: float = 0.0) -> None:
+    def __init__(self, tokens: int = 16, slots: int = 256, step_s: float = 0.0, prefill_s: float = 0.0) -> None:
         self.tokens = tokens
         self.slots = slots
         self.step_s = step_s
+        self.prefill_s = prefill_s  # seconds per prompt token a step prefills (with step_s > 0)
         self._running: dict[str, tuple[SeqJob, int]] = {}  # rid -> (job, tokens generated)
         self._cancelled: list[tuple[SeqJob, int]] = []
         self._fresh: set[str] = set()  # added, not yet stepped ("prefilled" by the next step)
@@ -172,7 +174,7 @@ class EchoEngine:
             result.events.append(Finished(seq.rid, "", "cancelled", len(seq.prompt_ids), done))
         self._cancelled.clear()
         if self.step_s > 0:
-            time.sleep(self.step_s)
+            time.sleep(self.step_s + self.prefill_s * result.prefill_tokens)
         for rid, (seq, done) in list(self._running.items()):
             limit = min(self.tokens, seq.params.max_tokens)
             if done == len(seq.resume_ids):

@@ -32,6 +32,7 @@ class WorkerSettings:
     step_tokens: int = 64  # per-step token budget, decode plus prefill (0: none); see docs/benchmarks.md
     echo_tokens: int = 16
     echo_step_s: float = 0.0
+    echo_prefill_s: float = 0.0  # the echo engine's seconds per prompt token prefilled (a step's extra time)
     threads: int | None = None
     dtype: str = "auto"  # a CPU worker's dtype (workers.devices.DTYPES)
     heartbeat_s: float = 1.0

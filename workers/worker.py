@@ -128,7 +128,8 @@ class Worker:
             return
         s = self.settings
         setup = {"model": self.model, "slots": self.engine.slots, "step_tokens": self.engine.step_tokens,
-                 "echo_step_s": s.echo_step_s if self.engine.name == "echo" else 0.0}
+                 "echo_step_s": s.echo_step_s if self.engine.name == "echo" else 0.0,
+                 "echo_prefill_s": s.echo_prefill_s if self.engine.name == "echo" else 0.0}
         self.presence.profile = selfprofile.obtain(
             self.engine, pool=s.pool, model=self.model, setup=setup, budget_s=s.profile_s,
             slots=self.engine.slots, directory=s.profile_dir) or {}

@@ -49,3 +49,12 @@ def test_echo_step_totals() -> None:
     engine.add(SeqJob("c", (1,), SamplingParams(10)))
     second = engine.step()  # a and b held 3+1 and 2+1 tokens; c is prefilled
     assert (second.prefill_tokens, second.decode_seqs, second.kv_tokens) == (1, 2, 7)
+
+
+def test_a_step_that_prefills_takes_its_prompt_tokens_time_too() -> None:
+    engine = EchoEngine(tokens=3, step_s=0.001, prefill_s=2e-5)
+    engine.add(SeqJob("long", tuple(range(1, 1001)), SamplingParams(10)))
+    prefill = engine.step()  # 1 ms + 1,000 tokens x 20 us
+    assert prefill.prefill_tokens == 1000 and prefill.step_s >= 0.021
+    decode = engine.step()  # nothing left to prefill: the step alone
+    assert decode.prefill_tokens == 0 and decode.step_s < 0.021
