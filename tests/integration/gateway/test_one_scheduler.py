@@ -23,6 +23,7 @@ from gateway.http.app import create_app
 from gateway.http.services import Gateway, redis_client
 from gateway.settings import GatewaySettings
 from tests.integration.gateway.conftest import ADMIN, Harness, make_harness
+from tests.integration.helpers import running_worker
 from workers.engine import EchoEngine
 from workers.model_store import ModelSpec
 
@@ -107,3 +108,28 @@ async def test_when_the_scheduler_goes_silent_the_follower_takes_over_and_loses_
         assert [r.status_code for r in responses] == [200] * 40, [r.text for r in responses if r.status_code != 200]
         ids = [r.json()["id"] for r in responses]
         assert len(set(ids)) == 40
+
+
+async def test_each_job_goes_to_a_worker_with_a_free_slot_and_no_worker_runs_more_than_its_slots(
+    redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec
+) -> None:
+    """Two workers of 2 slots each, 12 requests at once: the scheduler places each on a worker
+    (its jobs land in that worker's pending entries), and neither ever runs more than 2."""
+    slow = {"tokens": 6, "slots": 2, "step_s": 0.02}
+    async with make_harness(redis_url, prompts, model_spec.name, engine=EchoEngine(**slow)) as lead:  # type: ignore[arg-type]
+        with running_worker(redis_url, EchoEngine(**slow), profile_s=0, worker_id="second") as second:  # type: ignore[arg-type]
+            await _until(lambda: len(lead.gw.dispatcher.workers) == 2, "two workers in view")
+            first = next(w for w in lead.gw.dispatcher.workers if w != "second")
+            _, key = await lead.tenant("acme", rate=10**6, burst=10**8)
+            calls = asyncio.gather(*(lead.complete(key, max_tokens=6) for _ in range(12)))
+            most = {first: 0, "second": 0}
+            ran = {first: 0, "second": 0}
+            while not calls.done():
+                for wid, held in lead.gw.dispatcher.shell.placement.held().items():  # type: ignore[union-attr]
+                    most[wid] = max(most[wid], held)
+                    ran[wid] += held > 0
+                most["second"] = max(most["second"], second.engine.running)
+                await asyncio.sleep(0.005)
+            assert [r.status_code for r in await calls] == [200] * 12
+            assert most[first] <= 2 and most["second"] <= 2, most
+            assert ran[first] and ran["second"], ran  # both took work
