@@ -21,12 +21,12 @@ def jobs_stream(pool: str) -> str:
 
 
 def bell_stream(worker_id: str) -> str:
-    """A worker's doorbell: one entry for each job the scheduler delivered to the worker
-    itself (the job is already in the worker's pending entries of its pool's stream)."""
+    """A worker's doorbell: a copy of each job the scheduler delivered to the worker itself,
+    with its entry id (the job is already in the worker's pending entries of its pool's stream)."""
     return f"tg:bell:{worker_id}"
 
 
-BELL_MAXLEN = 64  # approximate MAXLEN of a doorbell: its entries only wake the worker
+BELL_MAXLEN = 1000  # approximate MAXLEN of a doorbell (a worker holds at most its slots' worth unread)
 
 
 def replies_stream(gateway_id: str) -> str:

@@ -81,6 +81,7 @@ class Worker:
         # after a Redis failure: a read Redis may have delivered unseen (re-read from this
         # consumer's own pending entries), and abandoned entries not yet handed back
         self._reread_own = False
+        self._rings: list[bytes] = []  # doorbell entries read, acknowledged with the next screening
         self._unreleased: list[bytes] = []
         self._first_token_at: dict[str, float] = {}  # rid -> when the step that sampled its first token ended
         self._backoff = backoff_policy(settings.retry_base_s, settings.retry_cap_s)
@@ -225,32 +226,28 @@ class Worker:
         )
         # RESP2: [[stream, [(id, fields), ...]]], or None when the block timed out
         entries: list[tuple[bytes, dict[bytes, bytes]]] = []
-        rings: list[bytes] = []
+        delivered: list[tuple[bytes, dict[bytes, bytes]]] = []
         for stream, got in reply if isinstance(reply, list) else []:
-            if wire.text(stream) == self.bell:
-                rings += [entry_id for entry_id, _fields in got]
-            else:
+            if wire.text(stream) != self.bell:
                 entries += got
+                continue
+            for ring_id, fields in got:  # a ring carries the job and its entry id in the pool's stream
+                self._rings.append(ring_id)
+                if fields and b"j" in fields:
+                    delivered.append((fields[b"j"], {k: v for k, v in fields.items() if k != b"j"}))
         if reread:
             self._reread_own = False
             entries = [(entry_id, fields) for entry_id, fields in entries if entry_id not in held and fields][:free]
             if entries:
                 log.info("re-reading %d jobs delivered while Redis failed", len(entries))
-        if rings:
-            entries += self._delivered(rings, {entry_id for entry_id, _ in entries})
+        if delivered:
+            running = {b.entry_id for b in self._batches.values()} | {entry_id for entry_id, _ in entries}
+            entries += [(entry_id, fields) for entry_id, fields in delivered if entry_id not in running]
         readable = [self._decode(entry_id, fields) for entry_id, fields in entries]
         self._admit([Admission(entry_id, job, {}) for entry_id, job in readable if job is not None])
-
-    def _delivered(self, rings: list[bytes], read: set[bytes]) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        """The jobs the scheduler delivered to this worker that it does not run yet (all of
-        them: the scheduler counted this worker's slots), with the rings acknowledged."""
-        held = {b.entry_id for b in self._batches.values()} | read
-        pipe = self.client.pipeline(transaction=False)
-        pipe.xack(self.bell, wire.GROUP, *rings)
-        pipe.xreadgroup(wire.GROUP, self.settings.worker_id, {self.stream: "0"}, count=len(held) + 1000)
-        _acked, reply = pipe.execute()
-        own = [entry for _stream, got in reply or [] for entry in got]
-        return [(entry_id, fields) for entry_id, fields in own if entry_id not in held and fields]
+        if self._rings:  # nothing was admitted to acknowledge them with
+            self.client.xack(self.bell, wire.GROUP, *self._rings)
+            self._rings.clear()
 
     def _release_abandoned(self) -> None:
         """Entries abandoned while Redis failed go to the next XAUTOCLAIM (this worker's, at
@@ -340,11 +337,14 @@ class Worker:
         for a in admissions:
             self._accept(a, {s.rid for s in a.job.seqs if s.rid in self._recent_cancels}, kv)
         pipe = self.client.pipeline(transaction=False)
+        rings, self._rings = self._rings, []
+        if rings:
+            pipe.xack(self.bell, wire.GROUP, *rings)
         for a in admissions:
             pipe.exists(wire.gone_key(a.job.reply_to))
             for s in a.job.seqs:  # cancels sent before this worker subscribed (or while it was down)
                 pipe.exists(wire.cancel_key(s.rid))
-        flags = iter(pipe.execute())
+        flags = iter(pipe.execute()[1 if rings else 0:])
         gone: list[Admission] = []
         for a in admissions:
             if next(flags):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import time
@@ -31,7 +32,7 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from common import protocol as p
 from common import wire
@@ -54,6 +55,7 @@ READ_BLOCK_MS = 1000  # the reply loop's blocking read returns at least this oft
 BACKOFF = backoff_policy(base_s=0.05, cap_s=2.0)  # after the n-th Redis failure in a row of one loop
 DECIDE_S = 5.0  # a follower waits this long for the scheduler's decision (a failover takes ~1 s)
 RECLAIM_S = 1.0  # the scheduler takes over arrivals left pending this long by another consumer
+DISPATCH_SHA = hashlib.sha1(election.DISPATCH.encode()).hexdigest()
 
 
 @dataclass(slots=True)
@@ -354,7 +356,10 @@ class Dispatcher:
         for stream, name, payload in writes:
             keys += [stream, wire.bell_stream(worker) if worker else stream]
             args += [name, payload, worker]
-        done = await self.batch.call("EVAL", election.DISPATCH, len(keys), *keys, *args, *entries)
+        try:
+            done = await self.batch.call("EVALSHA", DISPATCH_SHA, len(keys), *keys, *args, *entries)
+        except NoScriptError:  # a fresh (or flushed) Redis: the script's text, which it keeps
+            done = await self.batch.call("EVAL", election.DISPATCH, len(keys), *keys, *args, *entries)
         if done == -1:
             self._step_down("another gateway schedules now")
             return False

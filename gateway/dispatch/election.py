@@ -61,7 +61,8 @@ return 0
 #       settle (XACK)
 # An entry with a consumer is a job the scheduler chose that worker for: it is delivered to
 # the worker's pending entries at once (the stream's oldest undelivered entry: this one, as
-# every scheduled job is delivered this way) and the worker's doorbell rings.
+# every scheduled job is delivered this way) and the worker's doorbell rings with the job
+# and its entry id, so the worker's blocking read gets it in one round trip.
 # -1, and nothing written, when a fenced call's gateway no longer holds the lease.
 DISPATCH = """
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then
@@ -73,7 +74,7 @@ for i = 1, n do
   local id = redis.call('XADD', stream, '*', 'v', ARGV[3], ARGV[a], ARGV[a + 1])
   if ARGV[a + 2] ~= '' then
     redis.call('XREADGROUP', 'GROUP', ARGV[5], ARGV[a + 2], 'COUNT', 1, 'STREAMS', stream, '>')
-    redis.call('XADD', bell, 'MAXLEN', '~', ARGV[6], '*', 'j', id)
+    redis.call('XADD', bell, 'MAXLEN', '~', ARGV[6], '*', 'v', ARGV[3], 'j', id, ARGV[a], ARGV[a + 1])
   end
 end
 for i = 7 + 3 * n, #ARGV do

@@ -9,7 +9,8 @@ until the request ends. With no worker free (a heartbeat not yet seen, a previou
 scheduler's sequences), a request goes to the pool's stream for whichever worker reads it.
 A tie goes to the worker holding fewer requests, then to the one that ran the same tenant's
 prompt with the same first tokens last (``PREFIX_TOKENS``): an engine that caches prefixes
-reuses it.
+reuses it. With one worker in the pool there is nothing to choose: its jobs go to the pool's
+stream, as without placement.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class Placement:
         """Each request's worker ('' for the pool's stream); ``tenants`` names each request's tenant."""
         out: dict[str, str] = {}
         pool_workers = [(wid, w) for wid, w in self._workers.items() if w.pool == pool]
+        if len(pool_workers) < 2:  # no choice to make: the pool's stream, which its one worker reads
+            return out
         for s in sorted(seqs, key=lambda s: -len(s.prompt_ids)):  # the longest prompts choose first
             n = len(s.prompt_ids)
             hint = (tenants.get(s.rid, ""), s.prompt_ids[:PREFIX_TOKENS])

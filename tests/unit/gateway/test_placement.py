@@ -49,12 +49,20 @@ def test_equal_workers_share_by_what_they_hold() -> None:
     assert sorted(placed.values()) == ["a", "a", "b", "b"]
 
 
-def test_a_down_worker_gets_nothing_and_a_returning_one_keeps_its_count() -> None:
+def test_a_down_worker_gets_nothing_and_a_worker_seen_again_keeps_its_count() -> None:
     placing = Placement()
-    placing.workers({"a": _hb("a", 1), "b": replace(_hb("b", 8), down="upstream does not answer")})
-    assert placing.place("cpu", _seqs(5, 5), {}) == {"r0": "a", "r1": ""}
-    placing.workers({"a": _hb("a", 1)})
-    assert placing.held() == {"a": 1}
+    down = replace(_hb("b", 8), down="upstream does not answer")
+    placing.workers({"a": _hb("a", 1), "c": _hb("c", 1), "b": down})
+    assert sorted(placing.place("cpu", _seqs(5, 5, 5), {}).values()) == ["", "a", "c"]
+    placing.workers({"a": _hb("a", 1), "c": _hb("c", 1)})
+    assert placing.held() == {"a": 1, "c": 1}
+
+
+def test_a_pool_of_one_worker_has_nothing_to_choose() -> None:
+    placing = Placement()
+    placing.workers({"a": _hb("a", 8), "g": _hb("g", 8, pool="gpu")})
+    assert placing.place("cpu", _seqs(5, 5), {}) == {}  # the pool's stream, which its one worker reads
+    assert placing.held() == {"a": 0, "g": 0}
 
 
 def test_the_same_tenant_and_first_tokens_go_back_to_the_same_worker_on_a_tie() -> None:
