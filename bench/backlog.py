@@ -6,7 +6,7 @@ One gateway, Redis and one echo worker of ``--slots`` slots whose steps take ``-
 (a request of 16 tokens holds a slot 16 steps), and no gpu worker. An open loop offers
 ``--rate`` requests/s for ``--step-s`` seconds (several times what the worker serves), then
 stops. Every 25 ms the bench reads the gateway's ``/metrics`` (``tokengate_backlog_*``) and
-the gateway's field of Redis's ``tg:backlog``. It reports how long after the step began each
+the gateway's field of Redis's ``{tg}:backlog``. It reports how long after the step began each
 signal first showed a backlog, its peak, whether the gpu pool's demand showed although the
 pool has no worker, when ``/metrics`` read zero again (the queue drained), and how much
 later Redis's entry did.
@@ -37,7 +37,7 @@ _BACKLOG = re.compile(r'^tokengate_backlog_(requests|tokens)\{pool="(\w+)"\} (\S
 @dataclass
 class Trace:
     metrics: list[tuple[float, float, float]] = field(default_factory=list)  # (t, cpu requests, gpu requests)
-    stored: list[tuple[float, float]] = field(default_factory=list)  # (t, cpu requests in tg:backlog)
+    stored: list[tuple[float, float]] = field(default_factory=list)  # (t, cpu requests in {tg}:backlog)
 
 
 async def sample(base: str, redis_url: str, gateway_id: str, t0: float, trace: Trace, stop: asyncio.Event) -> None:
@@ -124,7 +124,7 @@ def plot(trace: Trace, step_at: float, step_s: float, answered_at: float) -> Pat
     times = [t for t, _, _ in trace.metrics]
     ax.plot(times, [c for _, c, _ in trace.metrics], label="/metrics, cpu pool")
     ax.plot(times, [g for _, _, g in trace.metrics], "--", label="/metrics, gpu pool (no worker)")
-    ax.plot([t for t, _ in trace.stored], [v for _, v in trace.stored], ":", label="tg:backlog, cpu pool")
+    ax.plot([t for t, _ in trace.stored], [v for _, v in trace.stored], ":", label="{tg}:backlog, cpu pool")
     ax.axvspan(step_at, step_at + step_s, alpha=0.1, label="load offered")
     ax.axvline(answered_at, color="grey", lw=0.8)
     ax.set_xlabel("seconds")

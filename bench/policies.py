@@ -93,7 +93,7 @@ class Run:
 class Live:
     """One Redis and one ``hf`` worker for every run, a fresh gateway per run (scheduling with
     its policy for ``slo``); the three tenants are made once; the worker's step records
-    (``tg:steps``) of each run are collected in ``steps``."""
+    (``{tg}:steps``) of each run are collected in ``steps``."""
 
     redis_url: str
     procs: list[subprocess.Popen[bytes]]

@@ -143,7 +143,7 @@ class ModelList(TypedDict):
 
 @with_config(_FORBID)
 class RequestRecord(TypedDict):
-    """``tg:req:{rid}`` as ``gateway.dispatch.records`` reads it; ``schedule`` while this gateway's
+    """``{tg}:req:{rid}`` as ``gateway.dispatch.records`` reads it; ``schedule`` while this gateway's
     scheduler still holds the request."""
 
     id: str

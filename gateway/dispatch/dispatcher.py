@@ -8,7 +8,7 @@ wall clock: on every arrival, on every freed slot, and whenever the driver asks
 pools' streams in one pipelined round trip. Replies arrive on this gateway's own stream and
 are routed to the waiting request by id (events for ids no longer waited on, late or
 duplicate deliveries, are dropped); each finished request gives its slot back at once, batch
-reports end their batch. Every worker's step telemetry (``tg:steps``) arrives in the same
+reports end their batch. Every worker's step telemetry (``{tg}:steps``) arrives in the same
 blocking read and refits the step-time model. Worker heartbeats and the set of live gateways
 give each pool's capacity.
 
@@ -37,6 +37,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from common import protocol as p
 from common import wire
 from common.retry import Outage, Retrier, backoff_policy
+from gateway import keyspace
 from gateway.dispatch import election
 from gateway.dispatch.liveness import Liveness
 from gateway.dispatch.scheduling import Origin, SchedulerShell, Send
@@ -114,6 +115,7 @@ class Dispatcher:
 
     async def start(self) -> None:
         try:
+            await keyspace.migrate(self.client)  # a deployment's names from before the hash tag
             await self._load_model()
             await self.refresh_workers()
             await self._elect()

@@ -1,4 +1,4 @@
-"""Who owns an admitted request, and what became of it: ``tg:req:{rid}``.
+"""Who owns an admitted request, and what became of it: ``{tg}:req:{rid}``.
 
 The admission script writes the record (tenant, ``state`` = ``admitted``, tokens, budget
 wait) with a TTL; settling sets the final state (``done``, ``cancelled``, ``failed``) and

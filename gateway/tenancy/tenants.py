@@ -1,7 +1,7 @@
 """Tenants as the gateway sees them, and their JSON document. Pure; no I/O.
 
 The document (``to_doc``) is both what the admin API returns and what Redis stores under
-``tg:tenant:{id}`` (see docs/tenants.md); ``from_doc`` reads it back. Input validation of
+``{tg}:tenant:{id}`` (see docs/tenants.md); ``from_doc`` reads it back. Input validation of
 the admin API lives in ``gateway.tenancy.admin_protocol``; a ``Tenant`` is always valid.
 """
 

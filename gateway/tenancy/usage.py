@@ -1,6 +1,6 @@
 """Usage per tenant and minute: counters the budget scripts increment, read back as a series.
 
-One hash per tenant and minute (``tg:usage:{id}:{unix_minute}``) with the fields below;
+One hash per tenant and minute (``{tg}:usage:{id}:{unix_minute}``) with the fields below;
 each expires after the usage retention. The admission script counts ``requests`` and
 ``rate_limited`` (429s); the settle script counts the tokens charged.
 """

@@ -11,6 +11,7 @@ import httpx
 import pytest
 import redis
 
+from common import wire
 from tests.e2e.conftest import ADMIN_TOKEN, Served, banner_key, start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -44,7 +45,7 @@ def _request_ids(served: Served) -> list[str]:
     assert url, "no Redis URL in the banner"
     client = redis.Redis.from_url(url.group(1))
     try:
-        return [k.decode().removeprefix("tg:req:") for k in client.scan_iter("tg:req:*")]
+        return [k.decode().removeprefix(wire.request("")) for k in client.scan_iter(wire.request("*"))]
     finally:
         client.close()
 

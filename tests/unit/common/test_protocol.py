@@ -87,8 +87,8 @@ def test_malformed_entries_raise_protocol_error(body: bytes) -> None:
 
 
 def test_stream_names() -> None:
-    assert wire.jobs_stream("gpu") == "tg:jobs:gpu"
-    assert wire.replies_stream("g1") == "tg:replies:g1"
+    assert wire.jobs_stream("gpu") == "{tg}:jobs:gpu"
+    assert wire.replies_stream("g1") == "{tg}:replies:g1"
 
 
 def test_heartbeat_carries_in_flight_work() -> None:
@@ -143,7 +143,7 @@ def test_telemetry_round_trip_with_compact_steps() -> None:
 
 def test_telemetry_versions_and_caps() -> None:
     assert p.VERSION == 2
-    assert wire.TELEMETRY_STREAM == "tg:steps"
+    assert wire.TELEMETRY_STREAM == "{tg}:steps"
     full = _telemetry(steps=(p.StepRecord(1, 1, 1, 1.0),) * p.TELEMETRY_MAX_STEPS)
     assert p.decode_telemetry(_wire(p.encode_telemetry(full))) == full
     fields = _wire(p.encode_telemetry(full))

@@ -9,12 +9,13 @@ from typing import Any, cast
 import pytest
 import redis
 
+from common import wire
 from common.retry import Outage, Retrier, backoff_policy, is_nogroup
 from workers.engine import EchoEngine
 from workers.settings import WorkerSettings
 from workers.worker import Worker
 
-NOGROUP = redis.ResponseError("NOGROUP No such key 'tg:jobs:cpu' or consumer group 'workers' in XREADGROUP")
+NOGROUP = redis.ResponseError("NOGROUP No such key '{tg}:jobs:cpu' or consumer group 'workers' in XREADGROUP")
 
 
 class FakeClock:
@@ -168,11 +169,12 @@ def test_a_lost_group_is_created_again_at_once(caplog: pytest.LogCaptureFixture)
     worker = _worker(client, clock)
     for _ in range(3):
         assert worker.tick()
-    create = ["xgroup_create tg:jobs:cpu workers 0 mkstream=True",
+    create = [f"xgroup_create {wire.jobs_stream('cpu')} workers 0 mkstream=True",
               f"xgroup_create {worker.bell} workers $ mkstream=True"]
     assert client.calls == [*create, "xreadgroup", "xreadgroup", *create, "xreadgroup"]
     assert clock.slept == []  # Redis answered: nothing to wait for
-    assert _messages(caplog, logging.WARNING) == ["consumer group workers of tg:jobs:cpu is gone: creating it again"]
+    gone = f"consumer group workers of {wire.jobs_stream('cpu')} is gone: creating it again"
+    assert _messages(caplog, logging.WARNING) == [gone]
 
 
 def test_a_drain_ends_the_loop_once_the_engine_is_idle() -> None:

@@ -1,0 +1,40 @@
+"""A deployment's keys renamed to the hash-tagged names (``common.wire.NS``), at a gateway's start.
+
+Names began with ``tg:`` before they carried the ``{tg}`` hash tag that keeps them in one
+Redis Cluster slot (docs/operations.md, "Redis Cluster and Sentinel"). A gateway that
+starts on a Redis still holding old names renames them before it serves, so tenants, API
+keys, budgets, usage and the fitted model carry over (a key keeps its TTL). ``RENAMENX``
+never overwrites: where the new name exists already (written by a worker of the new release
+that started first), the old key stays, and is logged, for an operator to look at. Several
+gateways starting at once rename each key once: a key another one renamed first is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from common import wire
+
+log = logging.getLogger("tokengate.keyspace")
+
+
+async def migrate(client: aioredis.Redis) -> int:
+    """Rename every ``wire.LEGACY_NS`` key to its ``wire.NS`` name; how many were renamed."""
+    renamed = 0
+    async for raw in client.scan_iter(match=wire.LEGACY_NS + "*", count=1000):
+        old = wire.text(raw)
+        new = wire.NS + old.removeprefix(wire.LEGACY_NS)
+        try:
+            moved = await client.renamenx(old, new)
+        except ResponseError:  # another gateway renamed it first
+            continue
+        if moved:
+            renamed += 1
+        else:
+            log.warning("kept %s: %s exists already", old, new)
+    if renamed:
+        log.warning("renamed %d keys from %s… to %s… (Redis Cluster hash tag)", renamed, wire.LEGACY_NS, wire.NS)
+    return renamed
