@@ -612,6 +612,19 @@ class Dispatcher:
             if cursor == "0-0":
                 return
 
+    async def _trim_arrivals(self) -> None:
+        """Drop the arrivals already settled: everything before the oldest entry still
+        pending, or before the next one to deliver when none is."""
+        groups = await self.client.xinfo_groups(wire.ARRIVALS_STREAM)
+        group = next((g for g in groups if wire.text(g["name"]) == wire.ARRIVALS_GROUP), None)
+        if group is None:
+            return
+        pending = await self.client.xpending(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP)
+        oldest = pending["min"] if pending["pending"] else None
+        if oldest is None:  # MINID keeps the entry given: the last delivered one stays, a few bytes
+            oldest = group["last-delivered-id"]
+        await self.client.xtrim(wire.ARRIVALS_STREAM, minid=wire.text(oldest), approximate=False)
+
     async def _election_loop(self) -> None:
         retry = Retrier(BACKOFF, self.outage)
         reclaimed = renewed = time.monotonic()
@@ -624,6 +637,7 @@ class Dispatcher:
                 if self.leader and started - reclaimed >= RECLAIM_S:
                     reclaimed = started
                     await self._reclaim(int(RECLAIM_S * 1000))
+                    await self._trim_arrivals()
             except RedisError as exc:
                 if self.leader and time.monotonic() - renewed > election.LEASE_MS / 1000:
                     self._step_down(f"the lease could not be renewed: {exc}")

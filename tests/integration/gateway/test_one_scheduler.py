@@ -52,6 +52,19 @@ async def _until(check: Callable[[], bool], what: str, timeout_s: float = 5.0) -
     return time.monotonic() - started
 
 
+def _id(entry_id: bytes) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq)
+
+
+async def _none_pending(lead: Harness, timeout_s: float = 5.0) -> None:
+    """Nothing left pending in the arrivals group (notes are acknowledged just after they are read)."""
+    deadline = time.monotonic() + timeout_s
+    while (await lead.gw.dispatcher.client.xpending(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP))["pending"]:
+        assert time.monotonic() < deadline, "arrivals still pending"
+        await asyncio.sleep(0.02)
+
+
 async def test_a_follower_gets_its_contract_from_the_scheduler_and_its_result_from_the_worker(
     redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec
 ) -> None:
@@ -68,8 +81,15 @@ async def test_a_follower_gets_its_contract_from_the_scheduler_and_its_result_fr
         # the scheduler saw every request (one view) and has every slot back
         driver = lead.gw.dispatcher.shell.driver
         await _until(lambda: driver.running("cpu") == 0 and not driver.open_batches(), "slots came back")
-        pending = await lead.gw.dispatcher.client.xpending(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP)
-        assert pending["pending"] == 0  # every forwarded admission was dispatched and acknowledged once
+        # every forwarded admission was dispatched and acknowledged once, and the followers'
+        # notes (their requests' ends, read after the answers went out) are acknowledged too
+        await _none_pending(lead)
+        client = lead.gw.dispatcher.client
+        assert await client.xlen(wire.ARRIVALS_STREAM) >= 12  # the admissions at least
+        group = (await client.xinfo_groups(wire.ARRIVALS_STREAM))[0]
+        await lead.gw.dispatcher._trim_arrivals()  # what was settled leaves the stream
+        left = [entry_id for entry_id, _ in await client.xrange(wire.ARRIVALS_STREAM)]
+        assert all(_id(e) >= _id(group["last-delivered-id"]) for e in left), (left, group)
 
 
 async def test_a_refusal_made_by_the_scheduler_reaches_the_follower_s_client(
@@ -83,8 +103,7 @@ async def test_a_refusal_made_by_the_scheduler_reaches_the_follower_s_client(
         r = await other.http.post("/v1/completions", json=doc, headers=headers)
         assert r.status_code == 503 and r.json()["error"]["code"] == "slo_unattainable", r.text
         assert int(r.headers["retry-after"]) >= 1
-        pending = await lead.gw.dispatcher.client.xpending(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP)
-        assert pending["pending"] == 0
+        await _none_pending(lead)
 
 
 async def test_when_the_scheduler_goes_silent_the_follower_takes_over_and_loses_nothing_queued(
