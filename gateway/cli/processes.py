@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO
@@ -34,7 +35,12 @@ def signals_deferred() -> Iterator[None]:
     line that records it, it would leave a child nobody stops. Start and record in here.
     The handlers are swapped for a recorder (Python runs handlers in the main thread only,
     whichever thread the signal reached; a mask would cover just this thread), and a signal
-    that came meanwhile goes to the real handler as the block ends. Main thread only."""
+    that came meanwhile goes to the real handler as the block ends. In another thread (a
+    benchmark restarting its Redis from a worker thread) there is nothing to defer: the
+    signal's exception is raised in the main thread, not in the one starting the child."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     caught: list[int] = []
     previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in STOP_SIGNALS}
     try:

@@ -40,3 +40,23 @@ def test_a_stop_signal_waits_until_the_child_is_recorded() -> None:
         for proc in recorded:
             proc.kill()
             proc.wait()
+
+
+def test_a_child_started_from_another_thread_needs_no_deferral() -> None:
+    """A benchmark restarts its Redis from a worker thread: nothing to defer there, and no error
+    (signal handlers can only be set in the main thread)."""
+    started: list[object] = []
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            with processes.signals_deferred():
+                started.append(processes.spawn([sys.executable, "-c", "pass"]))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    thread.join(timeout=30)
+    assert not errors and len(started) == 1
+    started[0].wait()  # type: ignore[attr-defined]
