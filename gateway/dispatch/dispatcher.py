@@ -76,6 +76,7 @@ class Dispatcher:
         config: SchedulerConfig | None = None,
         on_fatal: Callable[[str], None] | None = None,
         batch: AutoPipeline | None = None,
+        on_accuracy: Callable[[Accuracy | None], None] | None = None,
     ) -> None:
         self.settings = settings
         self.client = client
@@ -100,6 +101,7 @@ class Dispatcher:
         self.failed: str | None = None  # why a loop stopped; the gateway is then not ready
         self.on_fatal = on_fatal
         self._on_workers = on_workers
+        self._on_accuracy = on_accuracy  # how the promise to a forwarded request fared (the scheduler's metrics)
         self._wake = asyncio.Event()
         self._closing = False  # loops end at their next turn (a cancel can be swallowed, see close)
         self.outage = Outage()  # shared by the loops: one warning when Redis fails, one line when it is back
@@ -222,16 +224,16 @@ class Dispatcher:
                 remote = await decided
         except TimeoutError:
             self.cancel(seq.rid)  # should a scheduler take it up later, it never runs
-            self.forget(seq.rid)
+            self._unforward(seq.rid)
             return Reject(seq.rid, "no_scheduler", f"no scheduler answered within {DECIDE_S:g} s", 1.0, 0.0)
         except BaseException:
             self.cancel(seq.rid)
-            self.forget(seq.rid)
+            self._unforward(seq.rid)
             raise
         finally:
             self._decisions.pop(seq.rid, None)
         if isinstance(remote, Reject):
-            self.forget(seq.rid)
+            self._unforward(seq.rid)
             return remote
         pending.contract = remote
         return pending
@@ -253,10 +255,15 @@ class Dispatcher:
         return {pool: {"requests": n, "tokens": t} for pool, (n, t) in self.shell.backlog().items()}
 
     def forget(self, rid: str) -> None:
-        """The request is over here: stop routing its events; its batch's lease learns it."""
+        """The request is over here: stop routing its events; its batch's lease learns it (a
+        forwarded one's scheduler learns it from ``outcome``, which follows)."""
+        self.pending.pop(rid, None)
+        self.shell.request_ended(rid, time.monotonic())
+
+    def _unforward(self, rid: str) -> None:
+        """A forwarded request that was never admitted: nothing to tell the scheduler later."""
         self.pending.pop(rid, None)
         self._remote.discard(rid)
-        self.shell.request_ended(rid, time.monotonic())
 
     def first_token(self, rid: str, ttft_s: float) -> None:
         """A streamed request's first token came ``ttft_s`` after it arrived."""
@@ -270,6 +277,7 @@ class Dispatcher:
         contracts (the scheduler's, for a forwarded request); how its promise fared (None
         for a forwarded one: the scheduler keeps the calibration)."""
         if rid in self._remote:
+            self._remote.discard(rid)
             self._note("end", rid, ttft_s=ttft_s, total_s=total_s, tokens=tokens)
             return None
         return self.shell.outcome(rid, ttft_s, total_s, tokens, time.monotonic())
@@ -724,9 +732,11 @@ class Dispatcher:
         elif kind == "end":
             ttft, total, tokens = note.get("ttft_s"), note.get("total_s"), note.get("tokens")
             self.shell.request_ended(rid, now)
-            self.shell.outcome(rid, ttft if isinstance(ttft, float) else None,
-                               total if isinstance(total, float) else None,
-                               tokens if isinstance(tokens, int) else 0, now)
+            accuracy = self.shell.outcome(rid, ttft if isinstance(ttft, float) else None,
+                                          total if isinstance(total, float) else None,
+                                          tokens if isinstance(tokens, int) else 0, now)
+            if self._on_accuracy is not None:
+                self._on_accuracy(accuracy)
         elif kind == "cancel" and self.shell.cancel(rid, now):
             self._refuse_queued(rid, "cancelled", "The client went away.")
 

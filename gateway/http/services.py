@@ -74,7 +74,8 @@ class Gateway:
         self.metrics = Metrics()
         self.batch = AutoPipeline(client)  # admissions, settlements and jobs of one loop turn: one round trip
         self.dispatcher = Dispatcher(settings, client, config=settings.scheduler, batch=self.batch,
-                                     on_workers=lambda found: self.metrics.observe_workers(found, settings.pools))
+                                     on_workers=lambda found: self.metrics.observe_workers(found, settings.pools),
+                                     on_accuracy=self.metrics.observe_contract)
         self.tenants = TenantStore(client)
         self.auth = Authenticator(self.tenants, settings.auth_cache_s)
         self.budget = Budget(client, settings, self.batch)

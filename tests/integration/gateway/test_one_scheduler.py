@@ -57,6 +57,13 @@ def _id(entry_id: bytes) -> tuple[int, int]:
     return int(ms), int(seq)
 
 
+async def _outcomes(lead: Harness, component: str) -> float:
+    """Requests the scheduler's /metrics counts as finished under a contract."""
+    text = (await lead.http.get("/metrics")).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("tokengate_contract_outcomes_total{") and f'component="{component}"' in line)
+
+
 async def _none_pending(lead: Harness, timeout_s: float = 5.0) -> None:
     """Nothing left pending in the arrivals group (notes are acknowledged just after they are read)."""
     deadline = time.monotonic() + timeout_s
@@ -84,6 +91,13 @@ async def test_a_follower_gets_its_contract_from_the_scheduler_and_its_result_fr
         # every forwarded admission was dispatched and acknowledged once, and the followers'
         # notes (their requests' ends, read after the answers went out) are acknowledged too
         await _none_pending(lead)
+        # the scheduler's calibration and contract accuracy count every request, wherever it
+        # was answered (the followers' notes of each request's end come after the answer)
+        deadline = time.monotonic() + 5.0
+        while (counted := await _outcomes(lead, "total")) < 13:
+            assert time.monotonic() < deadline, f"{counted} outcomes counted by the scheduler"
+            await asyncio.sleep(0.05)
+        assert counted == 13
         client = lead.gw.dispatcher.client
         assert await client.xlen(wire.ARRIVALS_STREAM) >= 12  # the admissions at least
         group = (await client.xinfo_groups(wire.ARRIVALS_STREAM))[0]
