@@ -287,10 +287,15 @@ class Dispatcher:
         self._spawn(self._xadd_arrivals(election.encode_note(kind, rid, **values)))
 
     async def _xadd_arrivals(self, fields: dict[bytes, bytes]) -> None:
+        await self._xadd_or_warn(wire.ARRIVALS_STREAM, fields)  # if lost: the slot comes back with the report
+
+    async def _xadd_or_warn(self, stream: str, fields: dict[bytes, bytes]) -> None:
+        """One entry sent between gateways, in this turn's round trip; a failure is logged (each
+        caller says what makes up for it)."""
         try:
-            await self.batch.call("XADD", wire.ARRIVALS_STREAM, "*", *_flat(fields))
-        except RedisError as exc:  # the scheduler learns the slot back from the batch's report
-            log.warning("could not tell the scheduler: %s", exc)
+            await self.batch.call("XADD", stream, "*", *_flat(fields))
+        except RedisError as exc:
+            log.warning("could not write to %s: %s", stream, exc)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -579,8 +584,7 @@ class Dispatcher:
     async def _take_over(self) -> None:
         """Schedule for every gateway from now on: the workers' running sequences are the
         previous scheduler's until they end, and the arrivals it left are taken up."""
-        with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists
-            await self.client.xgroup_create(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, id="$", mkstream=True)
+        await self._arrivals_group()
         self.workers = await self.liveness.workers()
         self.shell.take_over(self.workers)
         self.shell.capacity(self.workers, time.monotonic())
@@ -589,6 +593,10 @@ class Dispatcher:
         log.info("this gateway schedules for all gateways now")
         await self._reclaim(0)
         self._wake.set()
+
+    async def _arrivals_group(self) -> None:
+        with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists
+            await self.client.xgroup_create(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, id="$", mkstream=True)
 
     def _step_down(self, why: str) -> None:
         """Another gateway schedules now. This one's queued requests go: its own clients'
@@ -669,8 +677,7 @@ class Dispatcher:
             except RedisError as exc:
                 if "NOGROUP" in str(exc) and self.leader:  # the stream was deleted (Redis restarted)
                     with contextlib.suppress(RedisError):
-                        await self.client.xgroup_create(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, id="$",
-                                                        mkstream=True)
+                        await self._arrivals_group()
                 await asyncio.sleep(retry.count(exc))
                 continue
             retry.succeeded(started)
@@ -694,7 +701,7 @@ class Dispatcher:
                     continue
                 done.append(entry_id)
                 if kind == b"e":
-                    self._handle(p.decode_events({b"v": str(p.VERSION).encode(), b"m": fields[b"m"]}))
+                    self._handle(p.decode_events(fields))
                 elif kind == b"n":
                     self._apply_note(election.decode_note(fields), now)
             except p.ProtocolError as exc:
@@ -716,14 +723,8 @@ class Dispatcher:
         answer = election.encode_decision(seq.rid, decision)
         if isinstance(decision, Reject):  # answered and acknowledged together
             self._spawn(self._settle_quietly([(arrival.reply_to, election.DECISION, answer)], [entry]))
-        else:  # the arrival stays pending until its job leaves
-            self._spawn(self._xadd_decision(arrival.reply_to, answer))
-
-    async def _xadd_decision(self, stream: str, answer: bytes) -> None:
-        try:
-            await self.batch.call("XADD", stream, "*", b"v", str(p.VERSION).encode(), election.DECISION, answer)
-        except RedisError as exc:  # the follower gives up after DECIDE_S and cancels the request
-            log.warning("could not send a decision to %s: %s", stream, exc)
+        else:  # the arrival stays pending until its job leaves; if lost, the follower gives up after DECIDE_S
+            self._spawn(self._xadd_or_warn(arrival.reply_to, {b"v": election.VERSION, election.DECISION: answer}))
 
     def _apply_note(self, note: dict[str, object], now: float) -> None:
         rid, kind = str(note["rid"]), note.get("kind")

@@ -84,6 +84,7 @@ return 1
 """
 
 DECISION = b"d"  # the field of a decision entry on a follower's reply stream (events use b"m")
+VERSION = str(p.VERSION).encode()  # every entry's b"v", as on the workers' streams
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,23 +98,23 @@ class Arrival:
 
 def encode_arrival(seq: p.SeqJob, who: Origin, reply_to: str) -> dict[bytes, bytes]:
     job = p.encode_job(p.BatchJob("arrival", reply_to, 0, (seq,)))
-    return {b"k": b"a", b"m": job["m"], b"o": orjson.dumps(dataclasses.asdict(who))}
+    return {b"k": b"a", b"v": VERSION, b"m": job["m"], b"o": orjson.dumps(dataclasses.asdict(who))}
 
 
 def encode_events(events: list[p.Event]) -> dict[bytes, bytes]:
     """Worker events about forwarded requests (final events, batch reports), for the scheduler."""
-    return {b"k": b"e", b"m": p.encode_events(events)["m"]}
+    return {b"k": b"e", b"v": VERSION, b"m": p.encode_events(events)["m"]}
 
 
 def encode_note(kind: str, rid: str, **values: float | int | None) -> dict[bytes, bytes]:
     """``first`` (its first token came), ``end`` (it ended where it was sent from; what it
     took), ``cancel`` (its client left)."""
-    return {b"k": b"n", b"m": orjson.dumps({"kind": kind, "rid": rid, **values})}
+    return {b"k": b"n", b"v": VERSION, b"m": orjson.dumps({"kind": kind, "rid": rid, **values})}
 
 
 def decode_arrival(fields: dict[bytes, bytes]) -> Arrival:
     try:
-        job = p.decode_job({b"v": str(p.VERSION).encode(), b"m": fields[b"m"]})
+        job = p.decode_job(fields)
         who = Origin(**orjson.loads(fields[b"o"]))
     except (KeyError, TypeError, orjson.JSONDecodeError) as exc:
         raise p.ProtocolError(f"malformed arrival: {exc!r}") from exc
