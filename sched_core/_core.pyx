@@ -27,6 +27,8 @@ from sched_core._heap cimport (
 
 from sched_core.costmodel import COEFFICIENTS, StepModel
 from sched_core.report import queued_explanation, route_reason, snapshot_dict, thresholds
+from sched_core.smdp import N_STATES as _N_STATES
+from sched_core.smdp import describe, in_force, long_bucket
 from sched_core.types import HOLD_SLACK as _HOLD_SLACK
 from sched_core.types import LN100 as _LN100
 from sched_core.types import Contract, Dispatch, Reject, Request, SchedulerConfig
@@ -147,6 +149,20 @@ cdef struct Tail:
     double gap
 
 
+cdef enum:
+    NSTATES = 12  # sched_core.smdp.N_STATES, checked at import
+assert _N_STATES == NSTATES
+
+
+cdef struct Act:
+    # One macro-state's action (sched_core.smdp.Action), as the core applies it.
+    double queue_steps
+    double share
+    double key_w
+    double admit_w
+    double admit_slack
+
+
 cdef struct Terms:
     int path
     double wait
@@ -229,7 +245,16 @@ cdef class Scheduler:
     cdef long long workers[2]
     cdef long long budget[2]    # tokens per worker step
     cdef double pend[2]         # prompt tokens dispatched and not yet seen prefilled
-    cdef double queue_steps     # prefill_queue_steps
+    cdef double queue_steps     # prefill_queue_steps of the action in force
+    cdef Act acts[NSTATES]      # the policy table (sched_core.smdp), the heuristic's if none
+    cdef readonly object table
+    cdef int state              # the macro-state of the last arrival or tick
+    cdef long long visits[NSTATES]
+    cdef int long_k             # the first bucket of long prompts
+    cdef double full_share
+    cdef double share           # slot_share of the action in force
+    cdef double key_w           # weight of a prompt token in the aging key
+    cdef long long lim[2]       # slots in use allowed: the share of cap, at least one of a path's
     cdef double now
     cdef long long next_batch
     cdef long long nqueued
@@ -346,7 +371,18 @@ cdef class Scheduler:
         self.alpha = cfg.ewma_alpha
         self.slo = cfg.ttft_p99_slo_s
         self.tpot = cfg.tpot_slo_s
-        self.queue_steps = cfg.prefill_queue_steps
+        self.table = in_force(cfg.policy_table, cfg.prefill_queue_steps)
+        for k, action in enumerate(self.table.actions):
+            self.acts[k].queue_steps = action.prefill_queue_steps
+            self.acts[k].share = action.slot_share
+            self.acts[k].key_w = action.key_weight
+            self.acts[k].admit_w = action.admit_weight
+            self.acts[k].admit_slack = action.admit_slack
+        self.long_k = long_bucket(bounds, self.table.long_prompt)
+        self.full_share = self.table.full_share
+        self.queue_steps = self.acts[0].queue_steps
+        self.share = self.acts[0].share
+        self.key_w = self.acts[0].key_w
         self.pend[CPU] = 0.0
         self.pend[GPU] = 0.0
         self.default_out = cfg.default_output_tokens
@@ -392,6 +428,7 @@ cdef class Scheduler:
         if k == self.nb:
             return _reject(rid, "too_long", f"prompt of {prompt} tokens "
                          f"exceeds the largest bucket ({self.bounds[self.nb - 1]})", 0.0, 0.0)
+        self._apply(self._classify())
         cdef int t = self._tenant(slot(req, _REQUEST[R_TENANT]))
         cdef int out = self._expected_output(slot(req, _REQUEST[R_EXPECTED]),
                                              slot(req, _REQUEST[R_MAX_TOKENS]), t, k)
@@ -428,6 +465,9 @@ cdef class Scheduler:
         cdef list out = []
         cdef int i, k, p, count
         cdef long long limit
+        cdef int state = self._classify()
+        self.visits[state] += 1
+        self._apply(state)
         self._expire(now, out)
         cdef Tail tl = self._tail(now)
         if tl.t_cut < INF and self.cap[GPU] > 0:  # the cut moves the gpu queue's tail to the cpu
@@ -511,6 +551,7 @@ cdef class Scheduler:
         self.now = now
         cdef int p = POOLS.index(path)
         self.cap[p] = slots
+        self._limits()
         self.workers[p] = workers if workers > 0 else 1
         if step_tokens > 0:
             self.budget[p] = step_tokens
@@ -550,6 +591,7 @@ cdef class Scheduler:
                 "capacity": self.cap[p], "in_flight": self.used[p], "kv_tokens": self.kv[p],
                 "workers": self.workers[p], "step_tokens": self.budget[p],
                 "pending_prefill": self.pend[p],
+                "slot_limit": self.lim[p],
                 "max_batch": self.maxb[p], "fitted_steps": self._models[p].observations,
                 "step_model": {**dict(zip(COEFFICIENTS, [self.coef[p][i] for i in range(5)],
                                           strict=True)), "prefill_attention": self.quad[p]},
@@ -562,7 +604,22 @@ cdef class Scheduler:
         return snapshot_dict(
             now=now, queued=self.nqueued, buckets=buckets, paths=paths, t_cut=tl.t_cut,
             mu_cpu=self._mu_cpu(), lambda_cpu=meter_rate(&self.cpu_meter, now, self.tau),
-            slo=self.slo, tenants=tenants, min_counter=self._min_counter())
+            slo=self.slo, tenants=tenants, min_counter=self._min_counter(),
+            policy=describe(self.config.policy_table, self.state, self.state_visits()))
+
+    @property
+    def macro_state(self):
+        """The macro-state of the last arrival or tick (``sched_core.smdp.STATE_NAMES``)."""
+        return self.state
+
+    def state_visits(self):
+        """How many ticks found the scheduler in each macro-state."""
+        return [self.visits[k] for k in range(NSTATES)]
+
+    def admission(self):
+        """The admission threshold of the state of the last arrival (reference.py says how
+        it is read)."""
+        return self.acts[self.state].admit_w, self.acts[self.state].admit_slack
 
     def prefill_alone_s(self, path, int prompt_tokens):
         """The fitted time to prefill ``prompt_tokens`` on an idle worker of ``path``: the part
@@ -692,7 +749,7 @@ cdef class Scheduler:
                       long long ahead_prompt, int out, int prompt, double now) noexcept:
         cdef Terms r
         cdef int p = self._target(k, n, nbar)
-        cdef long long cap = self.cap[p] if self.cap[p] > 1 else 1
+        cdef long long cap = self.lim[p] if self.lim[p] > 1 else 1
         cdef long long w = self.workers[p]
         cdef long long per = cap // w if cap // w > 1 else 1
         per = lmin(self.maxb[p], per)
@@ -741,7 +798,7 @@ cdef class Scheduler:
                       double service, double now) except -1:
         cdef long long cost = prompt + out
         # shortest prompt first, with aging (docs/scheduling.md §2)
-        cdef double key = prompt + self.aging * arrival + self.prio_tokens * priority
+        cdef double key = prompt * self.key_w + self.aging * arrival + self.prio_tokens * priority
         cdef int h = self._new_handle(rid)
         idt_insert(&self.by_id, hv, h)
         cdef Req* r = &self.reqs[h]
@@ -1040,7 +1097,50 @@ cdef class Scheduler:
     # ------------------------------------------------------------ release
 
     cdef inline long long _free(self, int p) noexcept:
-        return self.cap[p] - self.used[p]
+        return self.lim[p] - self.used[p]
+
+    # ------------------------------------------------------------ macro-states
+
+    cdef inline int _classify(self) noexcept:
+        """The macro-state now (sched_core.smdp.classify)."""
+        cdef long long free = 0
+        cdef int k, level, lng = 0, full = 0
+        if self.cap[CPU] > self.used[CPU]:
+            free += self.cap[CPU] - self.used[CPU]
+        if self.cap[GPU] > self.used[GPU]:
+            free += self.cap[GPU] - self.used[GPU]
+        for k in range(self.long_k, self.nb):
+            if self.n[k] > 0:
+                lng = 1
+                break
+        if ((self.cap[CPU] > 0 and self.used[CPU] >= self.full_share * self.cap[CPU])
+                or (self.cap[GPU] > 0 and self.used[GPU] >= self.full_share * self.cap[GPU])):
+            full = 1
+        if self.nqueued <= free:
+            level = 0
+        elif self.nqueued <= self.cap[CPU] + self.cap[GPU]:
+            level = 1
+        else:
+            level = 2
+        return level * 4 + lng * 2 + full
+
+    cdef inline void _apply(self, int state) noexcept:
+        """Put the state's action in force."""
+        self.state = state
+        cdef Act* a = &self.acts[state]
+        self.queue_steps = a.queue_steps
+        self.key_w = a.key_w
+        if a.share != self.share:
+            self.share = a.share
+            self._limits()
+
+    cdef inline void _limits(self) noexcept:
+        """The slots each path may fill: its share of the capacity, at least one."""
+        cdef int p
+        cdef long long lim
+        for p in range(2):
+            lim = <long long>(<double>self.cap[p] * self.share)
+            self.lim[p] = lim if lim > 0 or self.cap[p] <= 0 else 1
 
     cdef inline double _step_s(self, int p, double prefill, double seqs, double kv) noexcept:
         """One worker step: a decode forward of ``seqs`` sequences holding ``kv`` KV tokens
@@ -1260,7 +1360,7 @@ cdef class Scheduler:
 
     cdef double _mu_cpu(self) noexcept:
         """μ_a: requests/s the cpu path serves with every worker full, at the current mix."""
-        cdef long long cap = self.cap[CPU]
+        cdef long long cap = self.lim[CPU]
         if cap <= 0:
             return 0.0
         cdef long long w = self.workers[CPU]

@@ -138,6 +138,11 @@ class _Batch:
     expires: float
 
 
+def _quantile(weight: float) -> str:
+    """The quantile of an exponential tail at ``weight`` (sched_core.smdp.quantile_weight)."""
+    return f"the {100.0 * (1.0 - math.exp(-weight * math.log(100.0))):.0f}th percentile"
+
+
 class Driver:
     """A policy plus the slot bookkeeping that decides when it must be asked again, and the
     calibration of its contracts. It is the one owner of batch -> requests: each dispatched
@@ -149,6 +154,7 @@ class Driver:
         self.policy = policy
         self._wakes = policy if isinstance(policy, Wakes) else None  # a Protocol check costs ~10 us a call
         self._alone = getattr(policy, "prefill_alone_s", None)  # the scheduler's; baselines promise nothing
+        self._admission = getattr(policy, "admission", None)  # the threshold of the state in force (smdp)
         self.tick_s = tick_s
         config = getattr(policy, "config", None)
         self._promises = isinstance(config, SchedulerConfig)  # the baselines promise nothing
@@ -198,21 +204,32 @@ class Driver:
         ttft_slo = req.slo_ttft_s * (HOLD_SLACK if over else 1.0) if req.slo_ttft_s is not None else math.inf
         tpot_slo = req.slo_tpot_s if req.slo_tpot_s is not None else math.inf
         full = over and load >= FULL_LOAD  # capacity left is kept for the tenants within their share
-        if c.ttft_p99_s <= ttft_slo and c.tpot_p99_s <= tpot_slo and not full:
+        ttft, tpot = c.ttft_p99_s, c.tpot_p99_s
+        weight, slack = self._admission() if self._admission is not None else (1.0, 1.0)
+        if weight < 1.0 or slack != 1.0:  # the macro-state's quantile of each bound, against its multiple of the SLO
+            if weight < 1.0:
+                ttft = c.ttft_s + weight * (c.ttft_p99_s - c.ttft_s)
+                tpot = c.tpot_s + weight * (c.tpot_p99_s - c.tpot_s)
+            ttft_slo *= slack
+            tpot_slo *= slack
+        if ttft <= ttft_slo and tpot <= tpot_slo and not full:
             return None
         if not self._take_back(req.id, now):
             return None  # keep the promise, bounds and all
         if full:
             why = ("its tenant is over its fair share and the workers are full: what is left goes to the "
                    "tenants within theirs")
-        elif c.ttft_p99_s > ttft_slo:
+        elif ttft > ttft_slo:
             why = (f"its first token could be promised within {c.ttft_p99_s * 1000:.0f} ms (p99), "
-                   f"not the {ttft_slo * 1000:.0f} ms asked" + (" (half the SLO: its tenant is over its "
-                                                               "fair share)" if over else ""))
+                   f"not the {ttft_slo / slack * 1000:.0f} ms asked" + (" (half the SLO: its tenant is over its "
+                                                                        "fair share)" if over else ""))
         else:
             why = (f"its tokens could be promised every {c.tpot_p99_s * 1000:.0f} ms (p99), not the "
-                   f"{tpot_slo * 1000:.0f} ms asked")
-        wait = max(c.ttft_p99_s - ttft_slo, 0.0)
+                   f"{tpot_slo / slack * 1000:.0f} ms asked")
+        if weight < 1.0 or slack != 1.0:
+            why += (f"; at this load the policy admits a request only where {_quantile(weight)} of its "
+                    f"bounds is within {slack:g}x the SLO")
+        wait = max(ttft - ttft_slo, 0.0)
         return Reject(req.id, "slo", why, max(1.0, wait), c.total_s, c.ttft_p99_s, c.p99_s)
 
     def _wait_refusal(self, req: Request, c: Contract, load: float, now: float) -> Reject | None:

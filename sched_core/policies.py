@@ -14,12 +14,14 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from common.pools import POOLS
 from sched_core import IMPLEMENTATIONS
 from sched_core.driver import TICK_S, Policy
 from sched_core.reference import RateMeter
+from sched_core.smdp import PolicyTable, packaged_table
 from sched_core.types import BatchTimings, Dispatch, Reject, Request, SchedulerConfig
 
 if TYPE_CHECKING:  # the simulator's package imports this module
@@ -230,7 +232,7 @@ class ThreeRegime(FifoPolicy):
         return n + 1 < self._rate.rate(now) * gain and (n + 1) * (now - self._rate.last) < gain
 
 
-POLICY_FORMS = ("tokengate", "fcfs", "gpu-only", "three-regime",
+POLICY_FORMS = ("tokengate", "smdp", "smdp:FILE", "fcfs", "gpu-only", "three-regime",
                 "fixed:batch=B", "fixed:window_ms=W", "fixed:batch=B,window_ms=W")
 
 
@@ -241,6 +243,9 @@ def make_policy(spec: str, config: SchedulerConfig, *, max_batch: Mapping[str, i
     Each name means one thing:
 
     - ``tokengate``: the scheduler (``implementation``: the compiled core or its twin);
+    - ``smdp``: the scheduler with the design notes' SMDP table (``sched_core.smdp``), the
+      packaged one, or ``smdp:FILE``, a table ``tokengate policy solve`` wrote (a table the
+      config already carries wins over the packaged one);
     - ``fcfs``: FCFS continuous batching; ``gpu-only``: the same on the gpu pool alone;
     - ``fixed:batch=B[,window_ms=W]``: a batcher of B requests. Without a window a batch leaves
       only when B requests wait and B slots are free (a closed simulation drains the rest when
@@ -253,6 +258,9 @@ def make_policy(spec: str, config: SchedulerConfig, *, max_batch: Mapping[str, i
     pools a baseline uses, in order. ``max_batch`` overrides the config's per-path limit.
     Raises ValueError with the accepted forms."""
     name, _, args = spec.partition(":")
+    if name == "smdp":  # its argument is a path, not knobs; a bad table says what is wrong with it
+        table = PolicyTable.load(args) if args else config.policy_table or packaged_table()
+        return IMPLEMENTATIONS[implementation](replace(config, policy_table=table))
     if max_batch is None:
         max_batch = {p: config.path(i).max_batch for i, p in enumerate(POOLS)}
     try:

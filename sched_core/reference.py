@@ -27,6 +27,7 @@ from typing import Any
 from common.pools import POOLS
 from sched_core.costmodel import COEFFICIENTS, StepModel
 from sched_core.report import queued_explanation, route_reason, snapshot_dict, thresholds
+from sched_core.smdp import N_STATES, classify, describe, in_force, long_bucket
 from sched_core.types import (
     HOLD_SLACK,
     LN100,
@@ -124,6 +125,17 @@ class Scheduler:
         self._workers = [1, 1]
         self._budget = [cfg.cpu.step_tokens, cfg.gpu.step_tokens]  # tokens per worker step
         self._pend = [0.0, 0.0]  # prompt tokens dispatched and not yet seen prefilled
+        # The macro-state and the action in force (sched_core.smdp): set at each arrival
+        # and tick from the table (the heuristic's when the config has none).
+        self._table = in_force(cfg.policy_table, cfg.prefill_queue_steps)
+        self._long_k = long_bucket(self._bounds, self._table.long_prompt)
+        self._state = 0
+        self._visits = [0] * N_STATES
+        action = self._table.actions[0]
+        self._queue_steps = action.prefill_queue_steps
+        self._share = action.slot_share
+        self._key_w = action.key_weight
+        self._lim = [0, 0]  # slots in use allowed: the share of _cap, at least one of a path's
         self._now = 0.0
         self._seq = 0
         self._next_batch = 1
@@ -176,6 +188,7 @@ class Scheduler:
         if k == len(self._bounds):
             return Reject(rid, "too_long", f"prompt of {req.prompt_tokens} tokens exceeds the "
                           f"largest bucket ({self._bounds[-1]})", 0.0, 0.0)
+        self._apply(self._classify())
         t = self._tenant(req.tenant)
         out = self._expected_output(req, t, k)
         n = self._n[k] + 1
@@ -200,6 +213,9 @@ class Scheduler:
     def tick(self, now: float) -> list[Dispatch | Reject]:
         """Decide what to do now: expired deadlines, tail cuts, then batches by urgency."""
         self._now = now
+        state = self._classify()
+        self._visits[state] += 1
+        self._apply(state)
         out: list[Dispatch | Reject] = []
         self._expire(now, out)
         t_cut, _ = self._tail(now)
@@ -274,6 +290,7 @@ class Scheduler:
         self._now = now
         p = POOLS.index(path)
         self._cap[p] = slots
+        self._limits()
         self._workers[p] = workers if workers > 0 else 1
         if step_tokens > 0:
             self._budget[p] = step_tokens
@@ -286,6 +303,22 @@ class Scheduler:
             return False
         self._unqueue(r, DONE)
         return True
+
+    @property
+    def macro_state(self) -> int:
+        """The macro-state of the last arrival or tick (``sched_core.smdp.STATE_NAMES``)."""
+        return self._state
+
+    def state_visits(self) -> list[int]:
+        """How many ticks found the scheduler in each macro-state."""
+        return list(self._visits)
+
+    def admission(self) -> tuple[float, float]:
+        """The admission threshold of the state of the last arrival: where between the
+        prediction (0) and its 99th-percentile bound (1) the SLO is checked, and the SLO's
+        multiple it is checked against."""
+        action = self._table.actions[self._state]
+        return action.admit_weight, action.admit_slack
 
     def snapshot(self) -> dict[str, Any]:
         """Queues per bucket, fitted cost curves, thresholds and counters, as JSON data."""
@@ -308,6 +341,7 @@ class Scheduler:
                 "capacity": self._cap[p], "in_flight": self._used[p], "kv_tokens": self._kv[p],
                 "workers": self._workers[p], "step_tokens": self._budget[p],
                 "pending_prefill": self._pend[p],
+                "slot_limit": self._lim[p],
                 "max_batch": self._max_batch[p], "fitted_steps": model.observations,
                 "step_model": {**dict(zip(COEFFICIENTS, self._coef[p], strict=True)),
                                "prefill_attention": self._quad[p]},
@@ -320,7 +354,8 @@ class Scheduler:
         return snapshot_dict(
             now=now, queued=self._queued, buckets=buckets, paths=paths, t_cut=t_cut,
             mu_cpu=self._mu_cpu(), lambda_cpu=self._cpu_meter.rate(now),
-            slo=self.config.ttft_p99_slo_s, tenants=tenants, min_counter=self._min_counter())
+            slo=self.config.ttft_p99_slo_s, tenants=tenants, min_counter=self._min_counter(),
+            policy=describe(self.config.policy_table, self._state, self._visits))
 
     def prefill_alone_s(self, path: str, prompt_tokens: int) -> float:
         """The fitted time to prefill ``prompt_tokens`` on an idle worker of ``path``: the part
@@ -418,7 +453,7 @@ class Scheduler:
         worker, since a worker never runs more sequences than its share of the slots.
         """
         p = self._target(k, n, nbar)
-        cap = max(self._cap[p], 1)
+        cap = max(self._lim[p], 1)
         w = self._workers[p]
         per = min(self._max_batch[p], max(cap // w, 1))
         length = float(self._bounds[k])
@@ -450,7 +485,7 @@ class Scheduler:
         prompt = req.prompt_tokens
         cost = prompt + out
         # shortest prompt first, with aging (docs/scheduling.md §2 says why not least slack)
-        key = prompt + cfg.aging_tokens_per_s * req.arrival + cfg.priority_tokens * req.priority
+        key = prompt * self._key_w + cfg.aging_tokens_per_s * req.arrival + cfg.priority_tokens * req.priority
         r = _Req(req, k, t, out, key, service, self._seq)
         self._seq += 1
         self._by_id[req.id] = r
@@ -599,7 +634,36 @@ class Scheduler:
     # ------------------------------------------------------------ release
 
     def _free(self, p: int) -> int:
-        return self._cap[p] - self._used[p]
+        return self._lim[p] - self._used[p]
+
+    # ------------------------------------------------------------ macro-states
+
+    def _classify(self) -> int:
+        """The macro-state now (``sched_core.smdp``): the queue against the free slots and
+        all slots, a long prompt waiting, a path running in its ``full_share`` of slots."""
+        cap, used = self._cap, self._used
+        free = (cap[CPU] - used[CPU] if cap[CPU] > used[CPU] else 0) + (
+            cap[GPU] - used[GPU] if cap[GPU] > used[GPU] else 0)
+        long_waiting = any(self._n[k] > 0 for k in range(self._long_k, len(self._bounds)))
+        share = self._table.full_share
+        full = (cap[CPU] > 0 and used[CPU] >= share * cap[CPU]) or (cap[GPU] > 0 and used[GPU] >= share * cap[GPU])
+        return classify(self._queued, free, cap[CPU] + cap[GPU], long_waiting, full)
+
+    def _apply(self, state: int) -> None:
+        """Put the state's action in force."""
+        self._state = state
+        action = self._table.actions[state]
+        self._queue_steps = action.prefill_queue_steps
+        self._key_w = action.key_weight
+        if action.slot_share != self._share:
+            self._share = action.slot_share
+            self._limits()
+
+    def _limits(self) -> None:
+        """The slots each path may fill: its share of the capacity, at least one."""
+        for p in (CPU, GPU):
+            lim = int(self._cap[p] * self._share)
+            self._lim[p] = lim if lim > 0 or self._cap[p] <= 0 else 1
 
     def _per_worker(self, p: int) -> tuple[float, float]:
         """Sequences and KV tokens one worker of path p holds now: the path's dispatched,
@@ -709,7 +773,7 @@ class Scheduler:
         """Prompt tokens path p's workers prefill in ``prefill_queue_steps`` steps beside
         the sequences they run."""
         u, _ = self._per_worker(p)
-        return self.config.prefill_queue_steps * self._chunk(p, u) * self._workers[p]
+        return self._queue_steps * self._chunk(p, u) * self._workers[p]
 
     def _room(self, p: int, k: int) -> int:
         """How many of bucket k's requests (at its mean prompt) fill path p's prefill queue
@@ -809,7 +873,7 @@ class Scheduler:
 
     def _mu_cpu(self) -> float:
         """μ_a: requests/s the cpu path serves with every worker full, at the current mix."""
-        cap = self._cap[CPU]
+        cap = self._lim[CPU]
         if cap <= 0:
             return 0.0
         w = self._workers[CPU]

@@ -77,8 +77,10 @@ def snapshot_dict(
     slo: float,
     tenants: dict[str, dict[str, Any]],
     min_counter: float,
+    policy: dict[str, Any],
 ) -> dict[str, Any]:
-    """The JSON-serializable state: queues, fits, thresholds, tenants, capacity."""
+    """The JSON-serializable state: queues, fits, thresholds, tenants, capacity, and the
+    policy in force (``sched_core.smdp.describe``)."""
     return {
         "now": now,
         "queued": queued,
@@ -91,6 +93,7 @@ def snapshot_dict(
             "ttft_p99_slo_s": slo,
         },
         "fairness": {"min_counter": finite(min_counter), "tenants": tenants},
+        "policy": policy,
     }
 
 

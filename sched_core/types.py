@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from sched_core.smdp import PolicyTable
+
 #: ln(100): the factor between the mean and the 99th percentile of an exponential tail.
 #: Defined once here so that the Python and the compiled core use the very same double.
 LN100: float = math.log(100.0)
@@ -246,6 +248,9 @@ class SchedulerConfig:
         waits in the scheduler, where the order and fair share apply, instead of in the
         worker's FIFO prefill queue (workers report a step that prefilled at once, so the
         count lags by a step at most).
+    policy_table: the design notes' SMDP table (``sched_core.smdp``): per macro-state, the
+        prefill queue steps, slot share, aging and admission threshold; None: the heuristic
+        (every state takes ``prefill_queue_steps`` and the neutral knobs).
     """
 
     bucket_bounds: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -265,6 +270,7 @@ class SchedulerConfig:
     fit_forgetting: float = 0.999
     prior_weight: float = 10.0
     prefill_queue_steps: float = 4.0
+    policy_table: PolicyTable | None = None
 
     def __post_init__(self) -> None:
         bounds = self.bucket_bounds

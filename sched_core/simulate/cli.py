@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from sched_core.simulate import workload as wl
 from sched_core.simulate.engine import Pool, simulate
 from sched_core.simulate.metrics import Slo
 from sched_core.simulate.profile import CostProfile
+from sched_core.smdp import PolicyTable
 
 DEFAULT_CPU = "cpu-smollm2-135m.json"
 DEFAULT_GPU = "gpu-h100-sxm-smollm2-135m.json"
@@ -29,6 +31,32 @@ AUTO_LOADS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 12.0)  # multiples of FCFS's 90
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    add_workload_args(p)
+    p.add_argument("--table", type=Path,
+                   help="the smdp policy's table (default: the packaged one, sched_core/tables)")
+    p.add_argument("--policies", default="all", help=f"all or a list of {','.join(ex.POLICIES)}")
+    p.add_argument("--rates", default="auto",
+                   help="mean arrival rates (req/s) to sweep; a trace is time-scaled to each. "
+                        "auto: multiples 0.5-12 of the load at which FCFS meets the SLO for 90%% "
+                        "of requests (found by bisection)")
+    p.add_argument("--time-scale", type=float,
+                   help="replay the trace at this time factor instead of a rate sweep")
+    p.add_argument("--json", action="store_true", help="one JSON object per policy and load")
+    p.add_argument("--out", type=Path, default=Path("simulate-out"),
+                   help="directory for the plots and summary.json")
+    p.add_argument("--no-plots", action="store_true")
+    add_deployment_args(p)
+    p.add_argument("--shed", action="store_true",
+                   help="every request carries the SLO to admission: tokengate refuses those its "
+                        "calibrated bounds say would miss it (docs/scheduling.md §14)")
+    p.add_argument("--fixed-sizes", default="4,8,16,32")
+    p.add_argument("--windows-ms", default="2,10,50")
+    p.add_argument("--fair-windows", type=int, default=10,
+                   help="Jain's index is averaged over this many windows of the arrival span")
+
+
+def add_workload_args(p: argparse.ArgumentParser, rows: bool = True) -> None:
+    """The arrivals: a trace (or a part of it) replayed, or synthetic ones."""
     p.add_argument("--trace", type=Path, help="CSV with TIMESTAMP,ContextTokens,GeneratedTokens")
     p.add_argument("--workload", choices=("trace", "poisson", "onoff"),
                    help="arrival process (default: trace with --trace, else poisson)")
@@ -37,20 +65,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "else lognormal)")
     p.add_argument("--requests", type=int, default=4000,
                    help="requests per run: the trace's first N rows, or N synthetic arrivals")
-    p.add_argument("--policies", default="all", help=f"all or a list of {','.join(ex.POLICIES)}")
-    p.add_argument("--rates", default="auto",
-                   help="mean arrival rates (req/s) to sweep; a trace is time-scaled to each. "
-                        "auto: multiples 0.5-12 of the load at which FCFS meets the SLO for 90%% "
-                        "of requests (found by bisection)")
-    p.add_argument("--time-scale", type=float,
-                   help="replay the trace at this time factor instead of a rate sweep")
+    if rows:
+        p.add_argument("--rows", default="all",
+                       help="the part of --trace to use, before --requests: START:END, first-half or "
+                            "second-half (a table tuned on one half is reported on the other)")
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="divide prompt and output lengths by this factor")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="one JSON object per policy and load")
-    p.add_argument("--out", type=Path, default=Path("simulate-out"),
-                   help="directory for the plots and summary.json")
-    p.add_argument("--no-plots", action="store_true")
+
+
+def add_deployment_args(p: argparse.ArgumentParser) -> None:
+    """The simulated workers: their pools, profiles, slots and step budgets, and the SLO."""
     p.add_argument("--profile-cpu", type=Path,
                    help=f"a profile JSON or a packaged profile's name (default {DEFAULT_CPU})")
     p.add_argument("--profile-gpu", type=Path,
@@ -70,9 +95,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                      "beta:2000:0.15,gamma:4000:0.2,noisy:2000:0.5)")
     p.add_argument("--known-output", action="store_true",
                    help="tell the scheduler each request's exact output length")
-    p.add_argument("--shed", action="store_true",
-                   help="every request carries the SLO to admission: tokengate refuses those its "
-                        "calibrated bounds say would miss it (docs/scheduling.md §14)")
     p.add_argument("--cpu-step-tokens", type=int, default=None,
                    help="tokens per cpu worker step, decode plus prefill chunk (default: the "
                         "cpu profile's step_model, else 256)")
@@ -81,10 +103,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs-per-read", type=int, default=0,
                    help="jobs a worker reads per loop (0: all that fit its free slots, as "
                         "workers/worker.py does; 1: the one-job reads of earlier workers)")
-    p.add_argument("--fixed-sizes", default="4,8,16,32")
-    p.add_argument("--windows-ms", default="2,10,50")
-    p.add_argument("--fair-windows", type=int, default=10,
-                   help="Jain's index is averaged over this many windows of the arrival span")
     p.add_argument("--impl", choices=("cython", "reference"), default="cython")
 
 
@@ -154,6 +172,65 @@ def estimate_capacity(pools: tuple[Pool, ...], prompt: float, output: float) -> 
     return total
 
 
+def deployment(args: argparse.Namespace) -> tuple[tuple[Pool, ...], Slo]:
+    """The simulated pools and the SLO, from ``add_deployment_args``' flags."""
+    fleet = fleet_profiles(args.fleet) if args.fleet else {}
+    cpu = fleet["cpu"] if "cpu" in fleet and args.profile_cpu is None else _profile(args.profile_cpu, DEFAULT_CPU)
+    gpu = fleet["gpu"] if "gpu" in fleet and args.profile_gpu is None else _profile(args.profile_gpu, DEFAULT_GPU)
+    pools = tuple(p for p in (
+        Pool("cpu", args.cpu_workers, args.cpu_slots, cpu, args.cpu_step_tokens or cpu.step_tokens or 256),
+        Pool("gpu", args.gpu_workers, args.gpu_slots, gpu, args.gpu_step_tokens or gpu.step_tokens or 8192),
+    ) if p.workers)
+    if not pools:
+        raise ValueError("no workers in any pool")
+    return pools, Slo(args.slo_ms / 1000.0, args.slo_tpot_ms / 1000.0)
+
+
+def read_rows(trace: Path | None, part: str, requests: int) -> list[wl.TraceRow]:
+    """The trace's rows of ``part`` (``workload.trace_part``), the first ``requests`` of them."""
+    if trace is None:
+        return []
+    with open(trace, newline="") as f:
+        return wl.trace_part(wl.parse_trace(f, str(trace)), part)[:requests]
+
+
+def workloads(args: argparse.Namespace, rows_in: list[wl.TraceRow], time_scale: float | None = None,
+              kind: str | None = None, lengths_kind: str | None = None,
+              ) -> tuple[str, str, float, Callable[[float], wl.Workload]]:
+    """(arrival process, lengths, the trace's native rate, the workload at a mean rate) from
+    ``add_workload_args``' flags; ``kind`` and ``lengths_kind`` override --workload and
+    --lengths. A trace is time-scaled to each rate (or by ``time_scale``)."""
+    tenants = wl.parse_tenants(args.tenants) if args.tenants else wl.DEFAULT_TENANTS
+    kind = kind or args.workload or ("trace" if rows_in else "poisson")
+    if kind == "trace" and not rows_in:
+        raise ValueError("--workload trace needs --trace")
+    lengths_kind = lengths_kind or args.lengths or ("trace" if rows_in else "lognormal")
+    if lengths_kind == "trace" and not rows_in:
+        raise ValueError("--lengths trace needs --trace")
+    lengths = {"trace": lambda: wl.trace_lengths(rows_in, args.length_scale),
+               "lognormal": wl.lognormal_lengths, "pareto": wl.pareto_lengths}[lengths_kind]()
+    native = wl.trace_rate(rows_in) if rows_in else 0.0
+
+    def make(rate: float) -> wl.Workload:
+        if kind == "trace":
+            scale = time_scale if time_scale else native / rate
+            return wl.replay(rows_in, time_scale=scale, length_scale=args.length_scale,
+                             tenants=tenants, seed=args.seed)
+        gen = wl.poisson if kind == "poisson" else wl.on_off
+        return gen(rate, args.requests, lengths, tenants=tenants, seed=args.seed)
+
+    return kind, lengths_kind, native, make
+
+
+def base_load(make: Callable[[float], wl.Workload], setup: ex.Setup) -> float:
+    """FCFS's 90%-SLO load (req/s), by bisection from the pools' rough capacity."""
+    probe = make(1.0)
+    mean_p = sum(a.prompt_tokens for a in probe.arrivals) / len(probe.arrivals)
+    mean_o = sum(a.output_tokens for a in probe.arrivals) / len(probe.arrivals)
+    guess = estimate_capacity(setup.pools, mean_p, mean_o) / 4.0
+    return ex.find_sustained(make, setup, guess)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
@@ -167,54 +244,22 @@ def _run(args: argparse.Namespace) -> int:
     unknown = [p for p in policies if p not in ex.POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {', '.join(ex.POLICIES)}")
-    fleet = fleet_profiles(args.fleet) if args.fleet else {}
-    cpu = fleet["cpu"] if "cpu" in fleet and args.profile_cpu is None else _profile(args.profile_cpu, DEFAULT_CPU)
-    gpu = fleet["gpu"] if "gpu" in fleet and args.profile_gpu is None else _profile(args.profile_gpu, DEFAULT_GPU)
-    pools = tuple(p for p in (
-        Pool("cpu", args.cpu_workers, args.cpu_slots, cpu, args.cpu_step_tokens or cpu.step_tokens or 256),
-        Pool("gpu", args.gpu_workers, args.gpu_slots, gpu, args.gpu_step_tokens or gpu.step_tokens or 8192),
-    ) if p.workers)
-    if not pools:
-        raise ValueError("no workers in any pool")
-    slo = Slo(args.slo_ms / 1000.0, args.slo_tpot_ms / 1000.0)
+    pools, slo = deployment(args)
     setup = ex.Setup(pools, slo, seed=args.seed, known_output=args.known_output,
                      fixed_sizes=tuple(int(x) for x in _floats(args.fixed_sizes)),
                      windows_s=tuple(x / 1000.0 for x in _floats(args.windows_ms)),
                      implementation=args.impl, jobs_per_read=args.jobs_per_read,
-                     fair_windows=args.fair_windows, shed=args.shed)
-    tenants = wl.parse_tenants(args.tenants) if args.tenants else wl.DEFAULT_TENANTS
-    rows_in: list[wl.TraceRow] = []
-    if args.trace is not None:
-        with open(args.trace, newline="") as f:
-            rows_in = wl.parse_trace(f, str(args.trace))[: args.requests]
-    kind = args.workload or ("trace" if rows_in else "poisson")
-    if kind == "trace" and not rows_in:
-        raise ValueError("--workload trace needs --trace")
-    lengths_kind = args.lengths or ("trace" if rows_in else "lognormal")
-    if lengths_kind == "trace" and not rows_in:
-        raise ValueError("--lengths trace needs --trace")
-    lengths = {"trace": lambda: wl.trace_lengths(rows_in, args.length_scale),
-               "lognormal": wl.lognormal_lengths, "pareto": wl.pareto_lengths}[lengths_kind]()
-    native = wl.trace_rate(rows_in) if rows_in else 0.0
-
-    def make(rate: float) -> wl.Workload:
-        if kind == "trace":
-            scale = args.time_scale if args.time_scale else native / rate
-            return wl.replay(rows_in, time_scale=scale, length_scale=args.length_scale,
-                             tenants=tenants, seed=args.seed)
-        gen = wl.poisson if kind == "poisson" else wl.on_off
-        return gen(rate, args.requests, lengths, tenants=tenants, seed=args.seed)
+                     fair_windows=args.fair_windows, shed=args.shed,
+                     table=PolicyTable.load(args.table) if args.table else None)
+    rows_in = read_rows(args.trace, args.rows, args.requests)
+    kind, lengths_kind, native, make = workloads(args, rows_in, args.time_scale)
 
     if args.time_scale:
         if kind != "trace":
             raise ValueError("--time-scale applies to trace replay")
         rates = [native / args.time_scale]
     elif args.rates == "auto":
-        probe = make(native or 1.0)
-        mean_p = sum(a.prompt_tokens for a in probe.arrivals) / len(probe.arrivals)
-        mean_o = sum(a.output_tokens for a in probe.arrivals) / len(probe.arrivals)
-        guess = estimate_capacity(pools, mean_p, mean_o) / 4.0
-        base = ex.find_sustained(make, setup, guess)
+        base = base_load(make, setup)
         rates = [float(f"{base * f:.3g}") for f in AUTO_LOADS]
     else:
         rates = _floats(args.rates)

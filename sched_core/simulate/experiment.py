@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from common.pools import POOLS
@@ -15,9 +15,10 @@ from sched_core.policies import BOTH, make_policy
 from sched_core.simulate.engine import Policy, Pool, SimConfig, simulate
 from sched_core.simulate.metrics import Slo, summarize
 from sched_core.simulate.workload import Workload
+from sched_core.smdp import PolicyTable
 from sched_core.types import SchedulerConfig
 
-POLICIES = ("fcfs", "fixed", "window", "gpu-only", "three-regime", "tokengate")
+POLICIES = ("fcfs", "fixed", "window", "gpu-only", "three-regime", "tokengate", "smdp")
 LEVEL = 0.9  # SLO attainment at which a load counts as sustained
 
 
@@ -35,6 +36,7 @@ class Setup:
     jobs_per_read: int = 0
     fair_windows: int = 10
     shed: bool = False  # every request carries the SLO to admission: tokengate refuses what would miss it
+    table: PolicyTable | None = None  # smdp's table (None: the packaged one)
 
     def sim_config(self) -> SimConfig:
         return SimConfig(self.pools, self.hop_s, self.tick_s, self.seed, self.known_output,
@@ -82,7 +84,10 @@ def policy_for(name: str, knob: Knob | None, setup: Setup, workload: Workload) -
     elif name == "window":
         knob = knob or Knob(0.01)
         spec = f"fixed:window_ms={knob.value * 1000!r},paths={'+'.join(knob.paths)}"
-    return make_policy(spec, scheduler_config(setup, workload), max_batch=setup.max_batch(),
+    config = scheduler_config(setup, workload)
+    if name == "smdp":
+        config = replace(config, policy_table=setup.table)
+    return make_policy(spec, config, max_batch=setup.max_batch(),
                        profiles={p.path: p.profile for p in setup.pools}, implementation=setup.implementation,
                        tick_s=setup.tick_s)
 

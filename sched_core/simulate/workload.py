@@ -139,6 +139,27 @@ def parse_trace(lines: Iterable[str], source: str = "trace") -> list[TraceRow]:
     return [TraceRow(t - t0, p, o) for t, p, o in raw]
 
 
+def trace_part(rows: Sequence[TraceRow], spec: str) -> list[TraceRow]:
+    """The rows ``START:END`` of a trace (Python slice bounds, either may be empty, negative
+    counts from the end; ``first-half``/``second-half`` split it in two), times shifted so
+    that the part's first request comes at 0. A tuning run takes one part and reports on
+    another it never saw."""
+    half = len(rows) // 2
+    named = {"first-half": f":{half}", "second-half": f"{half}:", "all": ":"}
+    text = named.get(spec, spec)
+    start, sep, end = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError(spec)
+        part = list(rows[slice(int(start) if start else None, int(end) if end else None)])
+    except ValueError:
+        raise TraceError(f"rows {spec!r}: expected START:END, first-half, second-half or all") from None
+    if len(part) < 2:
+        raise TraceError(f"rows {spec!r} leave {len(part)} of the trace's {len(rows)} rows: at least 2 are needed")
+    t0 = part[0].time_s
+    return [TraceRow(r.time_s - t0, r.prompt_tokens, r.output_tokens) for r in part]
+
+
 def trace_rate(rows: Sequence[TraceRow]) -> float:
     span = rows[-1].time_s - rows[0].time_s
     return (len(rows) - 1) / span if span > 0.0 else 0.0

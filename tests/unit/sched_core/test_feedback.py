@@ -124,7 +124,7 @@ def test_snapshot_is_json_and_reports_the_step_model_and_capacity(make: Factory)
     assert set(snap["tail_cut"]) == {"t_cut_s", "mu_cpu", "lambda_cpu", "ttft_p99_slo_s"}
     gpu = snap["paths"]["gpu"]
     assert gpu == {"capacity": 64, "in_flight": 0, "kv_tokens": 0, "workers": 2,
-                   "step_tokens": 256, "pending_prefill": 0.0, "max_batch": 64, "fitted_steps": 0,
+                   "step_tokens": 256, "pending_prefill": 0.0, "slot_limit": 64, "max_batch": 64, "fitted_steps": 0,
                    "step_model": prior(SchedulerConfig().gpu), "step_s": 0.0}
     assert snap["paths"]["cpu"]["step_tokens"] == SchedulerConfig().cpu.step_tokens
     s.tick(0.0)

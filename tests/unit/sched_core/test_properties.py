@@ -29,6 +29,7 @@ from sched_core import (
     Request,
     SchedulerConfig,
 )
+from sched_core.smdp import N_STATES, Action, PolicyTable
 
 TENANTS = ("t0", "t1", "t2", "t3")
 
@@ -64,6 +65,8 @@ class Lockstep:
 
     def arrive(self, r: Request) -> None:
         result = self.call("arrive", r, self.now)
+        self.same("macro_state", [s.macro_state for s in self.impls])
+        self.call("admission")
         if isinstance(result, Contract):
             assert r.id not in self.open and not self.is_running(r.id)
             assert result.ttft_s <= result.total_s <= result.p99_s
@@ -124,10 +127,18 @@ class Lockstep:
 
     def check_reports(self, ids: list[str]) -> None:
         self.call("snapshot")
+        self.call("state_visits")
         assert self.queued() == len(self.open)
         for rid in ids:
             self.call("explain", rid)
 
+
+actions = st.builds(
+    Action, prefill_queue_steps=st.sampled_from([0.5, 2.0, 4.0, math.inf]),
+    slot_share=st.sampled_from([0.1, 0.5, 0.75, 1.0]), aging=st.sampled_from([0.1, 1.0, 30.0]),
+    admit_quantile=st.sampled_from([0.5, 0.9, 0.99]), admit_slack=st.sampled_from([0.5, 1.0]))
+tables = st.builds(PolicyTable, st.lists(actions, min_size=N_STATES, max_size=N_STATES).map(tuple),
+                   long_prompt=st.sampled_from([100, 1000, 2048]), full_share=st.sampled_from([0.5, 1.0]))
 
 configs = st.builds(
     SchedulerConfig,
@@ -146,6 +157,7 @@ configs = st.builds(
     max_queued=st.sampled_from([3, 1000]),
     fair_slack_tokens=st.sampled_from([0.0, 500.0, 65536.0]),
     rate_window_s=st.sampled_from([0.05, 10.0]),
+    policy_table=st.one_of(st.none(), tables),
 )
 
 arrivals = st.tuples(
@@ -271,13 +283,22 @@ def test_backlogged_tenants_stay_within_the_fair_share_bound(
     assert not run.open
 
 
-@pytest.mark.parametrize(("seed", "rate", "slo"), [(1, 400.0, 2.0), (2, 30.0, 2.0),
-                                                   (3, 100.0, 20.0)])
-def test_long_runs_agree(seed: int, rate: float, slo: float) -> None:
-    """Thousands of events, overloaded to light: holds, tail cuts, fairness, refits."""
+def _random_table(rng: random.Random) -> PolicyTable:
+    return PolicyTable(tuple(Action(rng.choice([1.0, 4.0, math.inf]), rng.choice([0.25, 0.5, 1.0]),
+                                    rng.choice([0.1, 1.0, 10.0]), rng.choice([0.5, 0.99]), 1.0)
+                             for _ in range(N_STATES)), long_prompt=2048)
+
+
+@pytest.mark.parametrize(("seed", "rate", "slo", "table"), [
+    (1, 400.0, 2.0, False), (2, 30.0, 2.0, False), (3, 100.0, 20.0, False), (4, 400.0, 2.0, True),
+    (5, 60.0, 2.0, True)])
+def test_long_runs_agree(seed: int, rate: float, slo: float, table: bool) -> None:
+    """Thousands of events, overloaded to light: holds, tail cuts, fairness, refits; with
+    the heuristic, and with a random SMDP table switching the knobs state by state."""
     rng = random.Random(seed)
     run = Lockstep(SchedulerConfig(rate_window_s=1.0, fair_slack_tokens=2000.0,
-                                   ttft_p99_slo_s=slo))
+                                   ttft_p99_slo_s=slo,
+                                   policy_table=_random_table(rng) if table else None))
     run.set_capacity("cpu", 8)
     run.set_capacity("gpu", 32)
     for i in range(3000):
@@ -303,3 +324,5 @@ def test_long_runs_agree(seed: int, rate: float, slo: float) -> None:
             if run.call("cancel", rid, run.now):
                 run.open.remove(rid)
     run.check_reports([f"r{i}" for i in range(0, 3000, 7)])
+    if table:  # the run went through several macro-states, so the tables' knobs did switch
+        assert sum(1 for v in run.call("state_visits") if v) >= 3
