@@ -1,6 +1,6 @@
 """Scheduling policies side by side on real traffic: the real gateway, the real model, one CPU worker.
 
-    python -m bench.policies [--policies fcfs,grid,tokengate] [--loads 0.5,0.9,1.5]
+    python -m bench.policies [--policies fcfs,grid,tokengate,smdp] [--loads 0.5,0.9,1.5]
                              [--requests 60] [--start 6140] [--length-scale 32] [--max-output 32]
                              [--slo-ttft-ms 3000] [--slo-tpot-ms 400] [--aging-tokens A] [--json]
 
@@ -13,7 +13,8 @@ the given multiple of the worker's capacity, measured first in the same run (a c
 the drain). One Redis and one worker serve every run; each run gets a fresh gateway, told the
 SLO (``--slo-ttft-ms``/``--slo-tpot-ms``) and an aging rate scaled like the prompts
 (``--aging-tokens``, default the gateway's ÷ --length-scale). Policies: ``fcfs``, the design
-notes' grid (``grid`` = ``fixed:batch=1|4|8,window_ms=0|10|50``) and ``tokengate``; the order
+notes' grid (``grid`` = ``fixed:batch=1|4|8,window_ms=0|10|50``), ``tokengate`` and ``smdp`` (the
+scheduler with the packaged SMDP table, or ``smdp:FILE``); the order
 of the runs is reversed from one load to the next. Three tenants share the traffic
 round-robin with budgets 4000/2000/1000 tokens/s.
 
@@ -21,7 +22,7 @@ Per policy and load: SLO attainment (TTFT and time per later token both within t
 (requests/s meeting it), TTFT and TPOT p50/p95/p99, throughput, and Jain's index of the three
 tenants' served tokens per budget over the whole run (a fairness figure only where all three
 stay backlogged, i.e. at overload; below it the index just reflects the traffic mix). The same
-slice goes through the simulator, for ``fcfs`` and ``tokengate``, with the profile the live
+slice goes through the simulator, for ``fcfs``, ``tokengate`` and ``smdp``, with the profile the live
 worker measured of itself at start (``workers/selfprofile.py``, read from its heartbeat), and
 again with the packaged CPU profile; each simulator's relative error is printed beside the
 live figures. The worker's step records of every run are checked against the measured
@@ -29,7 +30,8 @@ profile (per kind of step) and the profile's formulas refit on them; the simulat
 again with the refit, to tell the profile's error from the rest of the model's. With
 ``--json`` the last line is one object with ``attainment_margin_90`` (tokengate minus the best
 other policy at the load nearest 0.9), ``goodput_ratio_150`` (tokengate ÷ fcfs at the load
-nearest 1.5), ``sim_error_max`` (the measured profile), ``sim_error_max_packaged`` and
+nearest 1.5; ``goodput_ratio_150_smdp`` the same for ``smdp``), ``sim_error_max`` (the measured
+profile), ``sim_error_max_packaged`` and
 ``sim_error_max_refit``. Tables go to stdout, plots to ``bench/out/policies_*.png``.
 """
 
@@ -166,8 +168,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--length-scale", type=float, default=32.0)
     parser.add_argument("--max-output", type=int, default=32)
-    parser.add_argument("--policies", default="fcfs,grid,tokengate",
-                        help="comma-separated: fcfs, tokengate, fixed:batch=B,window_ms=W or grid")
+    parser.add_argument("--policies", default="fcfs,grid,tokengate,smdp",
+                        help="comma-separated: fcfs, tokengate, smdp, smdp:FILE, fixed:batch=B,window_ms=W or grid")
     parser.add_argument("--loads", default="0.5,0.9,1.5", help="multiples of the measured capacity")
     parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=400.0)
@@ -183,6 +185,7 @@ def main() -> None:
     model_dir = str(model_store.resolve(None, model_store.default_cache_dir()).path)
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
     policies = [p for name in _names(args.policies) for p in (GRID if name == "grid" else (name,))]
+    simulated_policies = [p for p in policies if p in ("fcfs", "tokengate") or p.startswith("smdp")]
     rows = load_trace(args.trace, args.start, args.requests, 1.0, args.length_scale, args.max_output)
 
     aging = args.aging_tokens or SchedulerConfig().aging_tokens_per_s / args.length_scale
@@ -208,13 +211,13 @@ def main() -> None:
                 runs.append(figures(Run(policy, load, load * capacity, samples, span), slo))
                 print(orjson.dumps(runs[-1]).decode() if args.json else f"  {policy} at {load}x: "
                       f"SLO {runs[-1]['slo_attainment']:.1%}, goodput {runs[-1]['goodput_rps']:.2f}/s")
-            for policy in ("fcfs", "tokengate"):
+            for policy in simulated_policies:
                 sims[(policy, load)] = simulated(policy, arrivals, slo, aging, measured)
                 packaged[(policy, load)] = simulated(policy, arrivals, slo, aging, PACKAGED)
     print(f"live runs took {time.perf_counter() - started:.0f} s")
     check = step_check(live.steps, measured)
     refit: Sims = {(policy, load): simulated(policy, scaled(rows, load * capacity), slo, aging, measured, check.fit)
-                   for load in loads for policy in ("fcfs", "tokengate")}
+                   for load in loads for policy in simulated_policies}
 
     _tables(runs, sims, slo)
     table("simulator with the packaged cpu profile vs live", ["policy", "load", "figure", "live", "simulated",
@@ -299,14 +302,18 @@ def _sim_errors(runs: list[Figures], sims: Sims) -> list[list[object]]:
 def _summary(runs: list[Figures], sims: Sims, refit: Sims, capacity: float, seconds: float) -> dict[str, float]:
     at90, at150 = _nearest(runs, 0.9), _nearest(runs, 1.5)
     mine = {float(r["load"]): r for r in runs if r["policy"] == "tokengate"}
-    others = [float(r["slo_attainment"]) for r in runs if r["policy"] != "tokengate" and r["load"] == at90]
+    others = [float(r["slo_attainment"]) for r in runs if r["policy"] != "tokengate"
+              and not str(r["policy"]).startswith("smdp") and r["load"] == at90]
     fcfs = {float(r["load"]): r for r in runs if r["policy"] == "fcfs"}
     margin = float(mine[at90]["slo_attainment"]) - max(others) if at90 in mine and others else math.nan
     ratio = (float(mine[at150]["goodput_rps"]) / float(fcfs[at150]["goodput_rps"])
              if at150 in mine and at150 in fcfs and float(fcfs[at150]["goodput_rps"]) else math.nan)
     errors = [float(e[-1]) for e in _sim_errors(runs, sims)]
     refit_errors = [float(e[-1]) for e in _sim_errors(runs, refit)]
-    return {"attainment_margin_90": margin, "goodput_ratio_150": ratio,
+    smdp = {float(r["load"]): r for r in runs if str(r["policy"]).startswith("smdp")}
+    ratio_smdp = (float(smdp[at150]["goodput_rps"]) / float(fcfs[at150]["goodput_rps"])
+                  if at150 in smdp and at150 in fcfs and float(fcfs[at150]["goodput_rps"]) else math.nan)
+    return {"attainment_margin_90": margin, "goodput_ratio_150": ratio, "goodput_ratio_150_smdp": ratio_smdp,
             "sim_error_max": max(errors) if errors else math.nan,
             "sim_error_max_refit": max(refit_errors) if refit_errors else math.nan,
             "capacity_rps": capacity, "seconds": seconds}

@@ -4,6 +4,7 @@ Run from the repository root (after ``python setup.py build_ext --inplace``)::
 
     python -m bench.sched_core                 # table
     python -m bench.sched_core --json          # one JSON object per line
+    python -m bench.sched_core --policy smdp   # with the packaged SMDP table (or smdp:FILE)
 
 For each queue depth Q the scheduler is first filled with Q requests (8 buckets, 100
 tenants, arriving over one second, no capacity offered, untimed). Then capacity is offered
@@ -18,7 +19,11 @@ hence the mean batch size over all repeats, must agree.
 the time inside ``tick`` per dispatched request. The time inside ``completed`` (once per
 batch: the refit, output lengths, slots) is reported beside it as ``completed_ns`` per
 request. Building request and timing objects is the caller's work and is not timed. Each
-figure is the best of ``--repeat`` runs of ``--requests`` dispatched requests.
+figure is the best of ``--repeat`` runs of ``--requests`` dispatched requests. With
+``--policy smdp`` the scheduler carries the SMDP table, whose actions differ by macro-state
+(the decisions, hence the batches, then differ from the heuristic's); the heuristic classifies
+the state and looks up its action too, so the lookup's own cost is measured against a build
+from before it (docs/benchmarks.md, "The SMDP policy").
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ if __package__ in (None, ""):
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from common.pools import POOLS
+from common.pools import POOLS  # noqa: E402
 from sched_core import (  # noqa: E402
     IMPLEMENTATIONS,
     BatchTimings,
@@ -45,6 +50,7 @@ from sched_core import (  # noqa: E402
     Request,
     SchedulerConfig,
 )
+from sched_core.policies import make_policy  # noqa: E402
 
 BUCKETS = SchedulerConfig().bucket_bounds
 TENANTS = 100
@@ -92,9 +98,13 @@ def _timings(d: Dispatch, rng: random.Random) -> BatchTimings:
         output_tokens=outputs)
 
 
-def measure(impl: str, queued: int, requests: int, repeat: int, seed: int) -> dict[str, object]:
+def measure(impl: str, queued: int, requests: int, repeat: int, seed: int,
+            policy: str = "tokengate") -> dict[str, object]:
     """Steady-state cost per request at a queue depth of ``queued``."""
-    sched = IMPLEMENTATIONS[impl](SchedulerConfig(max_queued=2 * queued))
+    config = SchedulerConfig(max_queued=2 * queued)
+    if policy != "tokengate":  # the smdp forms: the table, from the one factory
+        config = make_policy(policy, config).config  # type: ignore[attr-defined]
+    sched = IMPLEMENTATIONS[impl](config)
     work = Workload(seed)
     rng = random.Random(seed + 1)
     for req in work.take(queued, 0.0, 1.0):
@@ -135,7 +145,7 @@ def measure(impl: str, queued: int, requests: int, repeat: int, seed: int) -> di
         total = t_arrive / admitted + t_tick / dispatched
         if not best or total < best["ns_per_request"]:  # type: ignore[operator]
             best = {
-                "impl": impl, "queued": queued, "ns_per_request": total,
+                "impl": impl, "policy": policy, "queued": queued, "ns_per_request": total,
                 "arrive_ns": t_arrive / admitted, "dispatch_ns": t_tick / dispatched,
                 "completed_ns": t_done / dispatched, "requests": dispatched,
             }
@@ -153,12 +163,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests dispatched per timed run")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--policy", default="tokengate", help="tokengate, smdp or smdp:FILE")
     args = parser.parse_args(argv)
 
     rows = []
     for queued in args.sizes:
-        ref = measure("reference", queued, args.requests, args.repeat, args.seed)
-        fast = measure("cython", queued, args.requests, args.repeat, args.seed)
+        ref = measure("reference", queued, args.requests, args.repeat, args.seed, args.policy)
+        fast = measure("cython", queued, args.requests, args.repeat, args.seed, args.policy)
         speedup = ref["ns_per_request"] / fast["ns_per_request"]  # type: ignore[operator]
         fast["speedup_vs_reference"] = speedup
         rows += [ref, fast]
@@ -170,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(json.dumps(r))
         return 0
-    table = Table(title="sched_core: arrive + dispatch per request (steady state)")
+    table = Table(title=f"sched_core: arrive + dispatch per request (steady state), policy {args.policy}")
     for col in ("impl", "queued", "arrive ns", "dispatch ns", "ns/request", "completed ns",
                 "mean batch", f"× at Q={min(args.sizes):,}", "speedup"):
         table.add_column(col, justify="left" if col == "impl" else "right")

@@ -6,7 +6,7 @@ large to solve, so the scheduler's state is aggregated into ``N_STATES`` macro-s
 computed in O(buckets) from counters the core keeps anyway:
 
 * the queue level: ``clear`` (every queued request would find a free slot now), ``queue``
-  (more than the free slots, at most one full round of every slot) or ``long`` (more than
+  (more than the free slots, at most one full round of every slot) or ``backlog`` (more than
   every slot of every path: a backlog);
 * a long prompt waiting: a queued request in a bucket whose prompts are all longer than
   ``long_prompt`` tokens;
@@ -37,7 +37,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-QUEUE_LEVELS = ("clear", "queue", "long")
+QUEUE_LEVELS = ("clear", "queue", "backlog")
 N_STATES = len(QUEUE_LEVELS) * 2 * 2
 
 #: The table shipped with the package: ``smdp`` without a file means this one.
@@ -58,8 +58,8 @@ def classify(queued: int, free: int, slots: int, long_waiting: bool, full: bool)
 
 def long_bucket(bounds: Sequence[int], long_prompt: int) -> int:
     """The first bucket whose prompts are all longer than ``long_prompt`` tokens (a bucket
-    holds the prompts above the previous bound, up to its own)."""
-    return bisect_left(bounds, long_prompt) + 1
+    holds the prompts above the previous bound, up to its own); ``len(bounds)``: none is."""
+    return min(bisect_left(bounds, long_prompt) + 1, len(bounds))
 
 
 def quantile_weight(q: float) -> float:

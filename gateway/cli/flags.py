@@ -52,8 +52,9 @@ GATEWAY_FLAGS: tuple[tuple[str, str, str | None], ...] = (
      "seconds an idle keep-alive connection stays open"),
     ("policy", "policy",
      "scheduling policy: tokengate (the step-time scheduler: fair share, least slack, latency "
-     "contracts), fcfs, or fixed:batch=B,window_ms=W (a dynamic batcher); baselines send no "
-     "contract headers"),
+     "contracts), smdp or smdp:FILE (the same, its knobs set per macro-state by the packaged SMDP "
+     "table or one `tokengate policy solve` wrote), fcfs, or fixed:batch=B,window_ms=W (a dynamic "
+     "batcher); baselines send no contract headers"),
     ("routing", "routing",
      "worker: the scheduler sends each job to the worker of its pool where it is predicted to start "
      "first, within that worker's free slots (docs/scheduling.md §15); pool: to whichever worker of "

@@ -13,6 +13,7 @@ from gateway.cli import admin as admin_cli
 from gateway.cli.embedded_redis import FSYNC_CHOICES, default_data_dir
 from gateway.cli.flags import add_gateway_args
 from sched_core.simulate import cli as simulate_cli
+from sched_core.simulate import policy_cli
 from workers import cli as worker_cli
 
 
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate = sub.add_parser("simulate", help="compare scheduling policies in the discrete-event "
                               "simulator (no Redis, no model)", formatter_class=helpful)
     simulate_cli.add_args(simulate)
+    policy_cli.add_commands(sub)
 
     admin_cli.add_commands(sub)
     return parser
@@ -83,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return admin_cli.run(args)
     if args.command == "simulate":
         return simulate_cli.run(args)
+    if args.command == "policy":
+        return policy_cli.run(args)
     try:
         if args.command == "worker":
             worker_cli.run(worker_cli.settings_from_args(args))

@@ -169,7 +169,8 @@ class SchedulerShell:
     def snapshot(self) -> dict[str, object]:
         snapshot = getattr(self.driver.policy, "snapshot", None)
         snap: dict[str, object] = snapshot() if snapshot is not None else {"queued": self.driver.queued}
-        snap["policy"] = self.policy
+        policy = snap.get("policy")  # the core's: the SMDP table's name, state, action and visits
+        snap["policy"] = {"spec": self.policy, **(policy if isinstance(policy, dict) else {})}
         if self.placement is not None:
             snap["placed"] = self.placement.held()  # requests running per worker, as this scheduler placed them
         snap["priors"] = {pool: self.priors.get(pool, "packaged profile") for pool in POOLS}

@@ -160,6 +160,18 @@ def trace_part(rows: Sequence[TraceRow], spec: str) -> list[TraceRow]:
     return [TraceRow(r.time_s - t0, r.prompt_tokens, r.output_tokens) for r in part]
 
 
+def shuffled_gaps(rows: Sequence[TraceRow], seed: int = 0) -> list[TraceRow]:
+    """The rows with the gaps between arrivals shuffled (the same gaps, so the same mean rate
+    and the same spread of gaps, in another order: bursts broken up and made anew)."""
+    gaps = [b.time_s - a.time_s for a, b in zip(rows, rows[1:], strict=False)]
+    random.Random(seed).shuffle(gaps)
+    t, out = rows[0].time_s, [rows[0]]
+    for r, gap in zip(rows[1:], gaps, strict=True):
+        t += gap
+        out.append(TraceRow(t, r.prompt_tokens, r.output_tokens))
+    return out
+
+
 def trace_rate(rows: Sequence[TraceRow]) -> float:
     span = rows[-1].time_s - rows[0].time_s
     return (len(rows) - 1) / span if span > 0.0 else 0.0

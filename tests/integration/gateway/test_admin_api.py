@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from sched_core.smdp import STATE_NAMES
 from tests.integration.gateway.conftest import ADMIN, Harness
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
@@ -178,4 +179,5 @@ async def test_worker_step_telemetry_refits_the_scheduler_and_slots_come_back(ha
         if snap["paths"]["cpu"]["fitted_steps"] > before:
             break
         await asyncio.sleep(0.05)
-    assert snap["paths"]["cpu"]["fitted_steps"] > before and snap["policy"] == "tokengate"
+    assert snap["paths"]["cpu"]["fitted_steps"] > before and snap["policy"]["spec"] == "tokengate"
+    assert snap["policy"]["name"] == "tokengate" and snap["policy"]["state"] in STATE_NAMES

@@ -1,8 +1,10 @@
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from gateway.settings import GatewaySettings
+from sched_core.smdp import packaged_table
 
 
 def test_defaults_are_valid_and_frozen() -> None:
@@ -34,3 +36,12 @@ def test_a_batcher_that_waits_for_arrivals_to_end_is_refused() -> None:
     with pytest.raises(ValueError, match="until arrivals end"):
         GatewaySettings(redis_url="redis://x", model_name="m", policy="fixed:batch=4")
     assert GatewaySettings(redis_url="redis://x", model_name="m", policy="fixed:batch=4,window_ms=5").policy
+
+
+def test_the_smdp_policy_takes_the_packaged_table_or_a_file_and_a_bad_file_stops_start_up(tmp_path: Path) -> None:
+    assert GatewaySettings(redis_url="redis://x", model_name="m", policy="smdp").policy == "smdp"
+    packaged_table().dump(tmp_path / "t.json")
+    assert GatewaySettings(redis_url="redis://x", model_name="m", policy=f"smdp:{tmp_path / 't.json'}").policy
+    (tmp_path / "bad.json").write_text('{"states": {}}')
+    with pytest.raises(ValueError, match=r"bad\.json: 'states' must name every state"):
+        GatewaySettings(redis_url="redis://x", model_name="m", policy=f"smdp:{tmp_path / 'bad.json'}")
