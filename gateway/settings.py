@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from common.pools import POOLS
 from common.protocol import TEMPERATURE_MAX, sampling_in_range
 from sched_core import SchedulerConfig
+from sched_core.driver import MAX_QUEUE_WAIT_MS
 from sched_core.policies import make_policy
 
 ADMIN_TOKEN_MIN_CHARS = 16
@@ -48,7 +49,7 @@ class GatewaySettings:
     redis_max_connections: int = 256  # the gateway's Redis pool; a request waits for a free one
     redis_timeout_s: float = 5.0  # a Redis command (or a wait for a pooled connection) fails after this
     gateway_dead_after_s: float = 15.0  # a gateway silent this long is dead: a survivor settles its requests
-    max_queue_wait_ms: float = 5000.0  # a request without an SLO predicted to wait longer: 503 (0: no bound)
+    max_queue_wait_ms: float = MAX_QUEUE_WAIT_MS  # a request without an SLO predicted to wait longer: 503 (0: none)
     # connection hygiene (docs/operations.md, "Connection limits and timeouts")
     header_timeout_s: float = 10.0  # to send the request line and headers, from the first byte
     body_timeout_s: float = 30.0  # to send the whole body, from the end of the headers

@@ -47,6 +47,9 @@ REPORT_GRACE_S = 2.0  # after a batch's last request ended where it was sent fro
 #: A tenant over its fair share is refused (when it has an SLO) once its path's running and
 #: queued sequences reach this share of its slots: no slot is left for it.
 FULL_LOAD = 1.0
+#: The gateway's default bound on the predicted wait of a request without a first-token SLO
+#: (``--max-queue-wait-ms``; the ``wait`` refusal below); the simulator's scenarios use it too.
+MAX_QUEUE_WAIT_MS = 5000.0
 
 StepRecord = tuple[int, int, int, float]  # prefill tokens, decode sequences, KV tokens, seconds
 

@@ -49,6 +49,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shed", action="store_true",
                    help="every request carries the SLO to admission: tokengate refuses those its "
                         "calibrated bounds say would miss it (docs/scheduling.md §14)")
+    p.add_argument("--max-queue-wait-ms", type=float, default=0.0,
+                   help="refuse a request without an SLO predicted to wait longer, as the gateway's "
+                        "--max-queue-wait-ms does (0, the default here: no bound)")
     p.add_argument("--fixed-sizes", default="4,8,16,32")
     p.add_argument("--windows-ms", default="2,10,50")
     p.add_argument("--fair-windows", type=int, default=10,
@@ -250,6 +253,7 @@ def _run(args: argparse.Namespace) -> int:
                      windows_s=tuple(x / 1000.0 for x in _floats(args.windows_ms)),
                      implementation=args.impl, jobs_per_read=args.jobs_per_read,
                      fair_windows=args.fair_windows, shed=args.shed,
+                     max_wait_s=args.max_queue_wait_ms / 1000.0 if args.max_queue_wait_ms > 0.0 else None,
                      table=PolicyTable.load(args.table) if args.table else None)
     rows_in = read_rows(args.trace, args.rows, args.requests)
     kind, lengths_kind, native, make = workloads(args, rows_in, args.time_scale)

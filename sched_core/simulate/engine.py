@@ -72,6 +72,9 @@ class SimConfig:
     # the SLO every request carries to admission (TTFT, TPOT seconds): the driver refuses
     # those its calibrated bounds say would miss it; None: no SLO, every request is admitted
     admission_slo: tuple[float, float] | None = None
+    # a request without that SLO is refused when its predicted first token waits longer than
+    # this (the gateway's --max-queue-wait-ms, the driver's ``wait`` refusal); None: no bound
+    max_wait_s: float | None = None
 
     def pool(self, path: str) -> Pool | None:
         return next((p for p in self.pools if p.path == path), None)
@@ -251,6 +254,7 @@ class Simulation:
             prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens, arrival=now,
             expected_output_tokens=a.output_tokens if self.config.known_output else 0,
             slo_ttft_s=slo[0] if slo else None, slo_tpot_s=slo[1] if slo else None,
+            max_wait_s=None if slo else self.config.max_wait_s,
         )
         decision = self.driver.arrive(req, now)
         out = self._outcomes[a.id]

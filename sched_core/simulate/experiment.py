@@ -37,11 +37,13 @@ class Setup:
     fair_windows: int = 10
     shed: bool = False  # every request carries the SLO to admission: tokengate refuses what would miss it
     table: PolicyTable | None = None  # smdp's table (None: the packaged one)
+    max_wait_s: float | None = None  # requests without an SLO: the gateway's wait bound (None: none)
 
     def sim_config(self) -> SimConfig:
         return SimConfig(self.pools, self.hop_s, self.tick_s, self.seed, self.known_output,
                          self.jobs_per_read,
-                         admission_slo=(self.slo.ttft_s, self.slo.tpot_s) if self.shed else None)
+                         admission_slo=(self.slo.ttft_s, self.slo.tpot_s) if self.shed else None,
+                         max_wait_s=self.max_wait_s)
 
     def max_batch(self) -> dict[str, int]:
         return {p.path: p.slots for p in self.pools} | {

@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from sched_core.driver import MAX_QUEUE_WAIT_MS
 from sched_core.simulate import cli as sim
 from sched_core.simulate import experiment as ex
 from sched_core.simulate import solve as sv
@@ -62,6 +63,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="synthetic workloads also reported on (poisson: trace lengths; onoff: pareto lengths), "
                         "comma-separated, or none")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="simulations run in parallel")
+    p.add_argument("--max-queue-wait-ms", type=float, default=MAX_QUEUE_WAIT_MS,
+                   help="a request without an SLO predicted to wait longer is refused, as the gateway does "
+                        "(its default; 0: no bound)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     sim.add_deployment_args(p)
 
@@ -79,8 +83,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _setup(args: argparse.Namespace) -> ex.Setup:
     pools, slo = sim.deployment(args)
+    wait = args.max_queue_wait_ms / 1000.0 if args.max_queue_wait_ms > 0.0 else None
     return ex.Setup(pools, slo, seed=args.seed, known_output=args.known_output, implementation=args.impl,
-                    jobs_per_read=args.jobs_per_read)
+                    jobs_per_read=args.jobs_per_read, max_wait_s=wait)
 
 
 def _log(text: str) -> None:
@@ -144,7 +149,7 @@ def _solve(args: argparse.Namespace) -> int:
         "length_scale": args.length_scale, "requests": len(rows), "seed": args.seed,
         "deployment": {p.path: {"workers": p.workers, "slots": p.slots, "profile": p.profile.name,
                                 "step_tokens": p.step_tokens} for p in setup.pools},
-        "slo": setup.slo.describe(), "fcfs_90pct_load_rps": base,
+        "slo": setup.slo.describe(), "max_queue_wait_s": setup.max_wait_s, "fcfs_90pct_load_rps": base,
         "scenarios": [sc.label() for sc in plan], "search": how,
     }
     table = replace(found, name=args.name, about=about)

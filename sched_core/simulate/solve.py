@@ -4,8 +4,9 @@
 The search is coordinate descent over the table, on one part of a trace: every evaluation
 runs the whole table through a set of scenarios (loads, with and without SLOs at admission)
 in the simulator, through the one driver, and scores it with ``objective``. First one
-action for every state (the best uniform table), then each macro-state in turn, most visited
-first, one knob at a time over its grid; a change is kept only where it raises the score.
+action for every state the tuning sees (the states it hardly sees keep the heuristic's), then
+each of those in turn, most visited first, one knob at a time over its grid; a change is kept
+only where it raises the score.
 Everything is deterministic for a seed, so a solve is reproducible; the evaluations of one
 step run in parallel processes (``jobs``), which changes nothing but the time.
 """
@@ -209,13 +210,19 @@ def solve(runner: Runner, plan: Sequence[Scenario], start: PolicyTable, passes: 
             best, best_score = candidates[i][1], scores[i]
             log(f"  {candidates[i][0]}: score {best_score:.4f}")
 
+    def every(action: Action) -> PolicyTable:
+        """``action`` in every searched state; the states the tuning hardly saw keep the
+        heuristic's knobs (no evidence, no change)."""
+        table = best
+        for s in searched:
+            table = table.with_action(s, action)
+        return table
+
     for p in range(passes):
-        log(f"pass {p + 1}: one action for every state")
+        log(f"pass {p + 1}: one action for every state seen")
         for name, values in GRID.items():
             current = best.actions[searched[0] if searched else 0]
-            step([(f"every state {name}={v:g}", PolicyTable.uniform(_knob(current, name, v),
-                                                                    long_prompt=start.long_prompt,
-                                                                    full_share=start.full_share))
+            step([(f"every state seen {name}={v:g}", every(_knob(current, name, v)))
                   for v in values if v != getattr(current, name)])
         log(f"pass {p + 1}: state by state ({', '.join(STATE_NAMES[s] for s in searched)})")
         for s in searched:

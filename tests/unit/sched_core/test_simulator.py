@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -190,3 +191,17 @@ def test_requests_that_never_run_count_against_the_slo() -> None:
     assert math.isnan(o.finished)
     row = summarize(result, Slo())
     assert (row["completed"], row["slo_attainment"]) == (0, 0.0)
+
+
+def test_the_gateways_wait_bound_refuses_requests_without_an_slo_as_the_driver_does() -> None:
+    """Far past capacity, with the gateway's bound on the predicted wait, requests without
+    an SLO are refused (``wait``) once the contracts are calibrated, and those kept wait less;
+    without the bound every request is kept."""
+    wl = poisson(400.0, 1500, uniform_lengths, tenants=DEFAULT_TENANTS, seed=2)
+    rows = {}
+    for wait in (None, 0.5):
+        s = replace(setup(), max_wait_s=wait)
+        result = simulate(policy_for("tokengate", None, s, wl), wl, s.sim_config())
+        rows[wait] = (summarize(result, s.slo), {o.rejected for o in result.outcomes})
+    assert rows[None][1] == {None} and rows[0.5][1] == {None, "wait"}
+    assert rows[0.5][0]["ttft_p99_ms"] < rows[None][0]["ttft_p99_ms"]

@@ -66,6 +66,8 @@ def test_the_search_finds_a_better_table_where_the_heuristic_sheds_too_much(
     assert mine["goodput_rps"] > ref["goodput_rps"]  # the score's gain is the simulated goodput's
     assert any(a.admit_quantile == 0.5 for a in found.actions)  # the median admits what p99 refused
     assert lines[0].startswith("heuristic: score") and how["evaluations"] > 2
+    unseen = [s for s, name in enumerate(STATE_NAMES) if name not in how["searched_states"]]
+    assert unseen and all(found.actions[s] == start.actions[s] for s in unseen)  # no evidence, no change
     with sv.Runner(setup, workloads, jobs=2) as runner:  # processes change the time, not the answer
         again, _ = sv.solve(runner, plan, start)
     assert again == found
