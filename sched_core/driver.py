@@ -31,6 +31,7 @@ from typing import Protocol, runtime_checkable
 from common.pools import POOLS
 from sched_core.contracts import Accuracy, Contracts
 from sched_core.reference import RateMeter
+from sched_core.smdp import weight_quantile
 from sched_core.types import (
     HOLD_SLACK,
     BatchTimings,
@@ -141,11 +142,6 @@ class _Batch:
     expires: float
 
 
-def _quantile(weight: float) -> str:
-    """The quantile of an exponential tail at ``weight`` (sched_core.smdp.quantile_weight)."""
-    return f"the {100.0 * (1.0 - math.exp(-weight * math.log(100.0))):.0f}th percentile"
-
-
 class Driver:
     """A policy plus the slot bookkeeping that decides when it must be asked again, and the
     calibration of its contracts. It is the one owner of batch -> requests: each dispatched
@@ -209,7 +205,8 @@ class Driver:
         full = over and load >= FULL_LOAD  # capacity left is kept for the tenants within their share
         ttft, tpot = c.ttft_p99_s, c.tpot_p99_s
         weight, slack = self._admission() if self._admission is not None else (1.0, 1.0)
-        if weight < 1.0 or slack != 1.0:  # the macro-state's quantile of each bound, against its multiple of the SLO
+        stricter = weight < 1.0 or slack != 1.0  # the state's quantile of each bound, against its multiple of the SLO
+        if stricter:
             if weight < 1.0:
                 ttft = c.ttft_s + weight * (c.ttft_p99_s - c.ttft_s)
                 tpot = c.tpot_s + weight * (c.tpot_p99_s - c.tpot_s)
@@ -229,9 +226,9 @@ class Driver:
         else:
             why = (f"its tokens could be promised every {c.tpot_p99_s * 1000:.0f} ms (p99), not the "
                    f"{tpot_slo / slack * 1000:.0f} ms asked")
-        if weight < 1.0 or slack != 1.0:
-            why += (f"; at this load the policy admits a request only where {_quantile(weight)} of its "
-                    f"bounds is within {slack:g}x the SLO")
+        if stricter:
+            why += (f"; at this load the policy admits a request only where the "
+                    f"{100.0 * weight_quantile(weight):.0f}th percentile of its bounds is within {slack:g}x the SLO")
         wait = max(ttft - ttft_slo, 0.0)
         return Reject(req.id, "slo", why, max(1.0, wait), c.total_s, c.ttft_p99_s, c.p99_s)
 

@@ -68,6 +68,12 @@ def quantile_weight(q: float) -> float:
     return math.log(1.0 / (1.0 - q)) / math.log(100.0)
 
 
+def weight_quantile(weight: float) -> float:
+    """The quantile at ``weight`` of the way to the 99th percentile: ``quantile_weight``'s
+    inverse."""
+    return 1.0 - math.exp(-weight * math.log(100.0))
+
+
 @dataclass(frozen=True, slots=True)
 class Action:
     """The knobs one macro-state sets (the module's docstring says what each does)."""
@@ -198,9 +204,12 @@ def describe(table: PolicyTable | None, state: int, visits: Sequence[int]) -> di
             "visits": dict(zip(STATE_NAMES, visits, strict=True))}
 
 
-def in_force(table: PolicyTable | None, prefill_queue_steps: float) -> PolicyTable:
-    """The table a core applies: ``table``, or the heuristic's (every state takes the
-    configured ``prefill_queue_steps`` and the neutral knobs)."""
-    if table is not None:
-        return table
+def heuristic_table(prefill_queue_steps: float) -> PolicyTable:
+    """The heuristic as a table: every state takes the configured ``prefill_queue_steps``
+    and the neutral knobs."""
     return PolicyTable.uniform(Action(prefill_queue_steps=prefill_queue_steps), name="tokengate")
+
+
+def in_force(table: PolicyTable | None, prefill_queue_steps: float) -> PolicyTable:
+    """The table a core applies: ``table``, or the heuristic's."""
+    return table if table is not None else heuristic_table(prefill_queue_steps)

@@ -189,8 +189,9 @@ def deployment(args: argparse.Namespace) -> tuple[tuple[Pool, ...], Slo]:
     return pools, Slo(args.slo_ms / 1000.0, args.slo_tpot_ms / 1000.0)
 
 
-def read_rows(trace: Path | None, part: str, requests: int) -> list[wl.TraceRow]:
-    """The trace's rows of ``part`` (``workload.trace_part``), the first ``requests`` of them."""
+def read_rows(trace: Path | None, part: str, requests: int | None) -> list[wl.TraceRow]:
+    """The trace's rows of ``part`` (``workload.trace_part``), the first ``requests`` of them
+    (None: all)."""
     if trace is None:
         return []
     with open(trace, newline="") as f:

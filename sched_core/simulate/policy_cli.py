@@ -23,7 +23,7 @@ from sched_core.simulate import cli as sim
 from sched_core.simulate import experiment as ex
 from sched_core.simulate import solve as sv
 from sched_core.simulate import workload as wl
-from sched_core.smdp import STATE_NAMES, PolicyTable, packaged_table
+from sched_core.smdp import STATE_NAMES, PolicyTable, heuristic_table, packaged_table
 
 #: The synthetic workloads a table is also reported on: (arrivals, lengths), as in
 #: docs/benchmarks.md's simulator runs.
@@ -102,7 +102,7 @@ def _workloads(makers: dict[str, Any], setup: ex.Setup,
 def _report(args: argparse.Namespace, setup: ex.Setup, table: PolicyTable, rows: str) -> dict[str, Any]:
     """The table on the trace part ``rows`` (if a trace is given) and the synthetic workloads."""
     plan = sv.scenarios(sv.REPORT_LOADS, sv.REPORT_SLO_LOADS, ("trace",))
-    trace_rows = sim.read_rows(args.trace, rows, args.requests or len(_all_rows(args))) if args.trace else []
+    trace_rows = sim.read_rows(args.trace, rows, args.requests)
     parts: list[tuple[str, str | None, str | None]] = []
     if trace_rows:
         parts.append((f"trace rows {rows}", "trace", None))
@@ -129,7 +129,7 @@ def _solve(args: argparse.Namespace) -> int:
     if args.trace is None:
         raise ValueError("policy solve needs --trace (it tunes on one part and reports on another)")
     setup = _setup(args)
-    rows = sim.read_rows(args.trace, args.tune_rows, args.requests or len(_all_rows(args)))
+    rows = sim.read_rows(args.trace, args.tune_rows, args.requests)
     makers = {"trace": sim.workloads(args, rows, kind="trace")[3],
               "shuffled": sim.workloads(args, wl.shuffled_gaps(rows, args.seed), kind="trace")[3]}
     plan = sv.scenarios()
@@ -139,7 +139,7 @@ def _solve(args: argparse.Namespace) -> int:
          f"{base:.3g} req/s; scenarios {', '.join(sc.label() for sc in plan)}")
     config = ex.scheduler_config(setup, next(iter(loads.values())))
     with sv.Runner(setup, loads, args.jobs) as runner:
-        found, how = sv.solve(runner, plan, sv.heuristic_table(config.prefill_queue_steps), args.passes, _log)
+        found, how = sv.solve(runner, plan, heuristic_table(config.prefill_queue_steps), args.passes, _log)
     how["seconds"] = time.perf_counter() - started
     about: dict[str, Any] = {
         "objective": "mean over scenarios of SLO attainment (no SLO) or goodput (SLO at admission) relative "
@@ -164,10 +164,6 @@ def _solve(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"table": table.to_json(), "report": figures}, default=_json))
     return 0
-
-
-def _all_rows(args: argparse.Namespace) -> list[wl.TraceRow]:
-    return sim.read_rows(args.trace, "all", 1 << 62)
 
 
 def _report_only(args: argparse.Namespace) -> int:

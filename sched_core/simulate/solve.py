@@ -170,11 +170,6 @@ def objective(rows: Sequence[dict[str, Any]], ref: Sequence[dict[str, Any]], fcf
 # -- the search --------------------------------------------------------------------------------
 
 
-def heuristic_table(prefill_queue_steps: float) -> PolicyTable:
-    """The heuristic as a table: every state takes the configured knobs."""
-    return PolicyTable.uniform(Action(prefill_queue_steps=prefill_queue_steps), name="tokengate")
-
-
 def _knob(action: Action, name: str, value: float) -> Action:
     return replace(action, **{name: value})
 

@@ -21,6 +21,7 @@ from sched_core.smdp import (
     long_bucket,
     packaged_table,
     quantile_weight,
+    weight_quantile,
 )
 
 from .conftest import Factory
@@ -50,6 +51,7 @@ def test_the_admission_quantile_sits_between_the_prediction_and_its_p99_bound() 
     assert quantile_weight(0.99) == pytest.approx(1.0)
     assert quantile_weight(0.9) == pytest.approx(0.5)
     assert Action(admit_quantile=0.99).admit_weight == 1.0  # exactly: the heuristic's check
+    assert weight_quantile(quantile_weight(0.9)) == pytest.approx(0.9)
 
 
 def test_a_table_round_trips_through_json_and_a_bad_one_says_what_is_wrong(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from sched_core.simulate import solve as sv
 from sched_core.simulate import workload as wl
 from sched_core.simulate.engine import Pool
 from sched_core.simulate.profile import CostProfile
-from sched_core.smdp import STATE_NAMES, PolicyTable, packaged_table
+from sched_core.smdp import STATE_NAMES, PolicyTable, heuristic_table, packaged_table
 from sched_core.types import DEFAULT_PROFILES, packaged_profile
 
 
@@ -57,7 +57,7 @@ def test_the_search_finds_a_better_table_where_the_heuristic_sheds_too_much(
     monkeypatch.setattr(sv, "GRID", {"admit_quantile": (0.5, 0.99), "slot_share": (0.5, 1.0)})
     setup, workloads = small
     plan = tuple(workloads)
-    start = sv.heuristic_table(4.0)
+    start = heuristic_table(4.0)
     lines: list[str] = []
     with sv.Runner(setup, workloads) as runner:
         found, how = sv.solve(runner, plan, start, log=lines.append)
