@@ -67,6 +67,12 @@ def worker_key(worker_id: str) -> str:
     return f"{NS}worker:{worker_id}"
 
 
+def console_key(gateway_id: str) -> str:
+    """The gateway's own counters and role (and, on the scheduler, its queues) as the operator
+    console shows them, JSON, rewritten every second with a short TTL (``gateway.console.status``)."""
+    return f"{NS}console:{gateway_id}"
+
+
 def gateway_requests(gateway_id: str) -> str:
     """Hash: request id -> "tenant rate reserved" for every request the gateway admitted and
     has not settled; a survivor settles them when the gateway dies."""

@@ -273,6 +273,8 @@ class UsageTotals(TypedDict):
     rate_limited: NonNegative
     prompt_tokens: NonNegative
     completion_tokens: NonNegative
+    slo_met: NonNegative  # settled requests with an SLO that met it
+    slo_missed: NonNegative
     total_tokens: NonNegative
 
 
@@ -291,6 +293,75 @@ class UsageList(TypedDict):
     since: int
     until: int
     totals: UsageTotals
+
+
+@with_config(_FORBID)
+class TenantUsage(TypedDict):
+    tenant: str
+    name: str
+    minute: UsageTotals  # the current minute so far
+    hour: UsageTotals  # the last 60 minutes, the current one included
+
+
+@with_config(_FORBID)
+class UsageOverview(TypedDict):
+    """Every tenant's recent usage; ``since``/``until``: the whole minutes of the hour."""
+
+    object: Literal["list"]
+    data: list[TenantUsage]
+    since: int
+    until: int
+
+
+@with_config(_FORBID)
+class GatewayPart(TypedDict):
+    gateway: str
+    role: Literal["scheduler", "follower"]
+    age_s: Seconds  # since it last published its part (every second)
+    in_flight: NonNegative
+    started: int
+
+
+@with_config(_FORBID)
+class WorkerView(TypedDict):
+    """``gateway.console.status.worker_view``: a heartbeat as the console shows it."""
+
+    worker: str
+    pool: str
+    engine: str
+    model: str
+    device: str
+    dtype: str
+    choice: str
+    slots: NonNegative
+    free: int
+    running: NonNegative
+    down: str
+    heartbeat_age_s: Seconds | None
+    up_s: Seconds
+    tokens_per_s: float
+    cpu: str
+    amx: bool | None
+    amx_used: bool | None
+    gpu: str
+    threads: int | None
+    prefill_tokens_per_s: float | None
+    decode_step_ms: float | None
+
+
+@with_config(_FORBID)
+class Cluster(TypedDict):
+    """The console's live view (``gateway.console.status.cluster``): counters are totals
+    since each live gateway started; ``scheduler`` is the scheduling gateway's queues, paths
+    and policy (null while none schedules)."""
+
+    object: Literal["cluster"]
+    at: float
+    gateway: str  # the gateway that answered
+    gateways: list[GatewayPart]
+    scheduler: dict[str, Any] | None
+    workers: list[WorkerView]
+    counters: dict[str, Any]
 
 
 @with_config(_FORBID)
@@ -339,8 +410,10 @@ RESPONSE_TYPES: tuple[type[Any], ...] = (
     ApiKeyList,
     KeyRevoked,
     UsageList,
+    UsageOverview,
     WorkerList,
     SchedulerSnapshot,
+    Cluster,
 )
 
 

@@ -356,6 +356,7 @@ def _banner(settings: GatewaySettings, pools: list[str], key: str, key_file: Pat
         + "".join(worker_line(hb) + "\n" for _, hb in sorted(workers.items())) +
         f"Tenant '{DEMO_TENANT}', API key: {key}  (kept in {key_file})\n"
         f"Admin token (for /admin and `tokengate tenants|keys`): {settings.admin_token}  ({token_from})\n"
+        f"Console: {base}/console  (sign in with the admin token)\n"
         f"Try:\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
         f"-H 'Authorization: Bearer {key}' -d '{body}'\n"
         "Ctrl-C stops everything.\n"

@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ CANCEL_TTL_S = 600
 WATCH_S = 0.5  # how often workers and peers are re-read (and slot leases checked)
 MODEL_SAVE_S = 10.0  # how often the fitted model and calibration are saved for the next start
 TELEMETRY_BACKLOG = 16  # telemetry entries a starting gateway observes (the workers' warm-ups)
+ASK_S = 1.0  # a follower waits this long for the scheduler's answer to a question (``explain_anywhere``)
 READ_BLOCK_MS = 1000  # the reply loop's blocking read returns at least this often
 BACKOFF = backoff_policy(base_s=0.05, cap_s=2.0)  # after the n-th Redis failure in a row of one loop
 DECIDE_S = 5.0  # a follower waits this long for the scheduler's decision (a failover takes ~1 s)
@@ -94,6 +96,7 @@ class Dispatcher:
         self._arrivals = AutoPipeline(client, timeout_s=settings.redis_timeout_s + READ_BLOCK_MS / 1000)
         self._decisions: dict[str, asyncio.Future[Contract | Reject | None]] = {}  # forwarded, undecided
         self._remote: set[str] = set()  # requests this gateway forwarded, until they end here
+        self._asked: dict[str, asyncio.Future[dict[str, object] | None]] = {}  # questions to the scheduler
         self.liveness = Liveness(client, settings)
         self.pending: dict[str, Pending] = {}
         self.workers: dict[str, p.Heartbeat] = {}
@@ -240,6 +243,24 @@ class Dispatcher:
 
     def explain(self, rid: str) -> dict[str, object] | None:
         return self.shell.explain(rid)
+
+    async def explain_anywhere(self, rid: str) -> dict[str, object] | None:
+        """The scheduler's ``explain`` of ``rid`` from whichever gateway schedules: a follower
+        asks it over the arrivals stream and waits up to ``ASK_S``. None when the scheduler
+        holds no such request (it has not arrived, or it has ended) or did not answer."""
+        if self.leader:
+            return self.explain(rid)
+        ask = os.urandom(8).hex()
+        answer = self._asked[ask] = asyncio.get_running_loop().create_future()
+        try:
+            await self._xadd_arrivals(election.encode_question(rid, ask, self.replies))
+            async with asyncio.timeout(ASK_S):
+                return await answer
+        except TimeoutError:
+            log.info("the scheduler did not explain %s within %g s", rid, ASK_S)
+            return None
+        finally:
+            self._asked.pop(ask, None)
 
     def snapshot(self) -> dict[str, object]:
         snap = self.shell.snapshot()
@@ -481,6 +502,9 @@ class Dispatcher:
         if election.DECISION in fields:
             self._decided(fields[election.DECISION])
             return
+        if election.EXPLAINED in fields:
+            self._explained(fields[election.EXPLAINED])
+            return
         try:
             events = p.decode_events(fields)
         except p.ProtocolError as exc:
@@ -511,6 +535,16 @@ class Dispatcher:
             waiting.set_result(decision)
         elif isinstance(decision, Reject):
             self._route_event(p.Failed(rid, decision.reason, decision.message))
+
+    def _explained(self, raw: bytes) -> None:
+        try:
+            ask, explain = election.decode_explained(raw)
+        except p.ProtocolError as exc:
+            log.error("dropping an unreadable answer: %s", exc)
+            return
+        waiting = self._asked.get(ask)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(explain)
 
     def _handle(self, events: list[p.Event]) -> None:
         for ev in events:
@@ -704,6 +738,11 @@ class Dispatcher:
                     self._handle(p.decode_events(fields))
                 elif kind == b"n":
                     self._apply_note(election.decode_note(fields), now)
+                elif kind == b"q":
+                    question = election.decode_note(fields)
+                    answer = election.encode_explained(question["ask"], self.explain(question["rid"]))
+                    self._spawn(self._xadd_or_warn(question["reply_to"], {b"v": election.VERSION,
+                                                                          election.EXPLAINED: answer}))
             except p.ProtocolError as exc:
                 log.error("dropping an unreadable arrival: %s", exc)
                 done.append(entry_id)

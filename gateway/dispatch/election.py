@@ -11,7 +11,9 @@ reply streams, and write what the scheduler needs to ``wire.ARRIVALS_STREAM``:
   scheduler reclaims exactly what the old one left undone;
 * what the follower learns about a forwarded request afterwards: the workers' final events
   and batch reports (slots come back), its first token, its end (the contracts calibrate),
-  a cancel.
+  a cancel;
+* a question: the scheduler's ``explain`` of one request, for the operator console on a
+  follower (answered on the follower's reply stream, in an ``explained`` entry).
 
 The scheduler answers each admission on the follower's reply stream with its contract or
 its refusal (a ``decision`` entry); the workers reply to the follower directly.
@@ -84,6 +86,7 @@ return 1
 """
 
 DECISION = b"d"  # the field of a decision entry on a follower's reply stream (events use b"m")
+EXPLAINED = b"x"  # the field of an answer to a question (``encode_question``) on a follower's reply stream
 VERSION = str(p.VERSION).encode()  # every entry's b"v", as on the workers' streams
 
 
@@ -112,6 +115,26 @@ def encode_note(kind: str, rid: str, **values: float | int | None) -> dict[bytes
     return {b"k": b"n", b"v": VERSION, b"m": orjson.dumps({"kind": kind, "rid": rid, **values})}
 
 
+def encode_question(rid: str, ask: str, reply_to: str) -> dict[bytes, bytes]:
+    """Ask the scheduler for its ``explain`` of ``rid``; ``ask`` names the question in the answer."""
+    return {b"k": b"q", b"v": VERSION, b"m": orjson.dumps({"rid": rid, "ask": ask, "reply_to": reply_to})}
+
+
+def encode_explained(ask: str, explain: dict[str, object] | None) -> bytes:
+    return orjson.dumps({"ask": ask, "explain": explain})
+
+
+def decode_explained(raw: bytes) -> tuple[str, dict[str, object] | None]:
+    try:
+        doc = orjson.loads(raw)
+        explain = doc["explain"]
+        if explain is not None and not isinstance(explain, dict):
+            raise TypeError("explain must be an object")
+        return str(doc["ask"]), explain
+    except (KeyError, TypeError, orjson.JSONDecodeError) as exc:
+        raise p.ProtocolError(f"malformed answer: {exc!r}") from exc
+
+
 def decode_arrival(fields: dict[bytes, bytes]) -> Arrival:
     try:
         job = p.decode_job(fields)
@@ -124,12 +147,15 @@ def decode_arrival(fields: dict[bytes, bytes]) -> Arrival:
 
 
 def decode_note(fields: dict[bytes, bytes]) -> dict[str, Any]:
+    """A note, or a question (which also names its ``ask`` and ``reply_to``)."""
     try:
         doc = orjson.loads(fields[b"m"])
     except (KeyError, orjson.JSONDecodeError) as exc:
         raise p.ProtocolError(f"malformed note: {exc!r}") from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("rid"), str):
         raise p.ProtocolError("a note names a request")
+    if fields.get(b"k") == b"q" and not (isinstance(doc.get("ask"), str) and isinstance(doc.get("reply_to"), str)):
+        raise p.ProtocolError("a question names its answer's stream")
     return doc
 
 

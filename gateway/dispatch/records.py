@@ -46,10 +46,12 @@ async def owner(client: aioredis.Redis, rid: str) -> str | None:
     return None if found is None else wire.text(found)
 
 
-async def read(client: aioredis.Redis, ref: str, tenant_id: str) -> dict[str, Any]:
-    """The record of one of ``tenant_id``'s requests; NotFound for anything else."""
+async def read(client: aioredis.Redis, ref: str, tenant_id: str | None) -> dict[str, Any]:
+    """The record of one of ``tenant_id``'s requests (None: any tenant's, for the admin);
+    NotFound for anything else."""
     rid = request_id(ref)
     fields = await client.hgetall(wire.request(rid)) if len(rid) <= 64 else {}
-    if wire.text(fields.get(b"tenant", b"")) != tenant_id:
+    owner = fields.get(b"tenant")
+    if owner is None or (tenant_id is not None and wire.text(owner) != tenant_id):
         raise NotFound(f"No request '{ref}'.", param="id")
     return decode(rid, fields)

@@ -12,6 +12,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from common import wire
+from gateway.console import status
+from gateway.dispatch import records
 from gateway.http.web import ORJSONResponse, read_json
 from gateway.tenancy import admin_protocol as ap
 from gateway.tenancy import usage
@@ -91,6 +94,26 @@ async def tenant_usage(request: Request) -> Response:
     )
 
 
+async def usage_overview(request: Request) -> Response:
+    """Every tenant's usage in the current minute and in the last hour (its 60 minutes, the
+    current one included): one round trip of ``60 × tenants`` hash reads."""
+    gw = _gw(request)
+    tenants = await gw.tenants.list_tenants()
+    now = time.time()
+    last = int(now // 60)
+    pipe = gw.client.pipeline(transaction=False)
+    for tenant in tenants:
+        for minute in range(last - 59, last + 1):
+            pipe.hgetall(wire.usage(tenant.id, minute))
+    found = await pipe.execute()
+    data = []
+    for i, tenant in enumerate(tenants):
+        hour = [usage.row(last - 59 + m, c) for m, c in enumerate(found[60 * i: 60 * i + 60])]
+        data.append({"tenant": tenant.id, "name": tenant.name, "minute": usage.totals(hour[-1:]),
+                     "hour": usage.totals(hour)})
+    return _list(data, since=(last - 59) * 60, until=last * 60 + 59)
+
+
 # -- keys ----------------------------------------------------------------------------------
 
 
@@ -125,6 +148,22 @@ async def scheduler(request: Request) -> Response:
     return ORJSONResponse(_gw(request).dispatcher.snapshot())
 
 
+async def cluster(request: Request) -> Response:
+    """The operator console's live view: every gateway, worker and the scheduler's queues."""
+    return ORJSONResponse(await status.read(_gw(request)))
+
+
+async def explain_request(request: Request) -> Response:
+    """Any tenant's request: its record (contract, timings) and, while the scheduler holds
+    it, the scheduler's ``explain`` (asked of the scheduling gateway where this one follows)."""
+    gw = _gw(request)
+    doc = await records.read(gw.client, request.path_params["rid"], None)
+    schedule = await gw.dispatcher.explain_anywhere(doc["id"])
+    if schedule is not None:
+        doc["schedule"] = schedule
+    return ORJSONResponse(doc)
+
+
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
@@ -144,10 +183,13 @@ def routes() -> list[Route]:
         "/tenants": {"POST": create_tenant, "GET": list_tenants},
         "/tenants/{tenant}": {"GET": get_tenant, "PATCH": update_tenant, "DELETE": delete_tenant},
         "/tenants/{tenant}/usage": {"GET": tenant_usage},
+        "/usage": {"GET": usage_overview},
         "/tenants/{tenant}/keys": {"POST": issue_key, "GET": list_keys},
         "/keys/{prefix}": {"DELETE": revoke_key},
         "/workers": {"GET": workers},
         "/scheduler": {"GET": scheduler},
+        "/cluster": {"GET": cluster},
+        "/requests/{rid}": {"GET": explain_request},
     }
     out = []
     for path, handlers in table.items():

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.api import openai_protocol as oai
 from gateway.api.shapes import Health, NotReady, Ready
+from gateway.console import status
 from gateway.dispatch import records
 from gateway.errors import (
     GatewayError,
@@ -31,7 +32,7 @@ from gateway.errors import (
     Unavailable,
     error_response,
 )
-from gateway.http import admin, openapi
+from gateway.http import admin, console, openapi
 from gateway.http.lifecycle import RequestLife
 from gateway.http.saturation import SATURATED_S
 from gateway.http.services import Gateway
@@ -382,10 +383,12 @@ def create_app(gw: Gateway) -> ASGIApp:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await gw.dispatcher.start()
         sampler = asyncio.create_task(gw.lag.run(), name="loop-lag")
+        publisher = asyncio.create_task(status.publish_loop(gw), name="console")
         try:
             yield
         finally:
             sampler.cancel()
+            publisher.cancel()
             await gw.drain()
             await gw.dispatcher.close()
 
@@ -405,7 +408,7 @@ def create_app(gw: Gateway) -> ASGIApp:
                 Route("/metrics", metrics, methods=["GET"]),
             ],
             gw.settings,
-        ),
+        ) + console.routes(),
         exception_handlers={
             GatewayError: _gateway_error,
             HTTPException: _http_error,

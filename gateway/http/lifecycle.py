@@ -50,7 +50,7 @@ from gateway.errors import (
     error_body,
 )
 from gateway.http.services import CANCEL_DRAIN_S
-from gateway.tenancy import limits
+from gateway.tenancy import limits, usage
 from gateway.tenancy.budget import Admission
 from sched_core import Reject
 
@@ -365,12 +365,14 @@ class RequestLife:
         admission, meter, gw = self.admission, self.meter, self.gw
         prompt, completion = meter.charge()
         state, record = meter.outcome, meter.record()
+        slo = usage.slo_verdict(state, meter.first_token_s, meter.total_s, meter.completion_tokens,
+                                self.slo_ttft_s, self.slo_tpot_s)
 
         async def settle() -> bool:
             gw.metrics.observe_contract(gw.dispatcher.outcome(admission.rid, record.get("ttft_s"),
                                                               record.get("total_s"), completion))
             return await until_settled(gw, admission.rid,
-                                       lambda: gw.budget.settle(admission, state, prompt, completion, record))
+                                       lambda: gw.budget.settle(admission, state, prompt, completion, record, slo))
 
         settling = meter.settling = gw.tasks.spawn(settle())
         return settling

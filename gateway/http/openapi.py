@@ -252,6 +252,20 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "This gateway's scheduler: queues, cost curves, thresholds, tenants", "admin", "AdminToken",
         (200, "SchedulerSnapshot"), {401: _ADMIN_401},
     ),
+    ("GET", "/admin/usage"): Operation(
+        "Every tenant's usage in the current minute and the last hour", "admin", "AdminToken",
+        (200, "UsageOverview"), {401: _ADMIN_401, 503: REDIS_DOWN},
+    ),
+    ("GET", "/admin/cluster"): Operation(
+        "The cluster now: gateways and their counters, workers, the scheduler's queues and policy", "admin",
+        "AdminToken", (200, "Cluster"), {401: _ADMIN_401, 503: REDIS_DOWN},
+    ),
+    ("GET", "/admin/requests/{rid}"): Operation(
+        "Any tenant's request: its record and, while queued or running, the scheduler's explanation", "admin",
+        "AdminToken", (200, "RequestRecord"),
+        {401: _ADMIN_401, 404: "`not_found`: unknown or expired.", 503: REDIS_DOWN},
+        parameters=(_path_param("rid", "The `x-request-id`, or the response's `chatcmpl-…`/`cmpl-…` id."),),
+    ),
     ("GET", "/healthz"): Operation("The process is up", "ops", None, (200, "Health")),
     ("GET", "/readyz"): Operation(
         "Ready: Redis answers and a worker has a live heartbeat", "ops", None, (200, "Ready"),

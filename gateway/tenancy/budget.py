@@ -105,7 +105,8 @@ end
 
 # KEYS: budget, leases, request record, usage minute, the gateway's requests
 # ARGV: rate, rid, delta tokens, state, charged prompt tokens, charged completion tokens,
-#       usage ttl s, then field/value pairs for the request record, now ('' for Redis TIME)
+#       usage ttl s, SLO ('1' met, '0' missed, '' none), then field/value pairs for the request
+#       record, now ('' for Redis TIME)
 SETTLE = (
     CLOCK
     + _SETTLE_ONE
@@ -116,12 +117,15 @@ if settle_one(now, KEYS[1], KEYS[2], KEYS[3], KEYS[5], ARGV[2], tonumber(ARGV[1]
   return 0
 end
 if redis.call('EXISTS', KEYS[3]) == 1 then
-  for i = 8, #ARGV - 2, 2 do  -- extra record fields: the contract and what happened
+  for i = 9, #ARGV - 2, 2 do  -- extra record fields: the contract and what happened
     redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
   end
 end
 redis.call('HINCRBY', KEYS[4], 'prompt_tokens', ARGV[5])
 redis.call('HINCRBY', KEYS[4], 'completion_tokens', ARGV[6])
+if ARGV[8] ~= '' then
+  redis.call('HINCRBY', KEYS[4], ARGV[8] == '1' and 'slo_met' or 'slo_missed', 1)
+end
 redis.call('EXPIRE', KEYS[4], ARGV[7])
 return 1
 """
@@ -312,13 +316,15 @@ class Budget:
         prompt_tokens: int,
         completion_tokens: int,
         record: dict[str, float] | None = None,
+        slo: bool | None = None,
     ) -> bool:
         """Ends the request's lease and charges the tokens given (refunding the rest of its
         reservation); False when it was settled already or its lease ran out, and then
-        nothing changes. ``record`` adds fields to the request's record."""
+        nothing changes. ``record`` adds fields to the request's record; ``slo``: whether it
+        met its SLO (None: it had none), counted in the tenant's usage."""
         delta = prompt_tokens + completion_tokens - admission.reserved
         return await self.settle_raw(
-            admission.tenant, admission.rid, delta, state, prompt_tokens, completion_tokens, record=record
+            admission.tenant, admission.rid, delta, state, prompt_tokens, completion_tokens, record=record, slo=slo
         )
 
     async def settle_raw(
@@ -333,6 +339,7 @@ class Budget:
         now: float | None = None,
         wall: float | None = None,
         record: dict[str, float] | None = None,
+        slo: bool | None = None,
     ) -> bool:
         pairs = [x for item in (record or {}).items() for x in item]
         reply = await self._run(
@@ -346,6 +353,7 @@ class Budget:
                 prompt_tokens,
                 completion_tokens,
                 self.settings.usage_retention_s,
+                "" if slo is None else int(slo),
                 *pairs,
                 now,
             ),

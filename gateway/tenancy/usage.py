@@ -2,7 +2,9 @@
 
 One hash per tenant and minute (``{tg}:usage:{id}:{unix_minute}``) with the fields below;
 each expires after the usage retention. The admission script counts ``requests`` and
-``rate_limited`` (429s); the settle script counts the tokens charged.
+``rate_limited`` (429s); the settle script counts the tokens charged and, for a request with
+an SLO (the tenant's or its headers'), whether it met it (``slo_met``, ``slo_missed``:
+``slo_verdict``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import redis.asyncio as aioredis
 from common import wire
 from gateway.errors import InvalidRequest
 
-FIELDS = ("requests", "rate_limited", "prompt_tokens", "completion_tokens")
+FIELDS = ("requests", "rate_limited", "prompt_tokens", "completion_tokens", "slo_met", "slo_missed")
 MAX_MINUTES = 7 * 24 * 60
 
 
@@ -64,3 +66,20 @@ async def series(client: aioredis.Redis, tid: str, first: int, last: int) -> lis
 def totals(rows: list[dict[str, Any]]) -> dict[str, int]:
     keys = (*FIELDS, "total_tokens")
     return {k: sum(r[k] for r in rows) for k in keys}
+
+
+def slo_verdict(state: str, ttft_s: float | None, total_s: float | None, completion_tokens: int,
+                slo_ttft_s: float | None, slo_tpot_s: float | None) -> bool | None:
+    """Whether a settled request met its SLO, as the simulator judges one (``Slo.met``): its
+    first token within ``slo_ttft_s`` and its later tokens within ``slo_tpot_s`` each on
+    average. None when it had no SLO, or its client cancelled it; a failed request missed it.
+    A request whose first token was not seen apart is judged by its end."""
+    if (slo_ttft_s is None and slo_tpot_s is None) or state == "cancelled":
+        return None
+    if state != "done" or total_s is None:
+        return False
+    first = total_s if ttft_s is None else ttft_s
+    if slo_ttft_s is not None and first > slo_ttft_s:
+        return False
+    later = completion_tokens - 1
+    return slo_tpot_s is None or later <= 0 or (total_s - first) / later <= slo_tpot_s

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 
+from gateway.console import status as console_status
 from sched_core.smdp import STATE_NAMES
-from tests.integration.gateway.conftest import ADMIN, Harness
+from tests.integration.gateway.conftest import ADMIN, Harness, make_harness
+from workers.engine import EchoEngine
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 
@@ -24,6 +27,9 @@ ROUTES = [
     ("DELETE", "/keys/0123abcd"),
     ("GET", "/workers"),
     ("GET", "/scheduler"),
+    ("GET", "/usage"),
+    ("GET", "/cluster"),
+    ("GET", "/requests/0123abcd"),
     ("GET", "/no-such-route"),
 ]
 
@@ -150,6 +156,8 @@ async def test_usage_per_minute(harness: Harness) -> None:
         "rate_limited": 1,
         "prompt_tokens": 5,
         "completion_tokens": 8,
+        "slo_met": 0,
+        "slo_missed": 0,
         "total_tokens": 13,
     }
     assert sum(row["requests"] for row in body["data"]) == 1
@@ -181,3 +189,73 @@ async def test_worker_step_telemetry_refits_the_scheduler_and_slots_come_back(ha
         await asyncio.sleep(0.05)
     assert snap["paths"]["cpu"]["fitted_steps"] > before and snap["policy"]["spec"] == "tokengate"
     assert snap["policy"]["name"] == "tokengate" and snap["policy"]["state"] in STATE_NAMES
+
+
+async def test_every_tenant_s_usage_in_the_minute_and_the_hour_with_its_slo_attainment(harness: Harness) -> None:
+    _, key = await harness.tenant("acme", rate=1, burst=40, max_queue_delay_s=0, slo_ttft_ms=60_000)
+    await harness.tenant("idle")
+    assert (await harness.complete(key, max_tokens=20)).status_code == 200  # met its (generous) SLO
+    assert (await harness.complete(key, max_tokens=30)).status_code == 429
+    r = await harness.admin("GET", "/usage")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "list" and body["until"] - body["since"] == 3599
+    by_name = {u["name"]: u for u in body["data"]}
+    acme = by_name["acme"]
+    for window in (acme["minute"], acme["hour"]):  # both made this minute
+        assert window == {"requests": 1, "rate_limited": 1, "prompt_tokens": 5, "completion_tokens": 8,
+                          "slo_met": 1, "slo_missed": 0, "total_tokens": 13}
+    assert by_name["idle"]["hour"]["requests"] == 0
+    # (a missed SLO is counted by the same script: tests/unit/gateway/test_usage.py judges the verdicts)
+
+
+async def test_the_cluster_view_counts_admissions_refusals_and_contracts(harness: Harness) -> None:
+    _, key = await harness.tenant("acme", rate=1, burst=40, max_queue_delay_s=0)
+    await console_status.publish(harness.gw)
+    before = (await harness.admin("GET", "/cluster")).json()
+    assert before["object"] == "cluster" and before["gateway"] == harness.gw.settings.gateway_id
+    assert [g["role"] for g in before["gateways"]] == ["scheduler"]
+    assert before["scheduler"]["gateway"] == harness.gw.settings.gateway_id
+    assert before["scheduler"]["policy"]["spec"] == "tokengate"
+    assert before["scheduler"]["policy"]["state"] in STATE_NAMES
+    assert {b["bucket"] for b in before["scheduler"]["buckets"]} == set(range(8))
+    assert set(before["scheduler"]["backlog"]) == {"cpu", "gpu"}
+    [worker] = before["workers"]
+    assert worker["engine"] == "echo" and worker["slots"] > 0 and 0 <= worker["heartbeat_age_s"] < 5
+    assert (await harness.complete(key, max_tokens=20)).status_code == 200
+    assert (await harness.complete(key, max_tokens=30)).status_code == 429
+    await console_status.publish(harness.gw)
+    after = (await harness.admin("GET", "/cluster")).json()["counters"]
+    was = before["counters"]
+    assert after["admitted"] - was["admitted"] == 1 and after["refused"] - was["refused"] == 1
+    assert after["responses"]["429"] - was["responses"].get("429", 0) == 1
+    cpu = after["contracts"]["cpu"]["total"]
+    assert cpu["inside"] + cpu["outside"] == 1 and cpu["errors"] == 1  # the admitted one's promise, judged
+
+
+async def test_any_request_is_explained_while_queued_and_its_record_after(
+    redis_url: str, prompts: Any, model_spec: Any
+) -> None:
+    slow = EchoEngine(tokens=4, slots=1, step_s=0.1)  # one at a time: the others queue
+    async with make_harness(redis_url, prompts, model_spec.name, engine=slow) as h:
+        _, key = await h.tenant("acme", rate=10**6, burst=10**7)
+        sent = [asyncio.create_task(h.complete(key, max_tokens=4)) for _ in range(3)]
+        shell = h.gw.dispatcher.shell
+        deadline = time.monotonic() + 5
+        while not shell.queued_ids():
+            assert time.monotonic() < deadline, "nothing queued"
+            await asyncio.sleep(0.01)
+        rid = shell.queued_ids()[-1]
+        r = await h.admin("GET", f"/requests/{rid}")
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        assert doc["id"] == rid and doc["state"] == "admitted" and doc["prompt_tokens"] == 5
+        assert doc["schedule"]["state"] == "queued" and doc["schedule"]["requests_ahead"] >= 0
+        done = await asyncio.gather(*sent)
+        assert [x.status_code for x in done] == [200] * 3
+        answered = done[0]
+        after = (await h.admin("GET", f"/requests/{answered.json()['id']}")).json()  # the response id works too
+        assert after["state"] == "done" and "schedule" not in after
+        assert after["total_s"] > 0 and after["contract_p99_s"] > 0
+        missing = await h.admin("GET", "/requests/0123abcd")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from common import wire
+from gateway.console import status
 from gateway.dispatch import election
 from gateway.dispatch.prompts import PromptBuilder
 from gateway.http.app import create_app
@@ -166,3 +167,38 @@ async def test_each_job_goes_to_a_worker_with_a_free_slot_and_no_worker_runs_mor
             assert [r.status_code for r in await calls] == [200] * 12
             assert most[first] <= 2 and most["second"] <= 2, most
             assert ran[first] and ran["second"], ran  # both took work
+
+
+async def test_a_follower_s_console_shows_the_cluster_and_explains_what_the_scheduler_holds(
+    redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec
+) -> None:
+    slow = EchoEngine(tokens=4, slots=1, step_s=0.1)  # one at a time: the others queue at the scheduler
+    async with make_harness(redis_url, prompts, model_spec.name, engine=slow) as lead, \
+            follower(redis_url, prompts, model_spec.name) as other:
+        _, key = await lead.tenant("acme", rate=10**6, burst=10**8)
+        for gw in (lead.gw, other.gw):
+            await status.publish(gw)
+        view = (await other.admin("GET", "/cluster")).json()
+        assert view["gateway"] == other.gw.settings.gateway_id
+        roles = {g["gateway"]: g["role"] for g in view["gateways"]}
+        assert roles == {lead.gw.settings.gateway_id: "scheduler", other.gw.settings.gateway_id: "follower"}
+        assert view["scheduler"]["gateway"] == lead.gw.settings.gateway_id  # the queues are the scheduler's
+        assert [w["engine"] for w in view["workers"]] == ["echo"]
+        sent = [asyncio.create_task(other.complete(key, max_tokens=4)) for _ in range(3)]
+        shell = lead.gw.dispatcher.shell
+        await _until(lambda: bool(shell.queued_ids()), "a forwarded request queued at the scheduler")
+        rid = shell.queued_ids()[-1]
+        doc = (await other.admin("GET", f"/requests/{rid}")).json()  # asked of the scheduler, answered by it
+        assert doc["id"] == rid and doc["schedule"]["state"] == "queued", doc
+        there = lead.gw.dispatcher.explain(rid)
+        assert there is not None and set(doc["schedule"]) == set(there)
+        assert all(doc["schedule"][k] == there[k] for k in ("request_id", "tenant", "bucket", "max_prompt"))
+        assert [r.status_code for r in await asyncio.gather(*sent)] == [200] * 3
+        for gw in (lead.gw, other.gw):
+            await status.publish(gw)
+        counters = (await other.admin("GET", "/cluster")).json()["counters"]
+        assert counters["admitted"] == 3  # the follower's own answers, summed into the cluster's
+        contracts = counters["contracts"]["cpu"]["total"]
+        assert contracts["inside"] + contracts["outside"] == 3  # judged by the scheduler
+        # a request the scheduler no longer holds: its record, without a schedule
+        assert "schedule" not in (await other.admin("GET", f"/requests/{rid}")).json()

@@ -13,7 +13,7 @@ import pytest
 from jsonschema import Draft202012Validator
 from openapi_spec_validator import validate as validate_openapi
 
-from gateway.http import openapi
+from gateway.http import console, openapi
 from gateway.http.app import create_app
 from tests.integration.gateway.conftest import ADMIN, Harness
 
@@ -96,9 +96,9 @@ async def test_its_paths_are_exactly_the_routes(harness: Harness) -> None:
     while not hasattr(app, "routes"):  # through the raw ASGI layers around Starlette
         app = app.app  # type: ignore[attr-defined]
     routes = app.routes
-    table = set(openapi.route_table(routes))
+    table = set(openapi.route_table(routes)) - set(openapi.route_table(console.routes()))  # pages, not API
     assert {(m.upper(), p) for p, item in doc["paths"].items() for m in item} == table
-    assert len(table) == 20 and ("GET", "/admin/tenants/{tenant}/usage") in table
+    assert len(table) == 23 and ("GET", "/admin/tenants/{tenant}/usage") in table
     for path, item in doc["paths"].items():
         for method, op in item.items():
             wanted = "AdminToken" if path.startswith("/admin") else "ApiKey" if path.startswith("/v1") else None
@@ -144,6 +144,8 @@ async def test_real_responses_conform(harness: Harness) -> None:
     check(await http.get("/admin/tenants/acme/keys", headers=admin))
     check(await http.get("/admin/workers", headers=admin))
     check(await http.get("/admin/scheduler", headers=admin))
+    check(await http.get("/admin/usage", headers=admin))
+    check(await http.get("/admin/cluster", headers=admin))
     check(await http.get("/admin/tenants/acme/usage?since=abc", headers=admin))  # 400
 
     # generation: JSON and streams, both routes, with every header the document promises
@@ -164,6 +166,8 @@ async def test_real_responses_conform(harness: Harness) -> None:
     check(await http.get(f"/v1/requests/{done.headers['x-request-id']}", headers=auth))
     check(await http.get(f"/v1/requests/{done.json()['id']}", headers=auth))
     check(await http.get("/v1/requests/0123", headers=auth))  # 404
+    check(await http.get(f"/admin/requests/{done.headers['x-request-id']}", headers=admin))
+    check(await http.get("/admin/requests/0123", headers=admin))  # 404
 
     # generation's refusals
     check(await http.post("/v1/chat/completions", json=chat))  # 401
@@ -193,4 +197,4 @@ async def test_real_responses_conform(harness: Harness) -> None:
 
     statuses = {s for _, _, s in conformance.seen}
     assert statuses == {200, 201, 400, 401, 404, 409, 413, 429, 503}
-    assert len({(m, p) for m, p, _ in conformance.seen}) == 20  # every operation
+    assert len({(m, p) for m, p, _ in conformance.seen}) == 23  # every operation

@@ -1,7 +1,7 @@
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.tenancy.usage import row, totals, window
+from gateway.tenancy.usage import row, slo_verdict, totals, window
 
 NOW = 1_700_000_000.0
 
@@ -33,6 +33,30 @@ def test_rows_and_totals() -> None:
         "rate_limited": 0,
         "prompt_tokens": 10,
         "completion_tokens": 5,
+        "slo_met": 0,
+        "slo_missed": 0,
         "total_tokens": 15,
     }
     assert totals([r, r])["total_tokens"] == 30
+
+
+@pytest.mark.parametrize(
+    ("state", "ttft", "total", "tokens", "slo", "verdict"),
+    [
+        ("done", 0.1, 1.0, 10, (None, None), None),  # no SLO: not judged
+        ("cancelled", 0.1, 1.0, 10, (0.5, None), None),  # its client's choice: not judged
+        ("failed", None, None, 0, (0.5, None), False),
+        ("done", 0.4, 1.0, 10, (0.5, None), True),
+        ("done", 0.6, 1.0, 10, (0.5, None), False),  # first token late
+        ("done", 0.1, 1.0, 10, (0.5, 0.1), True),  # 0.9 s for 9 later tokens: 0.1 s each
+        ("done", 0.1, 1.1, 10, (0.5, 0.1), False),  # 0.111 s each
+        ("done", 0.1, 5.0, 1, (0.5, 0.1), True),  # one token: no later ones to judge
+        ("done", None, 0.4, 3, (0.5, None), True),  # not streamed apart: judged by its end
+        ("done", None, 0.6, 3, (0.5, None), False),
+    ],
+)
+def test_the_slo_verdict_judges_as_the_simulator(
+    state: str, ttft: float | None, total: float | None, tokens: int, slo: tuple[float | None, float | None],
+    verdict: bool | None,
+) -> None:
+    assert slo_verdict(state, ttft, total, tokens, *slo) is verdict

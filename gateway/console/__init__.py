@@ -1,0 +1,1 @@
+"""The operator console: its data (``status``) and its page (``static/``)."""

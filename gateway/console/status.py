@@ -1,0 +1,183 @@
+"""What the operator console shows (docs/operations.md, "The operator console").
+
+Every gateway publishes its own part each ``PUBLISH_S`` under ``wire.console_key`` with a
+TTL of ``STALE_S``: its role, its counters since it started (generation responses by status,
+budget waits, tokens, contract outcomes per path) and, on the scheduler, its queues and
+policy. ``GET /admin/cluster`` on any gateway merges the live parts with the workers'
+heartbeats (``cluster``), so the page shows the cluster, not the replica it talks to. The
+page turns counters into rates itself, from one refresh to the next. Pure: the I/O is in
+``gateway.http.admin`` and ``publish_loop``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from redis.exceptions import RedisError
+
+from common import protocol as p
+from common import wire
+from gateway.metrics import Metrics
+
+if TYPE_CHECKING:
+    from gateway.http.services import Gateway
+
+log = logging.getLogger("tokengate.console")
+
+PUBLISH_S = 1.0  # how often each gateway rewrites its part
+STALE_S = 3.0  # a part not rewritten for this long is gone (its TTL): the gateway is down
+GENERATION_ROUTES = ("chat", "completions")  # ``Instrument``'s labels of the two generation routes
+ADMITTED = ("200", "499")  # a generation request answered 200 was admitted; 499: admitted, then its client left
+# the scheduler's snapshot, less what grows with the tenants (fairness) or only the CLI reads
+_SNAPSHOT_KEYS = ("queued", "buckets", "paths", "policy", "placed", "tail_cut", "priors", "backlog")
+_PATH_KEYS = ("capacity", "in_flight", "slot_limit", "workers", "max_batch", "kv_tokens", "pending_prefill",
+              "step_s", "step_tokens", "fitted_steps")
+
+
+def counters(metrics: Metrics) -> dict[str, Any]:
+    """This gateway's counters since it started, from its Prometheus metrics (one source)."""
+    statuses: dict[str, int] = defaultdict(int)
+    for family in metrics.requests.collect():
+        for s in family.samples:
+            if s.name.endswith("_total") and s.labels["route"] in GENERATION_ROUTES:
+                statuses[s.labels["status"]] += int(s.value)
+    waits = 0
+    for family in metrics.budget_wait.collect():
+        waits += sum(int(s.value) for s in family.samples if s.name.endswith("_count"))
+    tokens: dict[str, int] = {}
+    for family in metrics.tokens.collect():
+        tokens |= {s.labels["kind"]: int(s.value) for s in family.samples if s.name.endswith("_total")}
+    contracts: dict[str, dict[str, dict[str, float]]] = {}
+
+    def cell(path: str, component: str) -> dict[str, float]:
+        return contracts.setdefault(path, {}).setdefault(
+            component, {"inside": 0, "outside": 0, "error_sum": 0.0, "errors": 0})
+
+    for family in metrics.contract_inside.collect():
+        for s in family.samples:
+            if s.name.endswith("_total"):
+                c = cell(s.labels["path"], s.labels["component"])
+                c["inside" if s.labels["within_p99"] == "true" else "outside"] += int(s.value)
+    for family in metrics.contract_error.collect():
+        for s in family.samples:
+            if s.labels.get("prediction") != "calibrated":
+                continue
+            if s.name.endswith("_sum"):
+                cell(s.labels["path"], s.labels["component"])["error_sum"] += s.value
+            elif s.name.endswith("_count"):
+                cell(s.labels["path"], s.labels["component"])["errors"] += int(s.value)
+    return {"responses": dict(statuses), "budget_waits": waits, "tokens": tokens, "contracts": contracts}
+
+
+def scheduler_view(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """The parts of ``Dispatcher.snapshot()`` the console draws."""
+    view = {k: snapshot[k] for k in _SNAPSHOT_KEYS if k in snapshot}
+    paths = snapshot.get("paths")
+    if isinstance(paths, dict):
+        view["paths"] = {name: {k: v for k, v in path.items() if k in _PATH_KEYS} for name, path in paths.items()}
+    fairness = snapshot.get("fairness")
+    if isinstance(fairness, dict) and isinstance(fairness.get("tenants"), dict):
+        view["tenants_queued"] = len(fairness["tenants"])
+    return view
+
+
+def part(gw: Gateway, now: float) -> dict[str, Any]:
+    """This gateway's part of the cluster view."""
+    snapshot = gw.dispatcher.snapshot()
+    return {
+        "gateway": gw.settings.gateway_id,
+        "role": snapshot["role"],
+        "at": now,
+        "started": gw.started,
+        "in_flight": gw.in_flight,
+        "counters": counters(gw.metrics),
+        "scheduler": scheduler_view(snapshot) if snapshot["role"] == "scheduler" else None,
+    }
+
+
+def worker_view(hb: p.Heartbeat, beat: float | None, now: float) -> dict[str, Any]:
+    """One worker as the console lists it: slots in use, heartbeat age, the device and what
+    it measured of itself at start (``workers.selfprofile``; absent for engines that do not
+    profile)."""
+    facts = hb.profile.get("facts") if isinstance(hb.profile.get("facts"), dict) else {}
+    summary = hb.profile.get("summary") if isinstance(hb.profile.get("summary"), dict) else {}
+    assert isinstance(facts, dict) and isinstance(summary, dict)
+    return {
+        "worker": hb.worker, "pool": hb.pool, "engine": hb.engine, "model": hb.model,
+        "device": hb.device, "dtype": hb.dtype, "choice": hb.choice,
+        "slots": hb.slots, "free": hb.free, "running": hb.running, "down": hb.down,
+        "heartbeat_age_s": None if beat is None else max(0.0, now - beat),
+        "up_s": max(0.0, now - hb.started),
+        "tokens_per_s": hb.tokens_per_s,
+        "cpu": facts.get("cpu", ""), "amx": facts.get("amx"), "amx_used": facts.get("amx_used"),
+        "gpu": facts.get("gpu", ""), "threads": facts.get("threads"),
+        "prefill_tokens_per_s": summary.get("prefill_tokens_per_s"),
+        "decode_step_ms": summary.get("decode_step_ms"),
+    }
+
+
+def _add(into: dict[str, Any], more: dict[str, Any]) -> None:
+    for k, v in more.items():
+        if isinstance(v, dict):
+            _add(into.setdefault(k, {}), v)
+        else:
+            into[k] = into.get(k, 0) + v
+
+
+def cluster(me: str, parts: list[dict[str, Any]], workers: list[dict[str, Any]], now: float) -> dict[str, Any]:
+    """The cluster view from the gateways' live parts: every gateway with its role, the
+    counters summed, the scheduler's queues and policy (None while no gateway schedules)."""
+    total: dict[str, Any] = {"responses": {}, "budget_waits": 0, "tokens": {}, "contracts": {}}
+    gateways = []
+    scheduler = None
+    for doc in sorted(parts, key=lambda d: str(d.get("gateway"))):
+        _add(total, doc.get("counters") or {})
+        gateways.append({"gateway": doc.get("gateway"), "role": doc.get("role"), "age_s": max(0.0, now - doc["at"]),
+                         "in_flight": doc.get("in_flight", 0), "started": doc.get("started")})
+        if doc.get("scheduler") is not None:
+            scheduler = {"gateway": doc.get("gateway"), **doc["scheduler"]}
+    responses: dict[str, int] = total["responses"]
+    admitted = sum(n for status, n in responses.items() if status in ADMITTED)
+    refused = sum(n for status, n in responses.items() if status not in ADMITTED)
+    return {
+        "object": "cluster", "at": now, "gateway": me, "gateways": gateways, "scheduler": scheduler,
+        "workers": sorted(workers, key=lambda w: (w["pool"], w["worker"])),
+        "counters": {**total, "admitted": admitted, "refused": refused},
+    }
+
+
+async def publish(gw: Gateway) -> None:
+    doc = part(gw, time.time())
+    await gw.batch.call("SET", wire.console_key(gw.settings.gateway_id), orjson.dumps(doc),
+                        "PX", int(STALE_S * 1000))
+
+
+async def publish_loop(gw: Gateway) -> None:
+    """Rewrite this gateway's part every ``PUBLISH_S`` until cancelled; a Redis outage
+    only leaves it out of the view until Redis answers again (the dispatcher logs outages)."""
+    while True:
+        try:
+            await publish(gw)
+        except RedisError as exc:
+            log.debug("console part not published: %s", exc)
+        await asyncio.sleep(PUBLISH_S)
+
+
+async def read(gw: Gateway) -> dict[str, Any]:
+    """The cluster view now: the live gateways' parts, the workers with their heartbeat ages
+    (one round trip; the heartbeats themselves are the dispatcher's, re-read every 0.5 s)."""
+    pipe = gw.client.pipeline(transaction=False)
+    pipe.zrange(wire.GATEWAYS_ZSET, 0, -1)
+    pipe.zrange(wire.WORKERS_ZSET, 0, -1, withscores=True)
+    ids, beats = await pipe.execute()
+    raws = await gw.client.mget([wire.console_key(wire.text(i)) for i in ids]) if ids else []
+    parts = [orjson.loads(raw) for raw in raws if raw is not None]
+    now = time.time()
+    beat = {wire.text(w): float(score) for w, score in beats}
+    workers = [worker_view(hb, beat.get(wid), now) for wid, hb in gw.dispatcher.workers.items()]
+    return cluster(gw.settings.gateway_id, parts, workers, now)

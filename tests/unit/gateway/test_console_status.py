@@ -1,0 +1,84 @@
+"""The console's data: a gateway's counters read from its metrics, and the cluster merged
+from the gateways' parts (``gateway.console.status``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common import protocol as p
+from gateway.console import status
+from gateway.metrics import Metrics
+from sched_core.contracts import Accuracy
+
+
+def _metrics() -> Metrics:
+    m = Metrics()
+    m.requests.labels("chat", "200").inc(3)
+    m.requests.labels("completions", "200").inc(2)
+    m.requests.labels("completions", "499").inc()
+    m.requests.labels("chat", "429").inc(4)
+    m.requests.labels("chat", "503").inc()
+    m.requests.labels("admin", "200").inc(50)  # not a generation: not counted
+    m.budget_wait.observe(0.2)
+    m.budget_wait.observe(0.3)
+    m.tokens.labels("prompt").inc(100)
+    m.tokens.labels("completion").inc(40)
+    m.observe_contract(Accuracy("cpu", True, 0.1, 0.3, True, 0.2, 0.4))
+    m.observe_contract(Accuracy("cpu", False, 0.5, 0.6, None, None, None))  # first token not seen apart
+    m.observe_contract(Accuracy("gpu", True, 0.05, 0.1, False, 0.3, 0.5))
+    return m
+
+
+def test_a_gateway_s_counters_come_from_its_metrics() -> None:
+    c = status.counters(_metrics())
+    assert c["responses"] == {"200": 5, "499": 1, "429": 4, "503": 1}
+    assert c["budget_waits"] == 2 and c["tokens"] == {"prompt": 100, "completion": 40}
+    cpu, gpu = c["contracts"]["cpu"], c["contracts"]["gpu"]
+    assert cpu["total"] == {"inside": 1, "outside": 1, "error_sum": 0.6, "errors": 2}
+    assert cpu["ttft"] == {"inside": 1, "outside": 0, "error_sum": 0.2, "errors": 1}  # calibrated errors only
+    assert gpu["ttft"]["outside"] == 1 and gpu["total"]["inside"] == 1
+
+
+def _part(gid: str, role: str, at: float, counters: dict[str, Any], scheduler: dict[str, Any] | None = None
+          ) -> dict[str, Any]:
+    return {"gateway": gid, "role": role, "at": at, "started": 1, "in_flight": 2, "counters": counters,
+            "scheduler": scheduler}
+
+
+def test_the_cluster_sums_every_gateway_and_shows_the_scheduler_s_queues() -> None:
+    one = status.counters(_metrics())
+    other = {"responses": {"200": 1, "413": 2}, "budget_waits": 1, "tokens": {"prompt": 5},
+             "contracts": {"cpu": {"total": {"inside": 3, "outside": 0, "error_sum": 0.3, "errors": 3}}}}
+    parts = [_part("g2", "follower", 99.5, other), _part("g1", "scheduler", 99.0, one, {"queued": 7})]
+    view = status.cluster("g2", parts, [], now=100.0)
+    assert [g["gateway"] for g in view["gateways"]] == ["g1", "g2"]
+    assert view["gateways"][0]["age_s"] == 1.0 and view["gateways"][1]["role"] == "follower"
+    assert view["scheduler"] == {"gateway": "g1", "queued": 7}
+    k = view["counters"]
+    assert k["responses"] == {"200": 6, "499": 1, "429": 4, "503": 1, "413": 2}
+    assert k["admitted"] == 7 and k["refused"] == 7 and k["budget_waits"] == 3
+    assert k["contracts"]["cpu"]["total"]["inside"] == 4 and k["tokens"]["prompt"] == 105
+    assert status.cluster("g2", [parts[0]], [], now=100.0)["scheduler"] is None  # none schedules now
+
+
+def test_the_scheduler_view_leaves_out_what_grows_with_the_tenants() -> None:
+    snap = {"queued": 1, "buckets": [], "fairness": {"tenants": {"a": {}, "b": {}}, "min_counter": 0.0},
+            "paths": {"cpu": {"capacity": 4, "in_flight": 1, "step_model": {"decode_seq": 1.0}}},
+            "policy": {"spec": "smdp", "state": "queue"}, "role": "scheduler", "now": 3.0}
+    view = status.scheduler_view(snap)
+    assert view == {"queued": 1, "buckets": [], "paths": {"cpu": {"capacity": 4, "in_flight": 1}},
+                    "policy": {"spec": "smdp", "state": "queue"}, "tenants_queued": 2}
+
+
+def test_a_worker_shows_its_device_and_what_it_measured_of_itself() -> None:
+    facts = {"cpu": "Xeon", "amx": True, "amx_used": True, "gpu": "", "threads": 8}
+    profile = {"facts": facts, "summary": {"prefill_tokens_per_s": 900.0, "decode_step_ms": 12.5}}
+    hb = p.Heartbeat("w1", "cpu", "cpu", "bfloat16", "transformers", "m", 8, 5, 30.0, 90.0, running=3,
+                     profile=profile)
+    w = status.worker_view(hb, beat=99.2, now=100.0)
+    assert w["slots"] - w["free"] == 3 and round(w["heartbeat_age_s"], 3) == 0.8 and w["up_s"] == 10.0
+    assert (w["cpu"], w["amx_used"], w["threads"]) == ("Xeon", True, 8)
+    assert (w["prefill_tokens_per_s"], w["decode_step_ms"]) == (900.0, 12.5)
+    bare = status.worker_view(p.Heartbeat("w2", "gpu", "cuda", "float16", "upstream", "m", 4, 4, 0.0, 99.0),
+                              beat=None, now=100.0)
+    assert bare["heartbeat_age_s"] is None and bare["cpu"] == "" and bare["prefill_tokens_per_s"] is None
