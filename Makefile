@@ -17,7 +17,7 @@ LLAMACPP_KEY        := $(shell printf '%s|%s|%s|%s' '$(LLAMACPP_VERSION)' '$(LLA
 LLAMACPP_WHEELS     := $(LLAMACPP_CACHE)/llama-cpp-python-$(LLAMACPP_VERSION)-$(LLAMACPP_KEY)
 LLAMACPP_STAMP      := $(VENV)/.llamacpp-$(LLAMACPP_KEY)
 
-.PHONY: install install-llamacpp run test test-fast bench lint clean
+.PHONY: install install-llamacpp install-browser run test test-fast bench lint clean
 
 install: $(STAMP)
 
@@ -41,10 +41,17 @@ $(STAMP): pyproject.toml setup.py constraints.txt sched_core/_core.pyx $(wildcar
 	$(PY) setup.py -q build_ext --inplace
 	touch $(STAMP)
 
+# Debian's Chromium, for the console's browser tests (tests/e2e/test_console.py) and bench/console.py:
+# Playwright drives it through its executable path and downloads no browser
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+install-browser:
+	command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
 run: install
 	$(VENV)/bin/tokengate serve
 
-test: install install-llamacpp
+test: install install-llamacpp install-browser
 	$(PY) -m pytest
 
 test-fast: install

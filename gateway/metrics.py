@@ -39,6 +39,11 @@ class Metrics:
             ["kind"],
             registry=self.registry,
         )
+        self.admitted = Counter(
+            "tokengate_admitted",
+            "Generation requests admitted (their budget reserved and the scheduler's contract given)",
+            registry=self.registry,
+        )
         self.in_flight = Gauge(
             "tokengate_requests_in_flight", "Generation requests awaiting their result", registry=self.registry
         )

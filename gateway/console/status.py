@@ -1,8 +1,8 @@
 """What the operator console shows (docs/operations.md, "The operator console").
 
 Every gateway publishes its own part each ``PUBLISH_S`` under ``wire.console_key`` with a
-TTL of ``STALE_S``: its role, its counters since it started (generation responses by status,
-budget waits, tokens, contract outcomes per path) and, on the scheduler, its queues and
+TTL of ``STALE_S``: its role, its counters since it started (admissions, generation responses by
+status, budget waits, tokens, contract outcomes per path) and, on the scheduler, its queues and
 policy. ``GET /admin/cluster`` on any gateway merges the live parts with the workers'
 heartbeats (``cluster``), so the page shows the cluster, not the replica it talks to. The
 page turns counters into rates itself, from one refresh to the next. Pure: the I/O is in
@@ -32,7 +32,7 @@ log = logging.getLogger("tokengate.console")
 PUBLISH_S = 1.0  # how often each gateway rewrites its part
 STALE_S = 3.0  # a part not rewritten for this long is gone (its TTL): the gateway is down
 GENERATION_ROUTES = ("chat", "completions")  # ``Instrument``'s labels of the two generation routes
-ADMITTED = ("200", "499")  # a generation request answered 200 was admitted; 499: admitted, then its client left
+CLIENT_LEFT = "499"  # the status of a request whose client went away: not a refusal
 # the scheduler's snapshot, less what grows with the tenants (fairness) or only the CLI reads
 _SNAPSHOT_KEYS = ("queued", "buckets", "paths", "policy", "placed", "tail_cut", "priors", "backlog")
 _PATH_KEYS = ("capacity", "in_flight", "slot_limit", "workers", "max_batch", "kv_tokens", "pending_prefill",
@@ -46,6 +46,8 @@ def counters(metrics: Metrics) -> dict[str, Any]:
         for s in family.samples:
             if s.name.endswith("_total") and s.labels["route"] in GENERATION_ROUTES:
                 statuses[s.labels["status"]] += int(s.value)
+    admitted = sum(int(s.value) for family in metrics.admitted.collect() for s in family.samples
+                   if s.name.endswith("_total"))
     waits = 0
     for family in metrics.budget_wait.collect():
         waits += sum(int(s.value) for s in family.samples if s.name.endswith("_count"))
@@ -71,7 +73,8 @@ def counters(metrics: Metrics) -> dict[str, Any]:
                 cell(s.labels["path"], s.labels["component"])["error_sum"] += s.value
             elif s.name.endswith("_count"):
                 cell(s.labels["path"], s.labels["component"])["errors"] += int(s.value)
-    return {"responses": dict(statuses), "budget_waits": waits, "tokens": tokens, "contracts": contracts}
+    return {"admitted": admitted, "responses": dict(statuses), "budget_waits": waits, "tokens": tokens,
+            "contracts": contracts}
 
 
 def scheduler_view(snapshot: dict[str, Any]) -> dict[str, Any]:
@@ -132,7 +135,7 @@ def _add(into: dict[str, Any], more: dict[str, Any]) -> None:
 def cluster(me: str, parts: list[dict[str, Any]], workers: list[dict[str, Any]], now: float) -> dict[str, Any]:
     """The cluster view from the gateways' live parts: every gateway with its role, the
     counters summed, the scheduler's queues and policy (None while no gateway schedules)."""
-    total: dict[str, Any] = {"responses": {}, "budget_waits": 0, "tokens": {}, "contracts": {}}
+    total: dict[str, Any] = {"admitted": 0, "responses": {}, "budget_waits": 0, "tokens": {}, "contracts": {}}
     gateways = []
     scheduler = None
     for doc in sorted(parts, key=lambda d: str(d.get("gateway"))):
@@ -142,12 +145,11 @@ def cluster(me: str, parts: list[dict[str, Any]], workers: list[dict[str, Any]],
         if doc.get("scheduler") is not None:
             scheduler = {"gateway": doc.get("gateway"), **doc["scheduler"]}
     responses: dict[str, int] = total["responses"]
-    admitted = sum(n for status, n in responses.items() if status in ADMITTED)
-    refused = sum(n for status, n in responses.items() if status not in ADMITTED)
+    refused = sum(n for status, n in responses.items() if int(status) >= 400 and status != CLIENT_LEFT)
     return {
         "object": "cluster", "at": now, "gateway": me, "gateways": gateways, "scheduler": scheduler,
         "workers": sorted(workers, key=lambda w: (w["pool"], w["worker"])),
-        "counters": {**total, "admitted": admitted, "refused": refused},
+        "counters": {**total, "refused": refused},
     }
 
 

@@ -196,6 +196,7 @@ class RequestLife:
         self.meter.started = True
         self.meter.contract = decision.contract
         self.timeout_at = decision.created + gw.settings.request_timeout_s
+        gw.metrics.admitted.inc()
         gw.metrics.in_flight.inc()
 
     async def _token_ids(self) -> tuple[int, ...]:

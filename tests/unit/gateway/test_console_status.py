@@ -19,6 +19,7 @@ def _metrics() -> Metrics:
     m.requests.labels("chat", "429").inc(4)
     m.requests.labels("chat", "503").inc()
     m.requests.labels("admin", "200").inc(50)  # not a generation: not counted
+    m.admitted.inc(6)
     m.budget_wait.observe(0.2)
     m.budget_wait.observe(0.3)
     m.tokens.labels("prompt").inc(100)
@@ -31,7 +32,7 @@ def _metrics() -> Metrics:
 
 def test_a_gateway_s_counters_come_from_its_metrics() -> None:
     c = status.counters(_metrics())
-    assert c["responses"] == {"200": 5, "499": 1, "429": 4, "503": 1}
+    assert c["admitted"] == 6 and c["responses"] == {"200": 5, "499": 1, "429": 4, "503": 1}
     assert c["budget_waits"] == 2 and c["tokens"] == {"prompt": 100, "completion": 40}
     cpu, gpu = c["contracts"]["cpu"], c["contracts"]["gpu"]
     assert cpu["total"] == {"inside": 1, "outside": 1, "error_sum": 0.6, "errors": 2}
@@ -47,7 +48,7 @@ def _part(gid: str, role: str, at: float, counters: dict[str, Any], scheduler: d
 
 def test_the_cluster_sums_every_gateway_and_shows_the_scheduler_s_queues() -> None:
     one = status.counters(_metrics())
-    other = {"responses": {"200": 1, "413": 2}, "budget_waits": 1, "tokens": {"prompt": 5},
+    other = {"admitted": 1, "responses": {"200": 1, "413": 2}, "budget_waits": 1, "tokens": {"prompt": 5},
              "contracts": {"cpu": {"total": {"inside": 3, "outside": 0, "error_sum": 0.3, "errors": 3}}}}
     parts = [_part("g2", "follower", 99.5, other), _part("g1", "scheduler", 99.0, one, {"queued": 7})]
     view = status.cluster("g2", parts, [], now=100.0)
@@ -56,7 +57,7 @@ def test_the_cluster_sums_every_gateway_and_shows_the_scheduler_s_queues() -> No
     assert view["scheduler"] == {"gateway": "g1", "queued": 7}
     k = view["counters"]
     assert k["responses"] == {"200": 6, "499": 1, "429": 4, "503": 1, "413": 2}
-    assert k["admitted"] == 7 and k["refused"] == 7 and k["budget_waits"] == 3
+    assert k["admitted"] == 7 and k["refused"] == 7 and k["budget_waits"] == 3  # 499: its client left
     assert k["contracts"]["cpu"]["total"]["inside"] == 4 and k["tokens"]["prompt"] == 105
     assert status.cluster("g2", [parts[0]], [], now=100.0)["scheduler"] is None  # none schedules now
 
