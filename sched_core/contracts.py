@@ -284,6 +284,11 @@ class Contracts:
             pend.judged = True
             self._adapt("ttft", pend.path, ttft_s <= pend.promise.ttft_p99_s, now)
 
+    def promised(self, rid: str) -> Contract | None:
+        """The contract given to ``rid``, while its outcome is awaited."""
+        pend = self._pending.get(rid)
+        return None if pend is None else pend.promise
+
     def forget(self, rid: str) -> None:
         """The request ended without an outcome to learn from (refused, failed, cancelled)."""
         self._pending.pop(rid, None)

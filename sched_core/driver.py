@@ -268,6 +268,10 @@ class Driver:
         promise fared."""
         return self.contracts.observe(request_id, ttft_s, total_s, tokens, now)
 
+    def promised(self, request_id: str) -> Contract | None:
+        """The contract a request was given (None: none, or its outcome is in)."""
+        return self.contracts.promised(request_id) if self._promises else None
+
     def first_token(self, request_id: str, ttft_s: float, now: float) -> None:
         """A promised request's first token came ``ttft_s`` seconds after its arrival."""
         self.contracts.first_token(request_id, ttft_s, now)

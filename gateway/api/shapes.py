@@ -317,9 +317,13 @@ class UsageOverview(TypedDict):
 class GatewayPart(TypedDict):
     gateway: str
     role: Literal["scheduler", "follower"]
-    age_s: Seconds  # since it last published its part (every second)
+    at: float  # unix time it took its counters (it publishes them every second)
+    age_s: Seconds  # since then
     in_flight: NonNegative
     started: int
+    admitted: NonNegative  # since it started
+    refused: NonNegative
+    budget_waits: NonNegative
 
 
 @with_config(_FORBID)

@@ -5,29 +5,17 @@ TTL of ``STALE_S``: its role, its counters since it started (admissions, generat
 status, budget waits, tokens, contract outcomes per path) and, on the scheduler, its queues and
 policy. ``GET /admin/cluster`` on any gateway merges the live parts with the workers'
 heartbeats (``cluster``), so the page shows the cluster, not the replica it talks to. The
-page turns counters into rates itself, from one refresh to the next. Pure: the I/O is in
-``gateway.http.admin`` and ``publish_loop``.
+page turns counters into rates itself. Pure: the I/O (publishing, reading) is in
+``gateway.http.console``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
-
-import orjson
-from redis.exceptions import RedisError
+from typing import Any
 
 from common import protocol as p
-from common import wire
 from gateway.metrics import Metrics
-
-if TYPE_CHECKING:
-    from gateway.http.services import Gateway
-
-log = logging.getLogger("tokengate.console")
 
 PUBLISH_S = 1.0  # how often each gateway rewrites its part
 STALE_S = 3.0  # a part not rewritten for this long is gone (its TTL): the gateway is down
@@ -89,16 +77,15 @@ def scheduler_view(snapshot: dict[str, Any]) -> dict[str, Any]:
     return view
 
 
-def part(gw: Gateway, now: float) -> dict[str, Any]:
-    """This gateway's part of the cluster view."""
-    snapshot = gw.dispatcher.snapshot()
+def part(snapshot: dict[str, Any], metrics: Metrics, started: int, in_flight: int, now: float) -> dict[str, Any]:
+    """A gateway's part of the cluster view, from its scheduler's snapshot and its metrics."""
     return {
-        "gateway": gw.settings.gateway_id,
+        "gateway": snapshot["gateway"],
         "role": snapshot["role"],
         "at": now,
-        "started": gw.started,
-        "in_flight": gw.in_flight,
-        "counters": counters(gw.metrics),
+        "started": started,
+        "in_flight": in_flight,
+        "counters": counters(metrics),
         "scheduler": scheduler_view(snapshot) if snapshot["role"] == "scheduler" else None,
     }
 
@@ -133,53 +120,29 @@ def _add(into: dict[str, Any], more: dict[str, Any]) -> None:
 
 
 def cluster(me: str, parts: list[dict[str, Any]], workers: list[dict[str, Any]], now: float) -> dict[str, Any]:
-    """The cluster view from the gateways' live parts: every gateway with its role, the
-    counters summed, the scheduler's queues and policy (None while no gateway schedules)."""
+    """The cluster view from the gateways' live parts: every gateway with its role and its
+    own totals, stamped with the time it took them (``at``: rates come from one gateway's
+    successive parts, never from parts read at different moments), the counters summed, the
+    scheduler's queues and policy (None while no gateway schedules)."""
     total: dict[str, Any] = {"admitted": 0, "responses": {}, "budget_waits": 0, "tokens": {}, "contracts": {}}
     gateways = []
     scheduler = None
     for doc in sorted(parts, key=lambda d: str(d.get("gateway"))):
-        _add(total, doc.get("counters") or {})
-        gateways.append({"gateway": doc.get("gateway"), "role": doc.get("role"), "age_s": max(0.0, now - doc["at"]),
-                         "in_flight": doc.get("in_flight", 0), "started": doc.get("started")})
+        own = doc.get("counters") or {}
+        _add(total, own)
+        gateways.append({"gateway": doc.get("gateway"), "role": doc.get("role"), "at": doc["at"],
+                         "age_s": max(0.0, now - doc["at"]), "in_flight": doc.get("in_flight", 0),
+                         "started": doc.get("started"), "admitted": own.get("admitted", 0),
+                         "refused": refused(own.get("responses", {})), "budget_waits": own.get("budget_waits", 0)})
         if doc.get("scheduler") is not None:
             scheduler = {"gateway": doc.get("gateway"), **doc["scheduler"]}
-    responses: dict[str, int] = total["responses"]
-    refused = sum(n for status, n in responses.items() if int(status) >= 400 and status != CLIENT_LEFT)
     return {
         "object": "cluster", "at": now, "gateway": me, "gateways": gateways, "scheduler": scheduler,
         "workers": sorted(workers, key=lambda w: (w["pool"], w["worker"])),
-        "counters": {**total, "refused": refused},
+        "counters": {**total, "refused": refused(total["responses"])},
     }
 
 
-async def publish(gw: Gateway) -> None:
-    doc = part(gw, time.time())
-    await gw.batch.call("SET", wire.console_key(gw.settings.gateway_id), orjson.dumps(doc),
-                        "PX", int(STALE_S * 1000))
-
-
-async def publish_loop(gw: Gateway) -> None:
-    """Rewrite this gateway's part every ``PUBLISH_S`` until cancelled; a Redis outage
-    only leaves it out of the view until Redis answers again (the dispatcher logs outages)."""
-    while True:
-        try:
-            await publish(gw)
-        except RedisError as exc:
-            log.debug("console part not published: %s", exc)
-        await asyncio.sleep(PUBLISH_S)
-
-
-async def read(gw: Gateway) -> dict[str, Any]:
-    """The cluster view now: the live gateways' parts, the workers with their heartbeat ages
-    (one round trip; the heartbeats themselves are the dispatcher's, re-read every 0.5 s)."""
-    pipe = gw.client.pipeline(transaction=False)
-    pipe.zrange(wire.GATEWAYS_ZSET, 0, -1)
-    pipe.zrange(wire.WORKERS_ZSET, 0, -1, withscores=True)
-    ids, beats = await pipe.execute()
-    raws = await gw.client.mget([wire.console_key(wire.text(i)) for i in ids]) if ids else []
-    parts = [orjson.loads(raw) for raw in raws if raw is not None]
-    now = time.time()
-    beat = {wire.text(w): float(score) for w, score in beats}
-    workers = [worker_view(hb, beat.get(wid), now) for wid, hb in gw.dispatcher.workers.items()]
-    return cluster(gw.settings.gateway_id, parts, workers, now)
+def refused(responses: dict[str, int]) -> int:
+    """Error answers on the generation routes (a refusal, or rarely a failure after admission)."""
+    return sum(n for status, n in responses.items() if int(status) >= 400 and status != CLIENT_LEFT)

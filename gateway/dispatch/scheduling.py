@@ -163,8 +163,13 @@ class SchedulerShell:
         return self.driver.queued
 
     def explain(self, rid: str) -> dict[str, object] | None:
+        """The core's explanation of a request it holds, with the contract it was given."""
         explain = getattr(self.driver.policy, "explain", None)
-        return explain(rid) if explain is not None else None
+        found: dict[str, object] | None = explain(rid) if explain is not None else None
+        promise = self.driver.promised(rid)
+        if found is not None and promise is not None:
+            found["contract"] = dataclasses.asdict(promise)
+        return found
 
     def snapshot(self) -> dict[str, object]:
         snapshot = getattr(self.driver.policy, "snapshot", None)

@@ -13,8 +13,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from common import wire
-from gateway.console import status
 from gateway.dispatch import records
+from gateway.http import console
 from gateway.http.web import ORJSONResponse, read_json
 from gateway.tenancy import admin_protocol as ap
 from gateway.tenancy import usage
@@ -150,7 +150,7 @@ async def scheduler(request: Request) -> Response:
 
 async def cluster(request: Request) -> Response:
     """The operator console's live view: every gateway, worker and the scheduler's queues."""
-    return ORJSONResponse(await status.read(_gw(request)))
+    return ORJSONResponse(await console.read(_gw(request)))
 
 
 async def explain_request(request: Request) -> Response:

@@ -20,7 +20,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.api import openai_protocol as oai
 from gateway.api.shapes import Health, NotReady, Ready
-from gateway.console import status
 from gateway.dispatch import records
 from gateway.errors import (
     GatewayError,
@@ -383,7 +382,7 @@ def create_app(gw: Gateway) -> ASGIApp:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await gw.dispatcher.start()
         sampler = asyncio.create_task(gw.lag.run(), name="loop-lag")
-        publisher = asyncio.create_task(status.publish_loop(gw), name="console")
+        publisher = asyncio.create_task(console.publish_loop(gw), name="console")
         try:
             yield
         finally:

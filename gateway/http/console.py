@@ -1,20 +1,34 @@
-"""The operator console's page (docs/operations.md, "The operator console"): ``GET /console``
-and its assets, served from the package (``gateway/console/static``: no build step, nothing
-fetched from elsewhere). The page itself holds no data and no secret, so it is served to
-anyone; everything it shows or changes goes through the admin API, with the admin token the
-operator types into its sign-in form (kept in the tab's session storage). Not in the OpenAPI
-document: it is a page, not part of the API."""
+"""The operator console's page and its data's I/O (docs/operations.md, "The operator
+console"). ``GET /console`` and its assets are served from the package
+(``gateway/console/static``: no build step, nothing fetched from elsewhere). The page itself
+holds no data and no secret, so it is served to anyone; everything it shows or changes goes
+through the admin API, with the admin token the operator types into its sign-in form (kept
+in the tab's session storage). Not in the OpenAPI document: it is a page, not part of the
+API. ``publish_loop`` writes this gateway's part of the cluster view every second; ``read``
+merges the live parts (``gateway.console.status``)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import time
 from importlib.resources import files
+from typing import Any
 
+import orjson
+from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import PathLike, StaticFiles
 from starlette.types import Scope
+
+from common import wire
+from gateway.console import status
+from gateway.http.services import Gateway
+
+log = logging.getLogger("tokengate.console")
 
 PATH = "/console"
 # the page runs only its own script and style, talks only to this origin, and is never framed
@@ -53,3 +67,35 @@ def routes() -> list[BaseRoute]:
         Route("/favicon.ico", no_icon, methods=["GET"]),
         Mount(f"{PATH}/static", app=_Assets(packages=[("gateway.console", "static")]), name="console"),
     ]
+
+
+async def publish(gw: Gateway) -> None:
+    doc = status.part(gw.dispatcher.snapshot(), gw.metrics, gw.started, gw.in_flight, time.time())
+    await gw.batch.call("SET", wire.console_key(gw.settings.gateway_id), orjson.dumps(doc),
+                        "PX", int(status.STALE_S * 1000))
+
+
+async def publish_loop(gw: Gateway) -> None:
+    """Rewrite this gateway's part every ``status.PUBLISH_S`` until cancelled; a Redis outage
+    only leaves it out of the view until Redis answers again (the dispatcher logs outages)."""
+    while True:
+        try:
+            await publish(gw)
+        except RedisError as exc:
+            log.debug("console part not published: %s", exc)
+        await asyncio.sleep(status.PUBLISH_S)
+
+
+async def read(gw: Gateway) -> dict[str, Any]:
+    """The cluster view now: the live gateways' parts, the workers with their heartbeat ages
+    (one round trip; the heartbeats themselves are the dispatcher's, re-read every 0.5 s)."""
+    pipe = gw.client.pipeline(transaction=False)
+    pipe.zrange(wire.GATEWAYS_ZSET, 0, -1)
+    pipe.zrange(wire.WORKERS_ZSET, 0, -1, withscores=True)
+    ids, beats = await pipe.execute()
+    raws = await gw.client.mget([wire.console_key(wire.text(i)) for i in ids]) if ids else []
+    parts = [orjson.loads(raw) for raw in raws if raw is not None]
+    now = time.time()
+    beat = {wire.text(w): float(score) for w, score in beats}
+    workers = [status.worker_view(hb, beat.get(wid), now) for wid, hb in gw.dispatcher.workers.items()]
+    return status.cluster(gw.settings.gateway_id, parts, workers, now)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page
 
-from tests.e2e.browser import chromium
+from bench.browser import chromium
 from tests.e2e.conftest import ADMIN_TOKEN, Served, start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -162,6 +162,7 @@ def test_an_operator_runs_a_tenant_from_sign_in_to_revoked_key(page: Page, gatew
     page.click("#request-form button")
     page.wait_for_function("document.querySelector('#schedule').innerText.includes('request_id')")
     assert last in _text(page, "#schedule") and tenant["id"] in _text(page, "#record")
+    assert "– / –" not in _text(page, "#record")  # its promise, from the scheduler before the record has it
     page.screenshot(path=str(tmp_path / "request.png"), full_page=True)
 
     for t in senders:

@@ -102,7 +102,7 @@ def test_each_package_imports_only_those_below_it() -> None:
 
 #: the gateway's layers, bottom up (docs/architecture.md): its own modules (errors, settings,
 #: metrics, Redis glue), the API's vocabulary, tenancy, dispatch, the HTTP app, the commands
-GATEWAY_LAYERS = ("", "api", "tenancy", "dispatch", "http", "cli")
+GATEWAY_LAYERS = ("", "api", "tenancy", "dispatch", "console", "http", "cli")
 
 
 def _layer(module: str) -> int:

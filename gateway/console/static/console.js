@@ -9,6 +9,7 @@ const LIVE_MS = 1000; // the live view's refresh
 const TENANTS_MS = 5000; // the tenants view's refresh (an hour of usage per tenant)
 const HISTORY = 120; // points kept for the charts (2 min at 1 refresh/s)
 const WINDOW_S = 30; // contract accuracy is drawn over this sliding window
+const RATE_S = 5; // admissions, refusals and budget waits per second, over this window
 
 const $ = (id) => document.getElementById(id);
 let token = sessionStorage.getItem(TOKEN_KEY);
@@ -145,7 +146,7 @@ function signOut(message) {
 
 // -- live --------------------------------------------------------------------------------
 
-const live = { prev: null, traffic: [[], [], []], contracts: {}, samples: [] };
+const live = { prev: null, gateways: {}, traffic: [[], [], []], contracts: {}, samples: [] };
 
 function push(list, v) { list.push(v); if (list.length > HISTORY) list.shift(); }
 
@@ -166,19 +167,39 @@ async function refreshLive() {
   $("where").textContent = `gateway ${c.gateway} (${me ? me.role : "?"}) · ${c.gateways.length} gateway(s) · ` +
     `${c.workers.length} worker(s)`;
   const k = c.counters;
-  const waits = k.budget_waits;
+  // rates per gateway over its last RATE_S, from its own successive parts (each stamped
+  // with when it took its counters), summed; a restarted gateway (counters back to zero)
+  // starts its window again
+  const rates = [0, 0, 0];
+  const seen = {};
+  for (const g of c.gateways) {
+    let history = live.gateways[g.gateway] || [];
+    const last = history[history.length - 1];
+    if (last && g.admitted + g.refused + g.budget_waits < last.admitted + last.refused + last.budget_waits) {
+      history = [];
+    }
+    if (!last || g.at > last.at) history = [...history, g];
+    while (history.length > 2 && g.at - history[1].at >= RATE_S) history = history.slice(1);
+    seen[g.gateway] = history;
+    const a = history[0];
+    const b = history[history.length - 1];
+    if (b.at > a.at) {
+      const dt = b.at - a.at;
+      [b.admitted - a.admitted, b.refused - a.refused, b.budget_waits - a.budget_waits]
+        .forEach((d, i) => { rates[i] += Math.max(0, d) / dt; });
+    }
+  }
+  live.gateways = seen;
+  rates.forEach((v, i) => push(live.traffic[i], v));
+  $("rate-admitted").textContent = num(rates[0], 1);
+  $("rate-refused").textContent = num(rates[1], 1);
+  $("rate-waits").textContent = num(rates[2], 1);
   const prev = live.prev;
-  live.prev = { at: c.at, admitted: k.admitted, refused: k.refused, waits, responses: k.responses };
-  if (prev && c.at > prev.at) {
+  live.prev = { at: c.at, responses: k.responses };
+  if (prev && c.at > prev.at) {  // the refusals' statuses, over the refresh (a breakdown, not a chart)
     const dt = c.at - prev.at;
-    const rate = (a, b) => Math.max(0, a - b) / dt;
-    const r = [rate(k.admitted, prev.admitted), rate(k.refused, prev.refused), rate(waits, prev.waits)];
-    r.forEach((v, i) => push(live.traffic[i], v));
-    $("rate-admitted").textContent = num(r[0], 1);
-    $("rate-refused").textContent = num(r[1], 1);
-    $("rate-waits").textContent = num(r[2], 1);
-    const by = Object.entries(k.responses).filter(([s]) => s !== "200" && s !== "499")
-      .map(([s, n]) => [s, rate(n, prev.responses[s] || 0)]).filter(([, v]) => v > 0);
+    const by = Object.entries(k.responses).filter(([s]) => Number(s) >= 400 && s !== "499")
+      .map(([s, n]) => [s, Math.max(0, n - (prev.responses[s] || 0)) / dt]).filter(([, v]) => v > 0);
     $("refused-by").textContent = by.map(([s, v]) => `${s}: ${num(v, 1)}/s`).join(" · ");
   }
   $("in-flight").textContent = num(c.gateways.reduce((n, g) => n + g.in_flight, 0));
@@ -414,6 +435,12 @@ function wire() {
 
 function drawRequest(doc) {
   const ms = (s) => (s === undefined ? "–" : num(1000 * s, 0) + " ms");
+  // the record holds the contract once the request is settled; until then the scheduler has it
+  const c = doc.schedule && doc.schedule.contract;
+  if (c && doc.contract_ttft_s === undefined) {
+    Object.assign(doc, { contract_ttft_s: c.ttft_s, contract_ttft_p99_s: c.ttft_p99_s, contract_total_s: c.total_s,
+      contract_p99_s: c.p99_s });
+  }
   const rows = [
     ["id", doc.id], ["tenant", doc.tenant], ["state", doc.state],
     ["admitted", doc.admitted_at ? new Date(doc.admitted_at * 1000).toLocaleString() : "–"],
@@ -431,8 +458,10 @@ function drawRequest(doc) {
   }
   table($("record"), ["", ""], rows);
   const s = doc.schedule;
-  table($("schedule"), ["", ""], s ? Object.entries(s).map(([k, v]) => [k, typeof v === "object" ? JSON.stringify(v)
-    : typeof v === "number" ? num(v, 4) : v]) : [["", "not held by the scheduler: it has not arrived, or has ended"]]);
+  const shown = (v) => (v !== null && typeof v === "object" ? JSON.stringify(v)
+    : typeof v === "number" ? num(v, Number.isInteger(v) ? 0 : 4) : v);
+  table($("schedule"), ["", ""], s ? Object.entries(s).filter(([k]) => k !== "contract").map(([k, v]) => [k, shown(v)])
+    : [["", "not held by the scheduler: it has not arrived, or has ended"]]);
 }
 
 wire();

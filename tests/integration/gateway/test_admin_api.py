@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.console import status as console_status
+from gateway.http import console as console_status
 from sched_core.smdp import STATE_NAMES
 from tests.integration.gateway.conftest import ADMIN, Harness, make_harness
 from workers.engine import EchoEngine
@@ -256,11 +256,15 @@ async def test_any_request_is_explained_while_queued_and_its_record_after(
         doc = r.json()
         assert doc["id"] == rid and doc["state"] == "admitted" and doc["prompt_tokens"] == 5
         assert doc["schedule"]["state"] == "queued" and doc["schedule"]["requests_ahead"] >= 0
+        promise = doc["schedule"]["contract"]  # the contract it was given, before the record has it
+        assert promise["request_id"] == rid and 0 < promise["ttft_s"] <= promise["ttft_p99_s"] <= promise["p99_s"]
         done = await asyncio.gather(*sent)
         assert [x.status_code for x in done] == [200] * 3
         answered = done[0]
         after = (await h.admin("GET", f"/requests/{answered.json()['id']}")).json()  # the response id works too
         assert after["state"] == "done" and "schedule" not in after
         assert after["total_s"] > 0 and after["contract_p99_s"] > 0
+        settled = (await h.admin("GET", f"/requests/{rid}")).json()
+        assert settled["contract_p99_s"] == pytest.approx(promise["p99_s"])  # the same promise, now on record
         missing = await h.admin("GET", "/requests/0123abcd")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from common import wire
-from gateway.console import status
 from gateway.dispatch import election
 from gateway.dispatch.prompts import PromptBuilder
+from gateway.http import console
 from gateway.http.app import create_app
 from gateway.http.services import Gateway, redis_client
 from gateway.settings import GatewaySettings
@@ -177,7 +177,7 @@ async def test_a_follower_s_console_shows_the_cluster_and_explains_what_the_sche
             follower(redis_url, prompts, model_spec.name) as other:
         _, key = await lead.tenant("acme", rate=10**6, burst=10**8)
         for gw in (lead.gw, other.gw):
-            await status.publish(gw)
+            await console.publish(gw)
         view = (await other.admin("GET", "/cluster")).json()
         assert view["gateway"] == other.gw.settings.gateway_id
         roles = {g["gateway"]: g["role"] for g in view["gateways"]}
@@ -199,7 +199,7 @@ async def test_a_follower_s_console_shows_the_cluster_and_explains_what_the_sche
         deadline = time.monotonic() + 5.0
         while True:
             for gw in (lead.gw, other.gw):
-                await status.publish(gw)
+                await console.publish(gw)
             counters = (await other.admin("GET", "/cluster")).json()["counters"]
             total = counters["contracts"].get("cpu", {}).get("total", {})
             if total.get("inside", 0) + total.get("outside", 0) == 3 or time.monotonic() > deadline:

@@ -54,6 +54,8 @@ def test_the_cluster_sums_every_gateway_and_shows_the_scheduler_s_queues() -> No
     view = status.cluster("g2", parts, [], now=100.0)
     assert [g["gateway"] for g in view["gateways"]] == ["g1", "g2"]
     assert view["gateways"][0]["age_s"] == 1.0 and view["gateways"][1]["role"] == "follower"
+    assert [(g["at"], g["admitted"], g["refused"], g["budget_waits"]) for g in view["gateways"]] == [
+        (99.0, 6, 5, 2), (99.5, 1, 2, 1)]  # each gateway's own, stamped with when it took them
     assert view["scheduler"] == {"gateway": "g1", "queued": 7}
     k = view["counters"]
     assert k["responses"] == {"200": 6, "499": 1, "429": 4, "503": 1, "413": 2}
