@@ -1,5 +1,7 @@
 """The operator console in a real browser (Debian's Chromium, headless, through Playwright)
-against a real `tokengate serve` with the echo engine: a wrong token is refused; an operator
+against a real `tokengate serve` with the echo engine and two gateway processes sharing its
+port (each of the page's calls reaches either; the page shows the cluster, the scheduler's
+queue and explanations through whichever answers): a wrong token is refused; an operator
 signs in, creates a tenant (the admin API's own errors shown), issues a key, sends traffic
 with it, watches the live queue move and the tenant's usage, reads one request explained,
 revokes the key and the next request with it is refused."""
@@ -27,7 +29,7 @@ TENANT = "console-shop"
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     served = start(["serve", "--engine", "echo", "--echo-tokens", "8", "--echo-step-ms", str(STEP_MS),
-                    "--slots", "1", "--policy", "smdp", "--admin-token", ADMIN_TOKEN],
+                    "--slots", "1", "--policy", "smdp", "--gateways", "2", "--admin-token", ADMIN_TOKEN],
                    tmp_path_factory.mktemp("console"))
     try:
         yield served
@@ -102,7 +104,10 @@ def test_an_operator_runs_a_tenant_from_sign_in_to_revoked_key(page: Page, gatew
     _sign_in(page, ADMIN_TOKEN)
     page.wait_for_selector("#live:not([hidden])")
     page.wait_for_function("document.querySelector('#workers').innerText.includes('echo')")
-    assert re.search(r"gateway \S+ \(scheduler\) · 1 gateway\(s\) · 1 worker\(s\)", _text(page, "#where"))
+    page.wait_for_function("document.querySelectorAll('#gateways tr').length === 3")  # both, whichever answers
+    assert re.search(r"gateway \S+ \((scheduler|follower)\) · 2 gateway\(s\) · 1 worker\(s\)", _text(page, "#where"))
+    roles = sorted(row.split("\t")[1] for row in _text(page, "#gateways").splitlines()[1:])
+    assert roles == ["follower", "scheduler"]
     page.wait_for_function("document.querySelector('#policy').innerText.includes('macro-state')")
     assert "policy smdp" in _text(page, "#policy")  # the SMDP table in force, and its state now
     assert page.query_selector("#policy .state-now") is not None
