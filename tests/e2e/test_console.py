@@ -141,7 +141,7 @@ def test_an_operator_runs_a_tenant_from_sign_in_to_revoked_key(page: Page, gatew
 
     # a key, shown once
     page.click("#key-form button")
-    page.wait_for_selector("#new-key:not([hidden])")
+    page.wait_for_selector("#new-key-box:not([hidden])")
     key = _text(page, "#new-key")
     assert re.fullmatch(r"tg-[0-9a-f]{8}-[A-Za-z0-9_-]{43}", key)
     assert page.query_selector(f"#keys button[data-prefix='{key[3:11]}']") is not None

@@ -324,7 +324,7 @@ async function select(id) {
   tenants.selected = id;
   for (const tr of $("tenant-list").querySelectorAll("tr")) tr.classList.toggle("on", tr.dataset.id === id);
   $("tenant-panel").hidden = !id;
-  $("new-key").hidden = true;
+  $("new-key-box").hidden = true;
   $("edit-error").textContent = $("key-error").textContent = "";
   if (!id) return;
   const t = tenants.list.find((x) => x.id === id);
@@ -410,9 +410,8 @@ function wire() {
     try {
       const k = await api("POST", `/admin/tenants/${encodeURIComponent(tenants.selected)}/keys`, name ? { name } : {});
       $("new-key").textContent = k.key;
-      $("new-key").title = "Copy it now: it is not shown again.";
-      $("new-key").hidden = false;
-      $("key-error").textContent = "Copy the key now: it is not shown again.";
+      $("new-key-box").hidden = false;
+      $("key-error").textContent = "";
       ev.target.reset();
       await loadKeys();
     } catch (e) { $("key-error").textContent = e.message; }
