@@ -130,13 +130,27 @@ async def test_when_the_scheduler_goes_silent_the_follower_takes_over_and_loses_
     engine = EchoEngine(tokens=8, step_s=0.05)  # slow enough that a queue builds
     async with make_harness(redis_url, prompts, model_spec.name, engine=engine) as lead, \
             follower(redis_url, prompts, model_spec.name) as other:
+        assert lead.gw.dispatcher.leader and not other.gw.dispatcher.leader
         _, key = await lead.tenant("acme", rate=10**6, burst=10**8)
         calls = [asyncio.create_task(other.complete(key)) for _ in range(40)]
         await _until(lambda: lead.gw.dispatcher.shell.driver.queued > 0, "a queue at the scheduler")
-        for task in lead.gw.dispatcher._tasks:  # the scheduler dies: no release, no more dispatches
+        # the scheduler dies: no release, no more dispatches. Its loops also stop at their next
+        # turn (``_closing``, as ``close`` does): a cancel that lands as a Redis call's own time-out
+        # fires reads as that time-out, which a loop retries; its election loop would then renew
+        # the lease it still holds and take over again, and the follower would never get it
+        lead.gw.dispatcher._closing = True
+        for task in lead.gw.dispatcher._tasks:
             task.cancel()
         lead.gw.dispatcher.leader = False
-        took = await _until(lambda: other.gw.dispatcher.leader, "the follower took over", timeout_s=3.0)
+        try:
+            took = await _until(lambda: other.gw.dispatcher.leader, "the follower took over", timeout_s=3.0)
+        except AssertionError:  # say who holds the lease, and whether a loop of the follower stopped
+            holder = await other.gw.client.get(wire.SCHEDULER_LEASE)
+            lead_alive = [t.get_name() for t in lead.gw.dispatcher._tasks if not t.done()]
+            raise AssertionError(
+                f"the follower did not take over in 3 s: the lease is held by {holder!r} (lead "
+                f"{lead.gw.settings.gateway_id}, follower {other.gw.settings.gateway_id}); the follower's "
+                f"failure: {other.gw.dispatcher.failed}; the lead's loops still running: {lead_alive}") from None
         assert took <= election.LEASE_MS / 1000 + 1.0  # the lease lapses, then the next renewal takes it
         responses = await asyncio.gather(*calls)
         assert [r.status_code for r in responses] == [200] * 40, [r.text for r in responses if r.status_code != 200]
