@@ -18,7 +18,7 @@ import pytest
 from playwright.sync_api import Browser, Page
 
 from bench.browser import chromium
-from tests.e2e.conftest import ADMIN_TOKEN, Served, start
+from tests.e2e.conftest import ADMIN_TOKEN, Served, banner_match, start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -67,7 +67,9 @@ def _text(page: Page, selector: str) -> str:
 
 
 def test_the_page_runs_only_its_own_code(gateway: Served) -> None:
-    page = httpx.get(gateway.base_url + "/console")
+    shown = banner_match(gateway, r"^Console: (\S+)  \(sign in with the admin token\)").group(1)
+    assert shown == gateway.base_url + "/console"  # serve's banner names the page
+    page = httpx.get(shown)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     policy = page.headers["content-security-policy"]
     assert "script-src 'self'" in policy and "connect-src 'self'" in policy and "frame-ancestors 'none'" in policy
