@@ -155,6 +155,12 @@ class Heartbeat:
     # the engine's step-time profile, measured at start (workers/selfprofile.py); {} if none
     profile: dict[str, Any] = dataclasses.field(default_factory=dict)
 
+    def profile_part(self, name: str) -> dict[str, Any]:
+        """``profile[name]`` (``facts``: the machine; ``summary``: what it measured) where it
+        is an object, else {} (no profile, or one this version cannot read)."""
+        part = self.profile.get(name)
+        return part if isinstance(part, dict) else {}
+
 
 TELEMETRY_MAX_STEPS = 64  # a telemetry entry carries at most this many step records
 

@@ -110,8 +110,8 @@ class Metrics:
         for gauge in gauges:
             gauge.clear()
         for wid, hb in workers.items():
-            summary, facts = hb.profile.get("summary"), hb.profile.get("facts")
-            if not isinstance(summary, dict) or not isinstance(facts, dict):
+            summary, facts = hb.profile_part("summary"), hb.profile_part("facts")
+            if not summary or not facts:
                 continue
             labels = (wid, hb.pool, hb.device, hb.dtype, "true" if facts.get("amx_used") else "false")
             try:

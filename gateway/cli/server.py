@@ -334,11 +334,10 @@ async def _demo_key(redis_url: str, saved: str | None) -> str | None:
 def worker_line(hb: p.Heartbeat) -> str:
     """One worker as the banner shows it: the path it took (AMX bf16, bf16, fp32, a GPU) and
     why, and what it measured of itself at start."""
-    facts = hb.profile.get("facts", {})
-    path = "AMX bf16" if facts.get("amx_used") else hb.dtype
+    path = "AMX bf16" if hb.profile_part("facts").get("amx_used") else hb.dtype
     line = f"  {hb.pool} worker {hb.worker}: {hb.engine} on {hb.device}, {path} ({hb.choice})"
-    summary = hb.profile.get("summary")
-    if isinstance(summary, dict):
+    summary = hb.profile_part("summary")
+    if summary:
         line += (f"; measured at start ({hb.profile.get('how', '?')}, {hb.profile.get('cost_s', 0.0):.1f} s): "
                  f"prefill {summary.get('prefill_tokens_per_s', 0.0):.0f} tokens/s, "
                  f"decode step {summary.get('decode_step_ms', 0.0):.1f} ms")

@@ -12,7 +12,10 @@ page turns counters into rates itself. Pure: the I/O (publishing, reading) is in
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
+
+from prometheus_client.samples import Sample
 
 from common import protocol as p
 from gateway.metrics import Metrics
@@ -27,41 +30,33 @@ _PATH_KEYS = ("capacity", "in_flight", "slot_limit", "workers", "max_batch", "kv
               "step_s", "step_tokens", "fitted_steps")
 
 
+def _samples(metric: Any, suffix: str) -> Iterator[Sample]:
+    """A Prometheus metric's samples whose name ends in ``suffix`` (``_total``, ``_sum``, ``_count``)."""
+    return (s for family in metric.collect() for s in family.samples if s.name.endswith(suffix))
+
+
 def counters(metrics: Metrics) -> dict[str, Any]:
     """This gateway's counters since it started, from its Prometheus metrics (one source)."""
     statuses: dict[str, int] = defaultdict(int)
-    for family in metrics.requests.collect():
-        for s in family.samples:
-            if s.name.endswith("_total") and s.labels["route"] in GENERATION_ROUTES:
-                statuses[s.labels["status"]] += int(s.value)
-    admitted = sum(int(s.value) for family in metrics.admitted.collect() for s in family.samples
-                   if s.name.endswith("_total"))
-    waits = 0
-    for family in metrics.budget_wait.collect():
-        waits += sum(int(s.value) for s in family.samples if s.name.endswith("_count"))
-    tokens: dict[str, int] = {}
-    for family in metrics.tokens.collect():
-        tokens |= {s.labels["kind"]: int(s.value) for s in family.samples if s.name.endswith("_total")}
+    for s in _samples(metrics.requests, "_total"):
+        if s.labels["route"] in GENERATION_ROUTES:
+            statuses[s.labels["status"]] += int(s.value)
     contracts: dict[str, dict[str, dict[str, float]]] = {}
 
-    def cell(path: str, component: str) -> dict[str, float]:
-        return contracts.setdefault(path, {}).setdefault(
-            component, {"inside": 0, "outside": 0, "error_sum": 0.0, "errors": 0})
+    def cell(labels: dict[str, str]) -> dict[str, float]:
+        return contracts.setdefault(labels["path"], {}).setdefault(
+            labels["component"], {"inside": 0, "outside": 0, "error_sum": 0.0, "errors": 0})
 
-    for family in metrics.contract_inside.collect():
-        for s in family.samples:
-            if s.name.endswith("_total"):
-                c = cell(s.labels["path"], s.labels["component"])
-                c["inside" if s.labels["within_p99"] == "true" else "outside"] += int(s.value)
-    for family in metrics.contract_error.collect():
-        for s in family.samples:
-            if s.labels.get("prediction") != "calibrated":
-                continue
-            if s.name.endswith("_sum"):
-                cell(s.labels["path"], s.labels["component"])["error_sum"] += s.value
-            elif s.name.endswith("_count"):
-                cell(s.labels["path"], s.labels["component"])["errors"] += int(s.value)
-    return {"admitted": admitted, "responses": dict(statuses), "budget_waits": waits, "tokens": tokens,
+    for s in _samples(metrics.contract_inside, "_total"):
+        cell(s.labels)["inside" if s.labels["within_p99"] == "true" else "outside"] += int(s.value)
+    for suffix, key in (("_sum", "error_sum"), ("_count", "errors")):
+        for s in _samples(metrics.contract_error, suffix):
+            if s.labels["prediction"] == "calibrated":
+                cell(s.labels)[key] += s.value if key == "error_sum" else int(s.value)
+    return {"admitted": sum(int(s.value) for s in _samples(metrics.admitted, "_total")),
+            "responses": dict(statuses),
+            "budget_waits": sum(int(s.value) for s in _samples(metrics.budget_wait, "_count")),
+            "tokens": {s.labels["kind"]: int(s.value) for s in _samples(metrics.tokens, "_total")},
             "contracts": contracts}
 
 
@@ -94,9 +89,7 @@ def worker_view(hb: p.Heartbeat, beat: float | None, now: float) -> dict[str, An
     """One worker as the console lists it: slots in use, heartbeat age, the device and what
     it measured of itself at start (``workers.selfprofile``; absent for engines that do not
     profile)."""
-    facts = hb.profile.get("facts") if isinstance(hb.profile.get("facts"), dict) else {}
-    summary = hb.profile.get("summary") if isinstance(hb.profile.get("summary"), dict) else {}
-    assert isinstance(facts, dict) and isinstance(summary, dict)
+    facts, summary = hb.profile_part("facts"), hb.profile_part("summary")
     return {
         "worker": hb.worker, "pool": hb.pool, "engine": hb.engine, "model": hb.model,
         "device": hb.device, "dtype": hb.dtype, "choice": hb.choice,

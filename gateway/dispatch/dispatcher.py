@@ -739,10 +739,9 @@ class Dispatcher:
                 elif kind == b"n":
                     self._apply_note(election.decode_note(fields), now)
                 elif kind == b"q":
-                    question = election.decode_note(fields)
-                    answer = election.encode_explained(question["ask"], self.explain(question["rid"]))
-                    self._spawn(self._xadd_or_warn(question["reply_to"], {b"v": election.VERSION,
-                                                                          election.EXPLAINED: answer}))
+                    rid, ask, reply_to = election.decode_question(fields)
+                    answer = election.encode_explained(ask, self.explain(rid))
+                    self._spawn(self._xadd_or_warn(reply_to, {b"v": election.VERSION, election.EXPLAINED: answer}))
             except p.ProtocolError as exc:
                 log.error("dropping an unreadable arrival: %s", exc)
                 done.append(entry_id)

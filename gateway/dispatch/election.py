@@ -147,16 +147,22 @@ def decode_arrival(fields: dict[bytes, bytes]) -> Arrival:
 
 
 def decode_note(fields: dict[bytes, bytes]) -> dict[str, Any]:
-    """A note, or a question (which also names its ``ask`` and ``reply_to``)."""
     try:
         doc = orjson.loads(fields[b"m"])
     except (KeyError, orjson.JSONDecodeError) as exc:
         raise p.ProtocolError(f"malformed note: {exc!r}") from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("rid"), str):
         raise p.ProtocolError("a note names a request")
-    if fields.get(b"k") == b"q" and not (isinstance(doc.get("ask"), str) and isinstance(doc.get("reply_to"), str)):
-        raise p.ProtocolError("a question names its answer's stream")
     return doc
+
+
+def decode_question(fields: dict[bytes, bytes]) -> tuple[str, str, str]:
+    """(rid, ask, reply_to) of a question (``encode_question``)."""
+    doc = decode_note(fields)
+    ask, reply_to = doc.get("ask"), doc.get("reply_to")
+    if not (isinstance(ask, str) and isinstance(reply_to, str)):
+        raise p.ProtocolError("a question names its answer's stream")
+    return doc["rid"], ask, reply_to
 
 
 def encode_decision(rid: str, decision: Contract | Reject | None) -> bytes:

@@ -12,7 +12,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from common import wire
 from gateway.dispatch import records
 from gateway.http import console
 from gateway.http.web import ORJSONResponse, read_json
@@ -99,18 +98,10 @@ async def usage_overview(request: Request) -> Response:
     current one included): one round trip of ``60 × tenants`` hash reads."""
     gw = _gw(request)
     tenants = await gw.tenants.list_tenants()
-    now = time.time()
-    last = int(now // 60)
-    pipe = gw.client.pipeline(transaction=False)
-    for tenant in tenants:
-        for minute in range(last - 59, last + 1):
-            pipe.hgetall(wire.usage(tenant.id, minute))
-    found = await pipe.execute()
-    data = []
-    for i, tenant in enumerate(tenants):
-        hour = [usage.row(last - 59 + m, c) for m, c in enumerate(found[60 * i: 60 * i + 60])]
-        data.append({"tenant": tenant.id, "name": tenant.name, "minute": usage.totals(hour[-1:]),
-                     "hour": usage.totals(hour)})
+    last = int(time.time() // 60)
+    hours = await usage.series_of(gw.client, [t.id for t in tenants], last - 59, last)
+    data = [{"tenant": t.id, "name": t.name, "minute": usage.totals([r for r in hour if r["minute"] == last * 60]),
+             "hour": usage.totals(hour)} for t, hour in zip(tenants, hours, strict=True)]
     return _list(data, since=(last - 59) * 60, until=last * 60 + 59)
 
 

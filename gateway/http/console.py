@@ -88,7 +88,8 @@ async def publish_loop(gw: Gateway) -> None:
 
 async def read(gw: Gateway) -> dict[str, Any]:
     """The cluster view now: the live gateways' parts, the workers with their heartbeat ages
-    (one round trip; the heartbeats themselves are the dispatcher's, re-read every 0.5 s)."""
+    (two round trips: the ids and ages, then the parts; the heartbeats themselves are the
+    dispatcher's, re-read every 0.5 s)."""
     pipe = gw.client.pipeline(transaction=False)
     pipe.zrange(wire.GATEWAYS_ZSET, 0, -1)
     pipe.zrange(wire.WORKERS_ZSET, 0, -1, withscores=True)

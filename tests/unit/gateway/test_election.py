@@ -41,12 +41,12 @@ def test_notes_name_their_request_and_unreadable_entries_are_protocol_errors() -
 def test_a_question_and_its_answer_read_back_and_a_question_names_where_to_answer() -> None:
     fields = election.encode_question("r1", "a1", "tg:replies:g2")
     assert fields[b"k"] == b"q"
-    assert election.decode_note(fields) == {"rid": "r1", "ask": "a1", "reply_to": "tg:replies:g2"}
+    assert election.decode_question(fields) == ("r1", "a1", "tg:replies:g2")
     explain = {"request_id": "r1", "state": "queued", "requests_ahead": 2}
     assert election.decode_explained(election.encode_explained("a1", explain)) == ("a1", explain)
     assert election.decode_explained(election.encode_explained("a1", None)) == ("a1", None)
     with pytest.raises(p.ProtocolError):
-        election.decode_note({**fields, b"m": b'{"rid": "r1", "ask": "a1"}'})
+        election.decode_question({**fields, b"m": b'{"rid": "r1", "ask": "a1"}'})
     for raw in (b"{", b'{"ask": "a1"}', b'{"ask": "a1", "explain": [1]}'):
         with pytest.raises(p.ProtocolError):
             election.decode_explained(raw)
