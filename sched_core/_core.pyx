@@ -73,6 +73,7 @@ cdef object _contract(str rid, int bucket, int path, double ttft, double total, 
     put(c, _CONTRACT[9], out)
     put(c, _CONTRACT[10], ttft_p99)
     put(c, _CONTRACT[11], tpot_p99)
+    put(c, _CONTRACT[12], 0)  # the raw model assumes no output bound: the driver's calibration sets it
     return c
 
 
@@ -95,7 +96,7 @@ assert [f.name for f in fields(Request)][:10] == [
     "id", "tenant", "weight", "prompt_tokens", "max_tokens", "arrival",
     "expected_output_tokens", "priority", "deadline", "budget_wait"]
 assert [f.name for f in fields(Contract)][8:] == [
-    "tpot_s", "output_tokens", "ttft_p99_s", "tpot_p99_s"]
+    "tpot_s", "output_tokens", "ttft_p99_s", "tpot_p99_s", "output_tokens_hi"]
 assert [f.name for f in fields(Reject)][5:] == ["ttft_p99_s", "p99_s"]
 
 cdef enum:
@@ -333,8 +334,6 @@ cdef class Scheduler:
         self._models = (StepModel(cfg.cpu, cfg), StepModel(cfg.gpu, cfg))
         self._load_coef(CPU)
         self._load_coef(GPU)
-        self.quad[CPU] = cfg.cpu.prefill_attention
-        self.quad[GPU] = cfg.gpu.prefill_attention
         self.maxb[CPU] = cfg.cpu.max_batch
         self.maxb[GPU] = cfg.gpu.max_batch
         self.workers[CPU] = 1
@@ -523,13 +522,12 @@ cdef class Scheduler:
                 batch.h[i] = -1
                 self._finish(h, batch.path, outs[i] if exact else -1)
 
-    def set_prior(self, path, prior):
+    def set_prior(self, path, prior, trust=1.0):
         """``path``'s step-time model now starts from ``prior`` (its workers' measured
-        profiles); what it fitted stays (``StepModel.reprior``)."""
+        profiles), held as firmly as ``trust``; what it fitted stays (``StepModel.reprior``)."""
         cdef int p = POOLS.index(path)
-        self._models[p].reprior(prior)
+        self._models[p].reprior(prior, trust)
         self._load_coef(p)
-        self.quad[p] = prior.prefill_attention
 
     def observe_steps(self, path, records, double now):
         """Refit ``path``'s step-time model from worker step records
@@ -595,6 +593,7 @@ cdef class Scheduler:
                 "max_batch": self.maxb[p], "fitted_steps": self._models[p].observations,
                 "step_model": {**dict(zip(COEFFICIENTS, [self.coef[p][i] for i in range(5)],
                                           strict=True)), "prefill_attention": self.quad[p]},
+                "drift": self._models[p].scale,
                 "step_s": self._step_s(p, 0.0, u, kv),
             })
         tenants = {
@@ -691,8 +690,10 @@ cdef class Scheduler:
 
     cdef int _load_coef(self, int p) except -1:
         cdef int i
-        for i, value in enumerate(self._models[p].coefficients()):
+        model = self._models[p]
+        for i, value in enumerate(model.coefficients()):
             self.coef[p][i] = value
+        self.quad[p] = model.attention
         return 0
 
     cdef int _bucket(self, int prompt) noexcept:

@@ -21,6 +21,13 @@ bursts, and an unconditional window, mostly calm, bounds a burst too tightly. A 
 few outcomes borrows its level's pooled window, then its path's; with too few of those, the
 bound is the raw one times ``PRIOR_BOUND_FACTOR``.
 
+The windows follow the machine: per component and path, the latest ``DRIFT_OUTCOMES`` outcomes'
+errors against the calibrated prediction they were promised are watched, and when their
+median says the machine moved (another program took the CPU, a worker joined, a restart on a
+saved state that no longer fits) every window of that component and path is re-anchored: its
+older ratios are scaled by that median, so the spread it learnt stays and its level moves,
+within a dozen outcomes rather than a window's length (docs/scheduling.md §14).
+
 Output lengths are learned per tenant and bucket: the last ``output_window`` lengths, with
 exact quantiles over them (a sliding window is small and forgets, which a mergeable sketch
 such as DDSketch does not); the estimate is their 1/length-weighted median, the bound their
@@ -32,9 +39,11 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_left
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from sched_core.drift import Z_SPAN, log_spread, median_of, shifted
 from sched_core.types import Contract, Request
 
 #: Before a path has enough outcomes for a conformal bound, bounds are the raw model's times
@@ -58,6 +67,17 @@ LEVEL_DECAY_S = 60.0
 COMPONENTS = ("ttft", "tpot", "total")
 #: Upper edges of the load levels: (running + queued) ÷ slots of the request's path.
 LEVELS = (0.5, 0.9, 1.5)
+#: Drift: the outcomes a change of the machine is judged on (per component and path). It is
+#: one when their median error is past ``DRIFT_MIN`` and past ``DRIFT_SIGMAS`` standard errors
+#: of a median (the spread is the larger of the window's and theirs: a path whose outcomes only
+#: scatter more is not re-anchored), and ``DRIFT_AGREE`` of them erred past the same
+#: ``DRIFT_TAIL`` tail of the errors the window holds (each does by chance one time in ten).
+#: So a quiet path follows a 1.5x change within a dozen outcomes, a noisy one only a larger one.
+DRIFT_OUTCOMES = 12
+DRIFT_TAIL = 0.1
+DRIFT_AGREE = 8
+DRIFT_MIN = 1.2
+DRIFT_SIGMAS = 3.0
 
 
 def load_level(load: float) -> int:
@@ -68,7 +88,7 @@ def load_level(load: float) -> int:
 class Window:
     """The last ``size`` ratios, sorted on demand (cached while fewer than ``REFRESH`` new)."""
 
-    __slots__ = ("size", "values", "at", "stale", "point", "sorted")
+    __slots__ = ("size", "values", "at", "stale", "point", "centre", "sorted")
 
     def __init__(self, size: int, values: list[float] | None = None) -> None:
         self.size = size
@@ -76,6 +96,7 @@ class Window:
         self.at = 0  # the oldest (values are oldest first); appends until full leave it there
         self.stale = len(self.values)
         self.point = 1.0
+        self.centre = 1.0
         self.sorted: list[float] = []
 
     def add(self, x: float) -> None:
@@ -92,14 +113,21 @@ class Window:
     def _refresh(self) -> None:
         if self.stale and (self.stale >= REFRESH or len(self.values) < 8 * REFRESH):
             self.sorted = sorted(self.values)
-            recent = self.ordered()[-POINT_WINDOW:]
-            self.point = weighted_median(sorted(recent))
+            recent = sorted(self.ordered()[-POINT_WINDOW:])
+            self.point = weighted_median(recent)
+            self.centre = median_of(recent)
             self.stale = 0
 
     def median(self) -> float:
         """The 1/x-weighted median: the factor that minimises the mean absolute percentage error."""
         self._refresh()
         return self.point
+
+    def middle(self) -> float:
+        """The plain median of the same outcomes: half of them took longer (drift's yardstick;
+        the weighted one sits lower the more they scatter)."""
+        self._refresh()
+        return self.centre
 
     def quantile(self, q: float) -> float:
         """The split-conformal q quantile, the ⌈(n+1)·q⌉-th smallest; inf while the window is
@@ -111,11 +139,21 @@ class Window:
         if q >= 1.0:
             return xs[-1] * math.exp(STRETCH * (q - 1.0)) if n >= MIN_CONFORMAL else math.inf
         k = math.ceil((n + 1) * q)
-        return xs[k - 1] if k <= n else math.inf
+        if k > n:  # past the window's resolution: its largest ratio, as at q = 1, once it has enough
+            return xs[-1] if n >= MIN_CONFORMAL else math.inf
+        return xs[k - 1]
 
     def ordered(self) -> list[float]:
         """Oldest first (for persisting)."""
         return self.values[self.at:] + self.values[: self.at]
+
+    def rescale(self, factor: float, keep: list[bool]) -> None:
+        """Multiply every value by ``factor`` (re-anchoring) but those of the newest
+        ``len(keep)`` (oldest first) that ``keep`` marks."""
+        order = [(self.at + i) % len(self.values) for i in range(len(self.values))]  # oldest first
+        kept = {order[len(order) - len(keep) + i] for i, k in enumerate(keep) if k and len(keep) <= len(order)}
+        self.values = [v if i in kept else v * factor for i, v in enumerate(self.values)]
+        self.stale = max(self.stale, REFRESH)
 
 
 def weighted_median(xs: list[float]) -> float:
@@ -141,6 +179,7 @@ class _Pending:
     raw_total: float  # the core's total, wait included (for the raw error)
     basis: float  # raw total bound without the wait: ttft + (out_hi − 1)·tpot
     promise: Contract
+    middles: tuple[float, float, float]  # per component, the median ratio when promised (drift's yardstick)
     first: float | None = None  # its first token, seconds from arrival, once seen
     judged: bool = False  # its first-token bound has moved the adaptive level (kept or missed)
 
@@ -178,6 +217,10 @@ class Contracts:
         self._level: dict[tuple[str, str], tuple[float, float]] = {}
         self._pending: dict[str, _Pending] = {}
         self._due: list[tuple[float, str]] = []  # (when its first-token bound runs out, request id)
+        # (component, path): the latest outcomes' errors against their promised point, and the
+        # (level, bucket) cell each went to; how many re-anchorings there were
+        self._recent: dict[tuple[str, str], deque[tuple[float, int, int]]] = {}
+        self.reanchored: dict[tuple[str, str], int] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -206,26 +249,30 @@ class Contracts:
         excess, at = self._level.get((component, path), (0.0, now))
         return self.coverage + excess * math.exp(-max(now - at, 0.0) / LEVEL_DECAY_S)
 
-    def _factors(self, component: str, path: str, level: int, bucket: int, now: float) -> tuple[float, float]:
-        """(point factor, bound factor) for a component on a path, load level and bucket: each
-        from the most specific window that has enough outcomes for it."""
+    def _factors(self, component: str, path: str, level: int, bucket: int,
+                 now: float) -> tuple[float, float, bool, float]:
+        """(point factor, bound factor, whether the bound is a window's conformal quantile,
+        the plain median ratio by the point's window) for a component on a path, load level
+        and bucket: each from the most specific window that has enough outcomes for it. Before
+        any has, the bound is ``PRIOR_BOUND_FACTOR`` times the point, or the largest ratio
+        seen if that is further out."""
         cells = [self._ratios.get(key) for key in
                  ((component, path, level, bucket), (component, path, level, -1), (component, path, -1, -1))]
         q = self._adaptive(component, path, now)
-        point, bound = 1.0, math.inf
+        point, middle, bound = 1.0, 1.0, math.inf
         for w in cells:
             if w is not None and len(w) >= MIN_POINT:
-                point = w.median()
+                point, middle = w.median(), w.middle()
                 break
         for w in cells:
             if w is not None and len(w) >= MIN_POINT:
                 bound = w.quantile(q)
                 if bound < math.inf:
                     break
-        if bound == math.inf:
-            seen = max((max(w.values) for w in cells if w is not None and len(w)), default=0.0)
-            bound = max(PRIOR_BOUND_FACTOR, seen)
-        return point, max(point, bound)
+        if bound < math.inf:
+            return point, max(point, bound), True, middle
+        seen = max((max(w.values) for w in cells if w is not None and len(w)), default=0.0)
+        return point, max(PRIOR_BOUND_FACTOR * point, seen), False, middle
 
     def calibrated(self, component: str, path: str, load: float) -> bool:
         """Whether the point predictions of a component on a path at this load rest on outcomes
@@ -235,26 +282,31 @@ class Contracts:
 
     def promise(self, raw: Contract, req: Request, out_hi: int, load: float, now: float) -> Contract:
         """The calibrated contract for a request the core admitted with ``raw``; ``load`` is
-        its path's running and queued sequences ÷ its slots."""
+        its path's running and queued sequences ÷ its slots. The total's bound assumes
+        ``out_hi`` output tokens: before the total's windows can bound it, it is the first
+        token's bound plus ``out_hi − 1`` tokens at the per-token bound (nothing on top of an
+        output length that is already its 99th percentile)."""
         self._overdue(now)
         level = load_level(load)
         wait = raw.budget_wait_s
         out = raw.output_tokens
         raw_ttft = max(raw.ttft_s - wait, 1e-6)
         raw_tpot = max(raw.tpot_s, 1e-6)
-        f_ttft, b_ttft = self._factors("ttft", raw.path, level, raw.bucket, now)
-        f_tpot, b_tpot = self._factors("tpot", raw.path, level, raw.bucket, now)
-        _, b_total = self._factors("total", raw.path, level, raw.bucket, now)
+        f_ttft, b_ttft, _, m_ttft = self._factors("ttft", raw.path, level, raw.bucket, now)
+        f_tpot, b_tpot, _, m_tpot = self._factors("tpot", raw.path, level, raw.bucket, now)
+        _, b_total, conformal, m_total = self._factors("total", raw.path, level, raw.bucket, now)
         basis = raw_ttft + max(out_hi - 1, 0) * raw_tpot
         ttft = wait + raw_ttft * f_ttft
         tpot = raw_tpot * f_tpot
         total = ttft + max(out - 1, 0) * tpot
         ttft_hi = wait + raw_ttft * b_ttft
-        total_hi = max(wait + basis * b_total, ttft_hi, total)
+        tpot_hi = raw_tpot * b_tpot
+        total_hi = wait + basis * b_total if conformal else ttft_hi + max(out_hi - 1, 0) * tpot_hi
+        total_hi = max(total_hi, ttft_hi, total)
         c = Contract(raw.request_id, raw.bucket, raw.path, ttft, total, total_hi, raw.tokens_ahead, wait, tpot, out,
-                     ttft_hi, raw_tpot * b_tpot)
+                     ttft_hi, tpot_hi, out_hi)
         self._pending[raw.request_id] = _Pending(raw.path, level, raw.bucket, req.tenant, wait, raw_ttft,
-                                                 raw_tpot, raw.total_s, basis, c)
+                                                 raw_tpot, raw.total_s, basis, c, (m_ttft, m_tpot, m_total))
         heapq.heappush(self._due, (now - wait + ttft_hi, raw.request_id))
         return c
 
@@ -339,6 +391,47 @@ class Contracts:
             if w is None:
                 w = self._ratios[key] = Window(self.window)
             w.add(ratio)
+        recent = self._recent.get((component, path))
+        if recent is None:
+            recent = self._recent[(component, path)] = deque(maxlen=DRIFT_OUTCOMES)
+        recent.append((ratio / pend.middles[COMPONENTS.index(component)], pend.level, pend.bucket))
+        self._drift(component, path)
+
+    def _drift(self, component: str, path: str) -> None:
+        """Re-anchor a component's windows on a path when its latest ``DRIFT_OUTCOMES``
+        outcomes say the calibrated prediction is off (see ``DRIFT_TAIL``): every older ratio
+        is scaled by their median error (the latest stay as they came), and the adaptive
+        level, raised by the misses the change caused, starts again."""
+        recent = self._recent[(component, path)]
+        if len(recent) < DRIFT_OUTCOMES:
+            return
+        older = self._ratios[(component, path, -1, -1)].ordered()[:-DRIFT_OUTCOMES]
+        if len(older) < MIN_POINT:
+            return  # too few older outcomes to judge against: the windows are still filling
+        latest = sorted(older[-POINT_WINDOW:])  # the spread as it is now: the old one may have been tighter
+        older.sort()
+        centre = median_of(older)
+        lo = older[int(DRIFT_TAIL * (len(older) - 1))] / centre
+        hi = older[math.ceil((1.0 - DRIFT_TAIL) * (len(older) - 1))] / centre
+        errors = sorted(e for e, _, _ in recent)
+        m = median_of(errors)
+        spread = max(math.log(hi / lo) / Z_SPAN, log_spread(latest))
+        if not shifted(errors, m, spread, DRIFT_MIN, DRIFT_SIGMAS):
+            return
+        past = [e for e in errors if e > hi] if m > 1.0 else [e for e in errors if e < lo]
+        if len(past) < DRIFT_AGREE:
+            return
+        m = median_of(past)  # the outcomes of the new regime: the oldest of the dozen may predate it
+        newest: dict[tuple[int, int], list[bool]] = {}  # per cell, its latest values: of the new regime?
+        for e, level, bucket in recent:
+            for cell in ((level, bucket), (level, -1), (-1, -1)):
+                newest.setdefault(cell, []).append(e > hi if m > 1.0 else e < lo)
+        for (c, p, level, bucket), w in self._ratios.items():
+            if c == component and p == path:
+                w.rescale(m, newest.get((level, bucket), []))
+        recent.clear()
+        self._level.pop((component, path), None)
+        self.reanchored[(component, path)] = self.reanchored.get((component, path), 0) + 1
 
     # -- persistence --------------------------------------------------------------------------
 

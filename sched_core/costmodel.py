@@ -12,7 +12,7 @@ linear in five features (seconds)::
 
 ``kv_tokens`` counts the KV-cache tokens held by the decoding sequences (attention reads them).
 
-The fit (see docs/step-model.md for the derivation):
+The fit (docs/scheduling.md §4 has the derivation):
 
 * **Relative error.** Step times span 1 ms to seconds, so each record is weighted by
   ``1/ŷ²``, ŷ the current prediction for it: the fit minimizes relative, not absolute, error.
@@ -31,6 +31,18 @@ The fit (see docs/step-model.md for the derivation):
   A persistent bias still moves the fit: each step grows ``s`` by at most ``SCALE_RATE``.
 * **Non-negative.** The penalized quadratic is minimized over θ ≥ 0 by a warm-started
   primal active-set method (exact in at most a few 5×5 solves).
+* **Re-anchored when the machine changes.** Forgetting and the outlier guard make the fit
+  slow to follow a worker whose speed moves as a whole (another program takes the CPU, or
+  leaves it): a 3× change took thousands of steps. So the model watches its own running error:
+  when the median ratio of actual to predicted time over the last ``DRIFT_RECORDS`` steps is
+  past ``DRIFT_FACTOR`` (or under its inverse), with ``DRIFT_AGREE`` of them on that side, the
+  whole model is re-anchored by that median: the prior is scaled by it (``scale``: how much
+  slower the worker runs than the profile it was seeded with) and the fitted history is
+  rescaled as if it had run at the new speed (``A/m², b/m``: the fit is scale-equivariant, so
+  its shape is kept and its level moves). One slow step never does this; sixteen in a row do.
+* **Attention.** A prompt's quadratic share (``prefill_attention·L²``, measured by the worker at
+  start) is priced apart from the five linear terms: a step that only prefilled (one whole
+  prompt on an idle worker) is fitted without it, and it scales with the rest.
 
 Cost: ``observe_many`` of 64 records with its refit takes about 0.2 ms in CPython 3.11 on a
 shared 2-core VM (``test_costmodel.py::test_a_refit_of_64_records_is_cheap`` bounds it).
@@ -39,8 +51,10 @@ shared 2-core VM (``test_costmodel.py::test_a_refit_of_64_records_is_cheap`` bou
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable
 
+from sched_core.drift import median_of, shifted
 from sched_core.types import PathConfig, SchedulerConfig
 
 #: Names of the coefficients, in the order of ``step_features`` and ``coefficients()``.
@@ -57,6 +71,19 @@ SCALE_RATE = 0.05
 #: Relative errors are measured against the current prediction, floored at this fraction of
 #: the prior's.
 REFERENCE_FLOOR = 1e-3
+#: Drift: the steps a change of the machine's speed is judged on, the median ratio of actual to
+#: predicted past which it is one (a structural misfit of the five terms stays under it: the
+#: mixed steps' error is 3-21 %), the share of those steps that must agree, how far from 1 the
+#: median must be in its standard errors, and the range the scale is held in.
+DRIFT_RECORDS = 16
+DRIFT_FACTOR = 1.3
+DRIFT_AGREE = 0.75
+DRIFT_SIGMAS = 3.0  # and the median that many standard errors from 1 (sched_core.drift)
+DRIFT_SETTLE = 1.02  # once re-anchoring, until the latest steps' median is this close to 1
+#: Re-anchoring rescales the history but the latest this many steps, which may already have
+#: run at the new speed (all of them, when the history is a worker's warm-up alone).
+DRIFT_KEPT = 2 * DRIFT_RECORDS
+SCALE_LIMITS = (1e-2, 1e2)
 
 _N = len(COEFFICIENTS)
 #: Upper-triangle index pairs of the 5×5 normal matrix, stored as a flat list of 15.
@@ -85,37 +112,57 @@ def typical_steps(prior: PathConfig) -> tuple[Features, Features]:
 
 
 class StepModel:
-    """The online fit of one path's step time. ``observations``: records fitted so far."""
+    """The online fit of one path's step time. ``observations``: records fitted so far;
+    ``scale``: how much slower than its prior the worker runs now (drift re-anchoring)."""
 
-    __slots__ = ("_prior", "_typical", "_weight", "_forgetting", "_a", "_b", "_robust", "_theta",
-                 "observations")
+    __slots__ = ("_base", "_prior", "_attention", "_typical", "_weight", "_forgetting", "_a", "_b", "_robust",
+                 "_theta", "_recent", "observations", "scale", "_trust")
 
     def __init__(self, prior: PathConfig, config: SchedulerConfig) -> None:
-        self._prior = (prior.decode_launch, prior.decode_seq, prior.kv_token,
-                       prior.prefill_launch, prior.prefill_token)
-        self._typical = typical_steps(prior)
         self._weight = config.prior_weight
         self._forgetting = config.fit_forgetting
         self._a = [0.0] * len(_PAIRS)  # Σ w·x_i·x_j, upper triangle
         self._b = [0.0] * _N  # Σ w·x_i·y
         self._robust = SCALE_START
-        self._theta = self._prior
+        # the latest records, for the drift check: features, a whole prompt's tokens (or 0), the
+        # seconds it took, and as fitted: its weight, its linear part, its index among the records
+        self._recent: deque[tuple[Features, float, float, float, float, int]] = deque(maxlen=DRIFT_KEPT)
         self.observations = 0
+        self._set_prior(prior, 1.0)
+        self._theta = self._prior
 
-    def reprior(self, prior: PathConfig) -> None:
-        """Pull the fit toward a new prior (a worker measured itself at start): the step
-        records fitted so far stay, the penalty now centres on ``prior``."""
-        self._prior = (prior.decode_launch, prior.decode_seq, prior.kv_token,
-                       prior.prefill_launch, prior.prefill_token)
+    def _set_prior(self, prior: PathConfig, trust: float) -> None:
+        self._base = (prior.decode_launch, prior.decode_seq, prior.kv_token, prior.prefill_launch,
+                      prior.prefill_token, prior.prefill_attention)
+        self._trust = trust
+        self.scale = 1.0
+        self._prior = self._base[:5]
+        self._attention = prior.prefill_attention
         self._typical = typical_steps(prior)
+
+    def reprior(self, prior: PathConfig, trust: float = 1.0) -> None:
+        """Pull the fit toward a new prior (a worker measured itself at start): the step
+        records fitted so far stay, the penalty now centres on ``prior``, held as firmly as
+        ``trust`` (0-1] of the usual ``prior_weight`` (a profile measured while its worker was
+        starved of CPU is held loosely); the latest records re-anchor it if they disagree."""
+        if not 0.0 < trust <= 1.0:
+            raise ValueError(f"trust must lie in (0, 1], got {trust}")
+        self._set_prior(prior, trust)
         self._theta = self._solve() if self.observations else self._prior
+        self._drift(self._prior)
 
     def coefficients(self) -> Features:
         """The current coefficients, in ``COEFFICIENTS`` order (seconds per unit)."""
         return self._theta
 
+    @property
+    def attention(self) -> float:
+        """Attention's quadratic share of one prompt's prefill (s per squared token), at the
+        worker's current speed."""
+        return self._attention
+
     def predict(self, prefill_tokens: float, decode_seqs: float, kv_tokens: float) -> float:
-        """Predicted seconds of one step."""
+        """Predicted seconds of one step (a chunk's attention aside)."""
         return _dot(self._theta, step_features(prefill_tokens, decode_seqs, kv_tokens))
 
     def _reference(self, x: Features) -> float:
@@ -130,9 +177,15 @@ class StepModel:
 
     def observe_many(self, records: Iterable[tuple[int, int, int, float]]) -> None:
         """Fit several step records ``(prefill_tokens, decode_seqs, kv_tokens, seconds)``,
-        oldest first, with one refit at the end. An empty step (no prefill, no decode) carries
+        oldest first, with one refit at the end, then re-anchor the model if the latest
+        records say the worker's speed moved. An empty step (no prefill, no decode) carries
         no information and is skipped; negative counts or times, and KV tokens without a
-        decoding sequence, raise ValueError."""
+        decoding sequence, raise ValueError.
+
+        A step that only prefilled is taken for one whole prompt: its attention share
+        (``attention·tokens²``, never more than half the step) is left out of what the five
+        linear terms are fitted to. A chunk beside decoding sequences keeps its share (its
+        prompt's length is not in the record; the share is small)."""
         lam = self._forgetting
         rows: list[tuple[Features, float, float]] = []
         for prefill_tokens, decode_seqs, kv_tokens, seconds in records:
@@ -143,11 +196,15 @@ class StepModel:
             ref = self._reference(x)
             if ref <= 0.0:
                 continue  # an empty step
-            r = abs(seconds - _dot(self._theta, x)) / ref
+            whole = float(prefill_tokens) if not decode_seqs else 0.0
+            linear = max(0.5 * seconds, seconds - self._attention * whole * whole) if whole else seconds
+            r = abs(linear - _dot(self._theta, x)) / ref
             cut = HUBER_K * self._robust
             huber = cut / r if r > cut else 1.0
             self._robust = max(SCALE_FLOOR, self._robust + SCALE_RATE * (min(r, cut) - self._robust))
-            rows.append((x, huber / (ref * ref), seconds))
+            w = huber / (ref * ref)
+            self._recent.append((x, whole, seconds, w, linear, self.observations + len(rows)))
+            rows.append((x, w, linear))
         if not rows:
             return
         # Decay once for the whole batch: record i of n carries lam**(n-1-i).
@@ -156,17 +213,78 @@ class StepModel:
         b = [v * decay for v in self._b]
         age = 1.0
         for x, w, y in reversed(rows):
-            w *= age
+            _accumulate(a, b, x, w * age, y)
             age *= lam
-            for k, (i, j) in enumerate(_PAIRS):
-                if x[i] and x[j]:
-                    a[k] += w * x[i] * x[j]
-            for i in range(_N):
-                if x[i]:
-                    b[i] += w * x[i] * y
         self._a, self._b = a, b
         self.observations += len(rows)
         self._theta = self._solve()
+        self._drift()
+
+    def _drift(self, judge: Features | None = None) -> None:
+        """Re-anchor the whole model when the latest ``DRIFT_RECORDS`` steps agree that the
+        worker runs at another speed than predicted (see the module's docstring): the prior
+        and the history are scaled by their median ratio ``m``, except the latest steps that
+        already ran at the new speed (of the last ``DRIFT_KEPT``, those whose ratio is nearer
+        ``m`` than 1), which stay as they ran. The fit had partly followed them, so the ratio
+        is taken again on the refit, until their median is within ``DRIFT_SETTLE`` of 1 (a
+        few rounds at most). ``judge``: the coefficients the steps are judged against first
+        (a new prior: does it describe the machine as it runs now?), else the fit's."""
+        theta = judge or self._theta
+        m = self._drift_ratio(DRIFT_FACTOR, DRIFT_AGREE, theta)
+        if m is None:
+            return
+        mine = []  # nearer m than 1 (in ratio, on a log scale): past its square root
+        midway = math.sqrt(m)
+        for x, whole, seconds, w, y, at in self._recent:
+            predicted = _dot(theta, x) + self._attention * whole * whole
+            if predicted > 0.0 and (seconds > midway * predicted if m > 1.0 else seconds < midway * predicted):
+                mine.append((x, w * self._forgetting ** (self.observations - 1 - at), y))
+        lo, hi = SCALE_LIMITS
+        for _ in range(4):
+            m = min(max(self.scale * m, lo), hi) / self.scale
+            if m == 1.0:
+                return
+            a, b = self._a[:], self._b[:]
+            for x, w, y in mine:
+                _accumulate(a, b, x, -w, y)
+            a = [v / (m * m) for v in a]
+            b = [v / m for v in b]
+            for x, w, y in mine:
+                _accumulate(a, b, x, w, y)
+            self._a, self._b = a, b
+            self.scale *= m
+            self._prior = tuple(p * self.scale for p in self._base[:5])  # type: ignore[assignment]
+            self._attention = self._base[5] * self.scale
+            self._theta = self._solve()
+            settle = self._drift_ratio(DRIFT_SETTLE, 0.0, self._theta)
+            if settle is None:
+                return
+            m = settle
+
+    def _drift_ratio(self, band: float, agree: float, theta: Features) -> float | None:
+        """The median ratio of actual to predicted time (by ``theta``) of the latest steps
+        where it lies outside ``[1/band, band]`` (and, with ``agree`` > 0, as many standard
+        errors from 1 as ``DRIFT_SIGMAS``, with a share ``agree`` of them on its side: a noisy
+        worker is not re-anchored on noise); None if not, or if too few took measurable time."""
+        if len(self._recent) < DRIFT_RECORDS:
+            return None
+        ratios = []
+        for x, whole, seconds, _, _, _ in list(self._recent)[-DRIFT_RECORDS:]:
+            # a step the model or the worker takes next to no time for says nothing of speed
+            floor = REFERENCE_FLOOR * _dot(self._prior, x)
+            predicted = _dot(theta, x) + self._attention * whole * whole
+            if predicted > floor and seconds > floor:
+                ratios.append(seconds / predicted)
+        if len(ratios) < DRIFT_RECORDS:
+            return None
+        ratios.sort()
+        m = median_of(ratios)
+        if 1.0 / band <= m <= band:
+            return None
+        if agree <= 0.0:
+            return m
+        side = sum(r > 1.0 for r in ratios) if m > 1.0 else sum(r < 1.0 for r in ratios)
+        return m if side >= agree * len(ratios) and shifted(ratios, m, 0.0, band, DRIFT_SIGMAS) else None
 
     def _solve(self) -> Features:
         """Minimize Σ w(y − x·θ)² + Σ λ_j(θ_j − prior_j)² over θ ≥ 0.
@@ -187,7 +305,7 @@ class StepModel:
             # solve) jump, or successive solves oscillate between two fits
             ref = max(_dot(self._theta, x), _dot(self._prior, x))
             for j, v in enumerate(x):
-                penalty[j] += self._weight * (v / ref) ** 2
+                penalty[j] += self._trust * self._weight * (v / ref) ** 2
         s = [1.0 / math.sqrt(p) for p in penalty]
         q = [[0.0] * _N for _ in range(_N)]
         for k, (i, j) in enumerate(_PAIRS):
@@ -218,6 +336,17 @@ class StepModel:
             u = [u[i] if i in free else 0.0 for i in range(_N)]
         t = [max(0.0, ui * si) for ui, si in zip(u, s, strict=True)]
         return t[0], t[1], t[2], t[3], t[4]
+
+
+def _accumulate(a: list[float], b: list[float], x: Features, w: float, y: float) -> None:
+    """Add one record ``x → y`` of weight ``w`` to the normal equations (a negative weight
+    takes it out)."""
+    for k, (i, j) in enumerate(_PAIRS):
+        if x[i] and x[j]:
+            a[k] += w * x[i] * x[j]
+    for i in range(_N):
+        if x[i]:
+            b[i] += w * x[i] * y
 
 
 def _dot(theta: Features, x: Features) -> float:

@@ -117,7 +117,7 @@ class Scheduler:
         nb = len(self._bounds)
         self._models = (StepModel(cfg.cpu, cfg), StepModel(cfg.gpu, cfg))
         self._coef = [m.coefficients() for m in self._models]
-        self._quad = [cfg.cpu.prefill_attention, cfg.gpu.prefill_attention]  # s per squared prompt token
+        self._quad = [m.attention for m in self._models]  # s per squared prompt token
         self._max_batch = (cfg.cpu.max_batch, cfg.gpu.max_batch)
         self._cap = [0, 0]
         self._used = [0, 0]  # sequences dispatched and not finished
@@ -270,16 +270,17 @@ class Scheduler:
         model = self._models[p]
         model.observe_many(records)
         self._coef[p] = model.coefficients()
+        self._quad[p] = model.attention
         done = sum(rec[0] for rec in records)
         self._pend[p] = self._pend[p] - done if self._pend[p] > done else 0.0
 
-    def set_prior(self, path: str, prior: PathConfig) -> None:
+    def set_prior(self, path: str, prior: PathConfig, trust: float = 1.0) -> None:
         """``path``'s step-time model now starts from ``prior`` (its workers' measured
-        profiles); what it fitted stays (``StepModel.reprior``)."""
+        profiles), held as firmly as ``trust``; what it fitted stays (``StepModel.reprior``)."""
         p = POOLS.index(path)
-        self._models[p].reprior(prior)
+        self._models[p].reprior(prior, trust)
         self._coef[p] = self._models[p].coefficients()
-        self._quad[p] = prior.prefill_attention
+        self._quad[p] = self._models[p].attention
 
     def worker_capacity(self, path: str, slots: int, now: float, workers: int = 1,
                         step_tokens: int = 0) -> None:
@@ -345,6 +346,7 @@ class Scheduler:
                 "max_batch": self._max_batch[p], "fitted_steps": model.observations,
                 "step_model": {**dict(zip(COEFFICIENTS, self._coef[p], strict=True)),
                                "prefill_attention": self._quad[p]},
+                "drift": model.scale,
                 "step_s": self._step_s(p, 0.0, u, kv),
             })
         tenants = {

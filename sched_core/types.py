@@ -80,7 +80,7 @@ class Contract:
     ``ttft_s`` and ``total_s`` are the predicted first and last token, ``tpot_s`` the time per
     output token after the first, ``output_tokens`` the output length ``total_s`` assumes;
     ``ttft_p99_s``, ``tpot_p99_s`` and ``p99_s`` bound the first token, the time per token and
-    the last token 99 times in 100. The core
+    the last token 99 times in 100, ``p99_s`` for ``output_tokens_hi`` tokens. The core
     returns its model's raw terms; ``sched_core.contracts`` calibrates them on outcomes.
     """
 
@@ -96,6 +96,7 @@ class Contract:
     output_tokens: int = 0
     ttft_p99_s: float = 0.0
     tpot_p99_s: float = 0.0
+    output_tokens_hi: int = 0  # the output length ``p99_s`` assumes (its 99th percentile, or max_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ CLIENT_LEFT = "499"  # the status of a request whose client went away: not a ref
 # the scheduler's snapshot, less what grows with the tenants (fairness) or only the CLI reads
 _SNAPSHOT_KEYS = ("queued", "buckets", "paths", "policy", "placed", "tail_cut", "priors", "backlog")
 _PATH_KEYS = ("capacity", "in_flight", "slot_limit", "workers", "max_batch", "kv_tokens", "pending_prefill",
-              "step_s", "step_tokens", "fitted_steps")
+              "step_s", "step_tokens", "fitted_steps", "drift")
 
 
 def _samples(metric: Any, suffix: str) -> Iterator[Sample]:

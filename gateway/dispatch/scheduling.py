@@ -149,7 +149,6 @@ class SchedulerShell:
         self._gpu_alive = False
         self._step_tokens: dict[str, int] = {}  # per pool, from the workers' telemetry
         self.priors: dict[str, str] = {}  # per pool: the measured profiles its step model starts from
-        self._attention: dict[str, float] = {}  # per pool: the prior's prefill_attention (s per squared token)
         # a request another gateway forwarded -> (that gateway's reply stream, its arrival entry)
         self._origin: dict[str, tuple[str, str]] = {}
         # a dispatched batch with forwarded requests -> its jobs (local id -> reply stream, requests)
@@ -298,7 +297,6 @@ class SchedulerShell:
             if paths:
                 self.driver = Driver(make_policy(self.policy, replace(config, **paths)), lease_s=self.lease_s)
                 self.priors.clear()
-                self._attention = {pool: cfg.prefill_attention for pool, cfg in paths.items()}
         calibration = state.get("contracts")
         if isinstance(calibration, dict):
             self.driver.contracts.load(calibration)
@@ -435,8 +433,7 @@ class SchedulerShell:
         self._step_tokens[t.pool] = t.step_tokens
         if self.placement is not None:
             self.placement.observe(t.worker, t.queued_prefill)
-        q = self._attention.get(t.pool, 0.0)
-        self.driver.steps(t.pool, [(s.prefill_tokens, s.decode_seqs, s.kv_tokens, _linear_part(s, q)) for s in t.steps],
+        self.driver.steps(t.pool, [(s.prefill_tokens, s.decode_seqs, s.kv_tokens, s.ms / 1000.0) for s in t.steps],
                           now)
 
     def request_ended(self, rid: str, now: float) -> None:
@@ -479,7 +476,6 @@ class SchedulerShell:
                     continue
                 if self.driver.prior(pool, measured[1]):
                     self.priors[pool] = measured[0]
-                    self._attention[pool] = measured[1].prefill_attention
 
     def cancel(self, rid: str, now: float) -> bool:
         """True if the request was still queued here: it will never be dispatched."""
@@ -488,17 +484,6 @@ class SchedulerShell:
             self._seqs.pop(rid, None)
             return True
         return False
-
-
-def _linear_part(step: p.StepRecord, attention: float) -> float:
-    """A step's seconds less the attention share the prior prices apart (``prefill_attention``),
-    for the online fit of the linear terms: exact for a whole prompt prefilled alone; a chunk
-    beside decoding sequences keeps its share (it is small, and its prompt's length is not
-    in the record). Never below half the step."""
-    seconds = step.ms / 1000.0
-    if attention <= 0.0 or step.decode_seqs or not step.prefill_tokens:
-        return seconds
-    return max(0.5 * seconds, seconds - attention * step.prefill_tokens * step.prefill_tokens)
 
 
 def _known_output(params: p.SamplingParams) -> int:

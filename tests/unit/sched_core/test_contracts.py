@@ -13,6 +13,8 @@ import statistics
 import pytest
 
 from sched_core.contracts import (
+    COMPONENTS,
+    DRIFT_OUTCOMES,
     LEVEL_DECAY_S,
     MIN_POINT,
     PRIOR_BOUND_FACTOR,
@@ -369,3 +371,94 @@ def test_a_first_token_bound_that_runs_out_is_a_miss_before_the_request_ends() -
     # its first token, late, does not count the miss twice
     cal.first_token("late", c.ttft_p99_s * 2, c.ttft_p99_s + 0.01)
     assert cal._adaptive("ttft", "cpu", c.ttft_p99_s + 0.01) == pytest.approx(level)
+
+
+# -- drift: windows that follow the machine ------------------------------------------------
+
+
+def _promise_and_take(cal: Contracts, rid: str, factor: float, now: float,
+                      noise: random.Random | None = None) -> tuple[Contract, float]:
+    """A request promised on the raw model, that takes ``factor`` times it (with lognormal
+    noise of log-sd 0.15 if ``noise``): its promise and its first token."""
+    c = raw(rid, out=10)
+    p = cal.promise(c, req(rid, out=10), 10, 0.0, now)
+    jitter = math.exp(noise.gauss(0.0, 0.15)) if noise is not None else 1.0
+    ttft = c.ttft_s * factor * jitter
+    cal.observe(rid, ttft, ttft + 9 * c.tpot_s * factor * jitter, 10, now)
+    return p, ttft
+
+
+@pytest.mark.parametrize("factor", [2.5, 0.4])
+def test_windows_re_anchor_within_a_dozen_outcomes_when_the_machine_changes(factor: float) -> None:
+    """Another program takes the CPU (or leaves it): after 600 outcomes at one speed the
+    outcomes come ``factor`` times later, and within a dozen the promises follow, with the
+    spread the windows learnt; without re-anchoring, a window of 512 takes hundreds."""
+    rng = random.Random(5)
+    cal = Contracts(BOUNDS, default_output=64)
+    for i in range(600):
+        _promise_and_take(cal, f"a{i}", 1.0, i * 0.1, rng)
+    steady = cal.promise(raw("s"), req("s", out=10), 10, 0.0, 60.0)
+    cal.forget("s")
+    assert cal.reanchored.get(("ttft", "cpu"), 0) == 0
+    for i in range(DRIFT_OUTCOMES):
+        _promise_and_take(cal, f"b{i}", factor, 60 + i * 0.1, rng)
+    assert cal.reanchored[("ttft", "cpu")] == 1 and cal.reanchored[("total", "cpu")] == 1
+    moved = cal.promise(raw("m"), req("m", out=10), 10, 0.0, 62.0)
+    cal.forget("m")
+    assert moved.ttft_s == pytest.approx(factor * steady.ttft_s, rel=0.15)
+    assert moved.ttft_p99_s / moved.ttft_s == pytest.approx(steady.ttft_p99_s / steady.ttft_s, rel=0.15)
+    inside = [ttft <= p.ttft_p99_s for p, ttft in (_promise_and_take(cal, f"c{i}", factor, 62 + i * 0.1, rng)
+                                                  for i in range(200))]
+    assert sum(inside) >= 0.98 * len(inside)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_noise_alone_never_re_anchors(seed: int) -> None:
+    """Steady outcomes, quiet or very noisy, never re-anchor; when the noise grows sixfold
+    (the level stays), the windows may be re-anchored once or twice while they learn it."""
+    rng = random.Random(seed)
+    cal = Contracts(BOUNDS, default_output=64)
+    at = 0
+    for sigma in (0.05, 0.3, 0.8):
+        _run(cal, rng, 200, sigma, start=at)
+        changing = sum(cal.reanchored.values())
+        assert changing <= 2 * (at > 0) * len(COMPONENTS), sigma
+        inside, _ = _run(cal, rng, 1300, sigma, start=at + 200)
+        assert sum(cal.reanchored.values()) == changing, sigma
+        assert all(_share(xs) >= 0.97 for xs in inside.values()), sigma
+        at += 1500
+
+
+def test_a_restored_state_the_first_outcomes_contradict_is_re_anchored() -> None:
+    """A restart on windows saved when the raw model erred 17x (a busy machine's profile): the
+    first dozen outcomes on the quiet machine, as the raw model now predicts them, bring the
+    promise and its bound back within a few times the truth."""
+    rng = random.Random(11)
+    before = Contracts(BOUNDS, default_output=64)
+    for i in range(600):
+        _promise_and_take(before, f"a{i}", 17.0, i * 0.1, rng)
+    after = Contracts(BOUNDS, default_output=64)
+    after.load(json.loads(json.dumps(before.state())))
+    first = after.promise(raw("f"), req("f", out=10), 10, 0.0, 0.0)
+    after.forget("f")
+    assert first.ttft_s == pytest.approx(17 * 0.1, rel=0.2)  # poisoned, as it was saved
+    for i in range(DRIFT_OUTCOMES):
+        _promise_and_take(after, f"b{i}", 1.0, i * 0.1, rng)
+    p = after.promise(raw("p"), req("p", out=10), 10, 0.0, 2.0)
+    assert p.ttft_s == pytest.approx(0.1, rel=0.2)
+    assert p.ttft_p99_s < 3 * p.ttft_s
+
+
+def test_before_the_total_can_be_bounded_by_outcomes_it_sums_the_components_bounds() -> None:
+    """An output length not known: the total's bound assumes the 99th percentile of the
+    length (here ``max_tokens``: nothing seen yet) at the per-token bound, and says so; it is
+    not that again times the prior's factor."""
+    cal = Contracts(BOUNDS, default_output=16)
+    r = req("u", out=0, max_tokens=256)
+    out, out_hi = cal.output(r)
+    assert (out, out_hi) == (16, 256)
+    p = cal.promise(raw("u", ttft=0.1, tpot=0.02, out=out), r, out_hi, 0.0, 0.0)
+    assert p.output_tokens == 16 and p.output_tokens_hi == 256
+    assert p.total_s == pytest.approx(0.1 + 15 * 0.02)
+    assert p.p99_s == pytest.approx(p.ttft_p99_s + 255 * p.tpot_p99_s)
+    assert p.ttft_p99_s == pytest.approx(PRIOR_BOUND_FACTOR * p.ttft_s)

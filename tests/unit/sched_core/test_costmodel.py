@@ -9,7 +9,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from sched_core.costmodel import COEFFICIENTS, StepModel, step_features
+from sched_core.costmodel import COEFFICIENTS, DRIFT_FACTOR, StepModel, step_features
 from sched_core.types import PathConfig, SchedulerConfig
 
 # A GPU-like prior: launch-bound, cheap marginal tokens (the magnitudes of the derived profile).
@@ -85,7 +85,7 @@ def test_same_shape_steps_move_only_what_they_identify() -> None:
     assert model.predict(0, 1, 300) == pytest.approx(y, rel=1e-2)
     # The intercept takes the difference; the slopes stay near their priors. The KV slope moves
     # most (~19%): its term is only 4% of a typical full decode step, so ten typical steps hold
-    # it loosely (docs/step-model.md, "Limits").
+    # it loosely (docs/scheduling.md §4, "Limits").
     assert fitted["decode_launch"] > 1.45 * PRIOR.decode_launch
     assert fitted["decode_seq"] == pytest.approx(PRIOR.decode_seq, rel=0.05)
     assert fitted["kv_token"] == pytest.approx(PRIOR.kv_token, rel=0.25)
@@ -225,3 +225,106 @@ def test_a_new_prior_moves_the_fit_and_keeps_the_data() -> None:
     model.reprior(measured)
     assert model.predict(0, 32, 32 * 512) == pytest.approx(before, rel=0.05)
     assert model.coefficients()[3:] == pytest.approx((0.03, 2e-6), rel=0.05)  # prefill: the new prior
+
+
+def _history(model: StepModel, rng: random.Random, theta: tuple[float, ...], steps: int,
+             noise: float = 0.05) -> None:
+    for _ in range(steps // 50):
+        model.observe_many(mixed_steps(rng, theta, 50, noise=noise))
+
+
+def _worst_error(model: StepModel, theta: tuple[float, ...]) -> float:
+    shapes = ((0, 1, 300), (0, 64, 64 * 1000), (256, 0, 0), (192, 64, 64 * 500))
+    return max(abs(model.predict(*s) / truth(theta, *s) - 1.0) for s in shapes)
+
+
+def test_a_worker_whose_speed_moves_as_a_whole_is_followed_within_tens_of_steps() -> None:
+    """Another program takes the CPU (2.2x slower), then leaves it: after a long history at one
+    speed, the model is re-anchored within a few telemetry entries each way, where forgetting
+    alone would take thousands of steps."""
+    rng = random.Random(17)
+    model = StepModel(PRIOR, CONFIG)
+    theta = prior_theta()
+    _history(model, rng, theta, 3000)
+    assert model.scale == 1.0 and _worst_error(model, theta) < 0.05
+    slow = tuple(2.2 * t for t in theta)
+    for _ in range(3):
+        model.observe_many(mixed_steps(rng, slow, 16, noise=0.05))
+    assert model.scale == pytest.approx(2.2, rel=0.1)
+    assert _worst_error(model, slow) < 0.12
+    for _ in range(3):
+        model.observe_many(mixed_steps(rng, theta, 16, noise=0.05))
+    assert model.scale == pytest.approx(1.0, rel=0.1)
+    assert _worst_error(model, theta) < 0.12
+
+
+def test_noise_without_a_change_never_re_anchors() -> None:
+    rng = random.Random(23)
+    model = StepModel(PRIOR, CONFIG)
+    theta = (0.02, 6e-5, 5e-8, 0.015, 2e-6)  # not the prior: the fit moves there by itself
+    _history(model, rng, theta, 400, noise=0.2)
+    anchored = model.scale
+    _history(model, rng, theta, 5000, noise=0.2)
+    assert model.scale == anchored
+    assert _worst_error(model, theta) < 0.1
+
+
+def test_re_anchoring_keeps_the_shape_the_fit_learnt() -> None:
+    # The fit learnt that prefill is cheaper than its prior; the machine then slows down 3x on
+    # decode steps alone (all it runs for a while): the learnt prefill is scaled with the rest.
+    rng = random.Random(29)
+    model = StepModel(PRIOR, CONFIG)
+    theta = (0.01, 4e-5, 3e-8, 0.005, 5e-7)
+    _history(model, rng, theta, 2000)
+    prefill = model.predict(256, 0, 0)
+    assert prefill == pytest.approx(truth(theta, 256, 0, 0), rel=0.05)
+    for _ in range(2):
+        model.observe_many([(0, 16, 16 * 500, 3.0 * truth(theta, 0, 16, 16 * 500))] * 16)
+    assert model.scale == pytest.approx(3.0, rel=0.05)
+    assert model.predict(256, 0, 0) == pytest.approx(3.0 * prefill, rel=0.05)
+
+
+def test_a_new_prior_that_the_latest_steps_contradict_is_re_anchored_at_once() -> None:
+    """A restart on a profile measured while the machine was busy: the worker's warm-up steps
+    say it runs 17x faster, and the model follows them whatever order they come in."""
+    slow = PathConfig(**{**{name: 17.0 * getattr(PRIOR, name) for name in COEFFICIENTS},
+                         "max_batch": PRIOR.max_batch, "step_tokens": PRIOR.step_tokens})
+    steps = [(32, 0, 0, truth(prior_theta(), 32, 0, 0))] + [(0, 1, 32 + i, truth(prior_theta(), 0, 1, 32 + i))
+                                                           for i in range(16)]
+    first = StepModel(slow, CONFIG)
+    first.observe_many(steps)  # the steps, then...
+    assert 1 / 17 / DRIFT_FACTOR < first.scale < DRIFT_FACTOR / 17
+    second = StepModel(PRIOR, CONFIG)
+    second.observe_many(steps)
+    second.reprior(slow)  # ...or the slow profile after them
+    for model in (first, second):
+        assert model.predict(0, 1, 40) == pytest.approx(truth(prior_theta(), 0, 1, 40), rel=0.1)
+        assert model.predict(256, 0, 0) == pytest.approx(truth(prior_theta(), 256, 0, 0), rel=0.1)
+
+
+def test_a_prior_held_loosely_gives_way_to_the_data_sooner() -> None:
+    measured = PathConfig(decode_launch=0.02, decode_seq=8e-5, kv_token=6e-8, prefill_launch=0.03,
+                          prefill_token=2e-6, max_batch=64, step_tokens=256)
+    firm, loose = StepModel(PRIOR, CONFIG), StepModel(PRIOR, CONFIG)
+    firm.reprior(measured)
+    loose.reprior(measured, trust=0.1)
+    y = 1.2 * truth(prior_theta(measured), 0, 8, 8 * 256)  # 20 % slower: no drift, the fit's own
+    for model in (firm, loose):
+        model.observe_many([(0, 8, 8 * 256, y)] * 5)
+    assert abs(loose.predict(0, 8, 8 * 256) / y - 1) < abs(firm.predict(0, 8, 8 * 256) / y - 1)
+    with pytest.raises(ValueError, match="trust"):
+        firm.reprior(measured, trust=0.0)
+
+
+def test_a_whole_prompt_s_attention_is_priced_apart_and_scales_with_the_worker() -> None:
+    prior = PathConfig(decode_launch=0.01, decode_seq=1e-3, kv_token=1e-6, prefill_launch=0.02,
+                       prefill_token=1e-3, max_batch=8, step_tokens=64, prefill_attention=2e-7)
+    model = StepModel(prior, SchedulerConfig(cpu=prior, gpu=prior))
+    assert model.attention == 2e-7
+    alone = 0.02 + 1e-3 * 2048 + 2e-7 * 2048**2  # the prior's whole 2,048-token prompt: exact
+    model.observe_many([(2048, 0, 0, alone)] * 20)
+    assert model.scale == 1.0
+    assert model.predict(2048, 0, 0) == pytest.approx(alone - 2e-7 * 2048**2, rel=1e-6)
+    model.observe_many([(2048, 0, 0, 2.0 * alone)] * 16)  # twice as slow, attention included
+    assert model.scale == pytest.approx(2.0, rel=0.05)
+    assert model.attention == pytest.approx(4e-7, rel=0.05)

@@ -125,7 +125,7 @@ def test_snapshot_is_json_and_reports_the_step_model_and_capacity(make: Factory)
     gpu = snap["paths"]["gpu"]
     assert gpu == {"capacity": 64, "in_flight": 0, "kv_tokens": 0, "workers": 2,
                    "step_tokens": 256, "pending_prefill": 0.0, "slot_limit": 64, "max_batch": 64, "fitted_steps": 0,
-                   "step_model": prior(SchedulerConfig().gpu), "step_s": 0.0}
+                   "step_model": prior(SchedulerConfig().gpu), "step_s": 0.0, "drift": 1.0}
     assert snap["paths"]["cpu"]["step_tokens"] == SchedulerConfig().cpu.step_tokens
     s.tick(0.0)
     gpu = json.loads(json.dumps(s.snapshot()))["paths"]["gpu"]
