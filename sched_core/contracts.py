@@ -40,6 +40,7 @@ import heapq
 import math
 from bisect import bisect_left
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,7 +78,16 @@ DRIFT_OUTCOMES = 12
 DRIFT_TAIL = 0.1
 DRIFT_AGREE = 8
 DRIFT_MIN = 1.2
-DRIFT_SIGMAS = 3.0
+DRIFT_SIGMAS = 4.0
+#: The spread follows too: when the latest ``SPREAD_OUTCOMES`` errors scatter less than
+#: ``SPREAD_DROP`` times as much as the window's older ratios (a busy machine went quiet, a
+#: restored window learnt on a noisier one), the older ratios are drawn towards each window's
+#: median in that proportion (on a log scale), so a tail the machine no longer has stops
+#: widening the bounds; ``SPREAD_FLOOR`` is the least spread assumed. A wider spread needs no
+#: help: its large ratios reach a window's top, which sets the bounds, as they come.
+SPREAD_OUTCOMES = 32
+SPREAD_DROP = 0.5
+SPREAD_FLOOR = 0.05
 
 
 def load_level(load: float) -> int:
@@ -147,12 +157,12 @@ class Window:
         """Oldest first (for persisting)."""
         return self.values[self.at:] + self.values[: self.at]
 
-    def rescale(self, factor: float, keep: list[bool]) -> None:
-        """Multiply every value by ``factor`` (re-anchoring) but those of the newest
+    def rescale(self, how: Callable[[float], float], keep: list[bool]) -> None:
+        """Map every value through ``how`` (re-anchoring) but those of the newest
         ``len(keep)`` (oldest first) that ``keep`` marks."""
         order = [(self.at + i) % len(self.values) for i in range(len(self.values))]  # oldest first
         kept = {order[len(order) - len(keep) + i] for i, k in enumerate(keep) if k and len(keep) <= len(order)}
-        self.values = [v if i in kept else v * factor for i, v in enumerate(self.values)]
+        self.values = [v if i in kept else how(v) for i, v in enumerate(self.values)]
         self.stale = max(self.stale, REFRESH)
 
 
@@ -221,6 +231,7 @@ class Contracts:
         # (level, bucket) cell each went to; how many re-anchorings there were
         self._recent: dict[tuple[str, str], deque[tuple[float, int, int]]] = {}
         self.reanchored: dict[tuple[str, str], int] = {}
+        self.drawn_in: dict[tuple[str, str], int] = {}  # how many times the spread was drawn in
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -393,19 +404,20 @@ class Contracts:
             w.add(ratio)
         recent = self._recent.get((component, path))
         if recent is None:
-            recent = self._recent[(component, path)] = deque(maxlen=DRIFT_OUTCOMES)
+            recent = self._recent[(component, path)] = deque(maxlen=SPREAD_OUTCOMES)
         recent.append((ratio / pend.middles[COMPONENTS.index(component)], pend.level, pend.bucket))
         self._drift(component, path)
 
     def _drift(self, component: str, path: str) -> None:
         """Re-anchor a component's windows on a path when its latest ``DRIFT_OUTCOMES``
         outcomes say the calibrated prediction is off (see ``DRIFT_TAIL``): every older ratio
-        is scaled by their median error (the latest stay as they came), and the adaptive
-        level, raised by the misses the change caused, starts again."""
-        recent = self._recent[(component, path)]
-        if len(recent) < DRIFT_OUTCOMES:
+        is scaled by their median error (the latest of the new regime stay as they came), and
+        the adaptive level, raised by the misses the change caused, starts again; or draw the
+        older ratios in when the latest ``SPREAD_OUTCOMES`` scatter far less (``SPREAD_DROP``)."""
+        ring = self._recent[(component, path)]
+        if len(ring) < DRIFT_OUTCOMES:
             return
-        older = self._ratios[(component, path, -1, -1)].ordered()[:-DRIFT_OUTCOMES]
+        older = self._ratios[(component, path, -1, -1)].ordered()[:-len(ring)]
         if len(older) < MIN_POINT:
             return  # too few older outcomes to judge against: the windows are still filling
         latest = sorted(older[-POINT_WINDOW:])  # the spread as it is now: the old one may have been tighter
@@ -413,25 +425,47 @@ class Contracts:
         centre = median_of(older)
         lo = older[int(DRIFT_TAIL * (len(older) - 1))] / centre
         hi = older[math.ceil((1.0 - DRIFT_TAIL) * (len(older) - 1))] / centre
+        old_spread = math.log(hi / lo) / Z_SPAN
+        recent = list(ring)[-DRIFT_OUTCOMES:]
         errors = sorted(e for e, _, _ in recent)
         m = median_of(errors)
-        spread = max(math.log(hi / lo) / Z_SPAN, log_spread(latest))
-        if not shifted(errors, m, spread, DRIFT_MIN, DRIFT_SIGMAS):
+        if shifted(errors, m, max(old_spread, log_spread(latest)), DRIFT_MIN, DRIFT_SIGMAS):
+            past = [e for e in errors if e > hi] if m > 1.0 else [e for e in errors if e < lo]
+            if len(past) >= DRIFT_AGREE:
+                m = median_of(past)  # the outcomes of the new regime: the oldest of the dozen may predate it
+                midway = math.sqrt(m)  # nearer m than 1 on a log scale: an outcome of the new regime
+                self._rescale(component, path, recent, lambda w: (lambda v: v * m),
+                              lambda e: e > midway if m > 1.0 else e < midway)
+                ring.clear()
+                self._level.pop((component, path), None)
+                self.reanchored[(component, path)] = self.reanchored.get((component, path), 0) + 1
+                return
+        if len(ring) < SPREAD_OUTCOMES or len(older) < 2 * POINT_WINDOW:
             return
-        past = [e for e in errors if e > hi] if m > 1.0 else [e for e in errors if e < lo]
-        if len(past) < DRIFT_AGREE:
+        spread = max(log_spread(sorted(e for e, _, _ in ring)), SPREAD_FLOOR)
+        if spread >= SPREAD_DROP * old_spread:
             return
-        m = median_of(past)  # the outcomes of the new regime: the oldest of the dozen may predate it
-        newest: dict[tuple[int, int], list[bool]] = {}  # per cell, its latest values: of the new regime?
+        k = spread / old_spread
+
+        def draw_in(w: Window) -> Callable[[float], float]:
+            mid = w.middle()
+            return lambda v: mid * (v / mid) ** k
+
+        self._rescale(component, path, list(ring), draw_in, lambda e: True)
+        ring.clear()
+        self.drawn_in[(component, path)] = self.drawn_in.get((component, path), 0) + 1
+
+    def _rescale(self, component: str, path: str, recent: list[tuple[float, int, int]],
+                 how: Callable[[Window], Callable[[float], float]], kept: Callable[[float], bool]) -> None:
+        """Apply ``how(window)`` to every ratio of a component's windows on a path, but to the
+        values of the ``recent`` outcomes (oldest first) that ``kept`` marks."""
+        newest: dict[tuple[int, int], list[bool]] = {}  # per cell, its latest values: kept as they are?
         for e, level, bucket in recent:
             for cell in ((level, bucket), (level, -1), (-1, -1)):
-                newest.setdefault(cell, []).append(e > hi if m > 1.0 else e < lo)
+                newest.setdefault(cell, []).append(kept(e))
         for (c, p, level, bucket), w in self._ratios.items():
             if c == component and p == path:
-                w.rescale(m, newest.get((level, bucket), []))
-        recent.clear()
-        self._level.pop((component, path), None)
-        self.reanchored[(component, path)] = self.reanchored.get((component, path), 0) + 1
+                w.rescale(how(w), newest.get((level, bucket), []))
 
     # -- persistence --------------------------------------------------------------------------
 

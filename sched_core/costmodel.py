@@ -78,7 +78,7 @@ REFERENCE_FLOOR = 1e-3
 DRIFT_RECORDS = 16
 DRIFT_FACTOR = 1.3
 DRIFT_AGREE = 0.75
-DRIFT_SIGMAS = 3.0  # and the median that many standard errors from 1 (sched_core.drift)
+DRIFT_SIGMAS = 4.0  # and the median that many standard errors from 1 (sched_core.drift)
 DRIFT_SETTLE = 1.02  # once re-anchoring, until the latest steps' median is this close to 1
 #: Re-anchoring rescales the history but the latest this many steps, which may already have
 #: run at the new speed (all of them, when the history is a worker's warm-up alone).

@@ -87,7 +87,7 @@ class Wakes(Protocol):
 class Priors(Protocol):
     """A policy with a step-time model that a measured profile can seed."""
 
-    def set_prior(self, path: str, prior: PathConfig) -> None: ...
+    def set_prior(self, path: str, prior: PathConfig, trust: float = 1.0) -> None: ...
 
 
 @runtime_checkable
@@ -187,7 +187,7 @@ class Driver:
         load = (self._used[path] + self.policy.queued) / max(self._cap[path], 1)
         c = cal.promise(decision, req, out_hi, load, now)
         if req.slo_ttft_s is not None or req.slo_tpot_s is not None:
-            refusal = self._refusal(req, c, load, now)
+            refusal = self._refusal(req, c, decision, load, now)
             if refusal is not None:
                 return refusal
         if req.slo_ttft_s is None and req.max_wait_s is not None:
@@ -197,8 +197,15 @@ class Driver:
         self.shares.add(req.tenant, req.weight, req.prompt_tokens + c.output_tokens, now)
         return c
 
-    def _refusal(self, req: Request, c: Contract, load: float, now: float) -> Reject | None:
-        """The ``slo`` refusal of a request its promise cannot serve in time (None: keep it)."""
+    def _refusal(self, req: Request, c: Contract, raw: Contract, load: float, now: float) -> Reject | None:
+        """The ``slo`` refusal of a request its promise cannot serve in time (None: keep it).
+        A request that waits for nothing (no queue ahead, a slot free) is kept whenever the
+        fitted step times, without the calibration, serve it within its SLO on an idle worker:
+        calibration rests on outcomes, and a path whose outcomes went wrong (a saved state from
+        another machine, a burst that just ended) must not refuse every request for an SLO, which
+        would leave it no outcome to learn it was wrong from."""
+        if self._idle_meets(req, c, raw):
+            return None
         over = self.shares.over(req.tenant, now)
         ttft_slo = req.slo_ttft_s * (HOLD_SLACK if over else 1.0) if req.slo_ttft_s is not None else math.inf
         tpot_slo = req.slo_tpot_s if req.slo_tpot_s is not None else math.inf
@@ -231,6 +238,15 @@ class Driver:
                     f"{100.0 * weight_quantile(weight):.0f}th percentile of its bounds is within {slack:g}x the SLO")
         wait = max(ttft - ttft_slo, 0.0)
         return Reject(req.id, "slo", why, max(1.0, wait), c.total_s, c.ttft_p99_s, c.p99_s)
+
+    def _idle_meets(self, req: Request, c: Contract, raw: Contract) -> bool:
+        """Nothing queued ahead of the request, a slot free on its path, and its own prompt
+        alone and the raw time per token within its SLO."""
+        if c.tokens_ahead or self._used[c.path] >= self._cap[c.path] or self._alone is None:
+            return False
+        alone = self._alone(c.path, req.prompt_tokens)
+        return ((req.slo_ttft_s is None or c.budget_wait_s + alone <= req.slo_ttft_s)
+                and (req.slo_tpot_s is None or raw.tpot_s <= req.slo_tpot_s))
 
     def _wait_refusal(self, req: Request, c: Contract, load: float, now: float) -> Reject | None:
         """The ``wait`` refusal of a request without a first-token SLO whose predicted first
@@ -348,12 +364,12 @@ class Driver:
     def open_batches(self) -> list[int]:
         return list(self._open)
 
-    def prior(self, path: str, prior: PathConfig) -> bool:
-        """Seed ``path``'s step-time model with ``prior`` (its workers measured themselves);
-        False if the policy has no model (the baselines)."""
+    def prior(self, path: str, prior: PathConfig, trust: float = 1.0) -> bool:
+        """Seed ``path``'s step-time model with ``prior`` (its workers measured themselves),
+        held as firmly as ``trust`` (0-1]; False if the policy has no model (the baselines)."""
         if not isinstance(self.policy, Priors):
             return False
-        self.policy.set_prior(path, prior)
+        self.policy.set_prior(path, prior, trust)
         return True
 
     def steps(self, path: str, records: Sequence[StepRecord], now: float) -> None:

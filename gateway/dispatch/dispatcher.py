@@ -145,8 +145,7 @@ class Dispatcher:
             log.warning("ignoring an unreadable saved model at %s", wire.model_key(self.settings.model_name))
             return
         if isinstance(state, dict):
-            self.shell.load_model_state(state)
-            log.info("started from the saved step-time model and contract calibration")
+            self.shell.load_model_state(state)  # path by path, once that path's workers show
 
     async def _save_model(self) -> None:
         try:
@@ -593,10 +592,14 @@ class Dispatcher:
         workers = await self.liveness.workers()
         self.workers = workers
         self.gateways = max(1, view.alive)
-        self.shell.capacity(workers, time.monotonic())
+        self._capacity(workers)
         self._wake.set()
         if self._on_workers is not None:
             self._on_workers(workers)
+
+    def _capacity(self, workers: dict[str, p.Heartbeat]) -> None:
+        for note in self.shell.capacity(workers, time.monotonic()):
+            log.info("%s", note)
 
     async def _publish_backlog(self) -> None:
         """This gateway's queued work per pool into ``wire.BACKLOG_HASH`` (every ``WATCH_S``),
@@ -621,7 +624,7 @@ class Dispatcher:
         await self._arrivals_group()
         self.workers = await self.liveness.workers()
         self.shell.take_over(self.workers)
-        self.shell.capacity(self.workers, time.monotonic())
+        self._capacity(self.workers)
         self.leader = True
         self._leading.set()
         log.info("this gateway schedules for all gateways now")

@@ -105,6 +105,51 @@ def running_by_pool(workers: dict[str, p.Heartbeat]) -> dict[str, int]:
     return out
 
 
+def worker_identity(hb: p.Heartbeat) -> str:
+    """What a worker's step times belong to: the measured profile it publishes (its id: the
+    machine's fingerprint and the fit, so a profile measured again is another), else its
+    engine, model, device and dtype (an upstream engine, a worker that measured nothing)."""
+    pid = hb.profile.get("id")
+    if isinstance(pid, str) and pid:
+        return pid
+    fingerprint = hb.profile.get("fingerprint")
+    if isinstance(fingerprint, str) and fingerprint:
+        return f"{fingerprint}@{hb.profile.get('measured_at', '?')}"
+    return f"{hb.engine}:{hb.model}:{hb.device}:{hb.dtype}"
+
+
+def path_identity(workers: dict[str, p.Heartbeat], pool: str) -> str | None:
+    """The identities of a pool's live workers (None: it has none): what a saved step-time
+    model and calibration of that path must have been made with to be restored."""
+    ids = sorted({worker_identity(hb) for hb in workers.values() if hb.pool == pool and not hb.down})
+    return " ".join(ids) if ids else None
+
+
+def engines_identity(workers: dict[str, p.Heartbeat]) -> str:
+    """The engines and models the live workers run: what saved output lengths belong to."""
+    return " ".join(sorted({f"{hb.engine}:{hb.model}" for hb in workers.values() if not hb.down}))
+
+
+def measured_trust(workers: dict[str, p.Heartbeat], pool: str) -> float:
+    """How firmly a pool's step model holds its measured prior: a profile measured while its
+    worker was starved of CPU (``starved``: the share of its threads' time spent waiting for
+    one) timed its neighbours as much as its engine, so it counts for (1 − starved)² of one
+    measured quietly, slot-weighted over the pool's workers, and live steps overrule it sooner."""
+    weights: list[tuple[int, float]] = []
+    for hb in workers.values():
+        if hb.pool == pool and not hb.down and isinstance(hb.profile.get("step_model"), dict):
+            starved = hb.profile.get("starved", 0.0)
+            share = min(max(float(starved), 0.0), 0.9) if isinstance(starved, int | float) else 0.0
+            weights.append((max(1, hb.slots), (1.0 - share) ** 2))
+    if not weights:
+        return 1.0
+    return sum(slots * trust for slots, trust in weights) / sum(slots for slots, _ in weights)
+
+
+#: The saved state's format: a state of another format (or none) is not restored.
+STATE_FORMAT = 2
+
+
 def measured_prior(workers: dict[str, p.Heartbeat], pool: str, base: PathConfig) -> tuple[str, PathConfig] | None:
     """The prior of ``pool``'s step-time model from its live workers' measured profiles
     (``workers/selfprofile.py``): each coefficient the slot-weighted mean over the workers (a
@@ -149,6 +194,10 @@ class SchedulerShell:
         self._gpu_alive = False
         self._step_tokens: dict[str, int] = {}  # per pool, from the workers' telemetry
         self.priors: dict[str, str] = {}  # per pool: the measured profiles its step model starts from
+        self._identity: dict[str, str] = {}  # per pool: its live workers' identities, as last seen
+        self._engines = ""  # the live workers' engines and models, as last seen
+        self._saved: dict[str, Any] | None = None  # a persisted state, restored path by path once its workers show
+        self.saved_state: dict[str, str] = {}  # per pool: what became of the saved state
         # a request another gateway forwarded -> (that gateway's reply stream, its arrival entry)
         self._origin: dict[str, tuple[str, str]] = {}
         # a dispatched batch with forwarded requests -> its jobs (local id -> reply stream, requests)
@@ -178,6 +227,7 @@ class SchedulerShell:
         if self.placement is not None:
             snap["placed"] = self.placement.held()  # requests running per worker, as this scheduler placed them
         snap["priors"] = {pool: self.priors.get(pool, "packaged profile") for pool in POOLS}
+        snap["saved_state"] = dict(self.saved_state)
         return snap
 
     def next_tick(self, now: float) -> float:
@@ -272,34 +322,67 @@ class SchedulerShell:
 
     def model_state(self) -> dict[str, Any] | None:
         """What the gateway learnt, to persist: per path the fitted step-time coefficients
-        (paths with fitted steps only), and the contracts' calibration; None before it
-        learnt anything."""
+        (paths with fitted steps only) and the contracts' calibration, each with what it was
+        learnt on (the identities of the path's workers, the engines' for output lengths);
+        None before it learnt anything. A saved state not yet matched with workers is kept."""
         snapshot = getattr(self.driver.policy, "snapshot", None)
         if snapshot is None:
             return None
-        fitted = {pool: path["step_model"] for pool, path in snapshot()["paths"].items() if path["fitted_steps"] > 0}
+        fitted = {pool: path["step_model"] for pool, path in snapshot()["paths"].items()
+                  if path["fitted_steps"] > 0 and pool in self._identity}
         calibration = self.driver.contracts.state()
+        calibration["ratios"] = [r for r in calibration["ratios"] if r[1] in self._identity]
         if not fitted and not calibration["ratios"] and not calibration["outputs"]:
-            return None
-        return {"step_model": fitted, "contracts": calibration}
+            return self._saved
+        return {"format": STATE_FORMAT, "identity": dict(self._identity), "engines": self._engines,
+                "step_model": fitted, "contracts": calibration}
 
     def load_model_state(self, state: dict[str, Any]) -> None:
-        """Start from a persisted state: its fitted coefficients become the priors of a new
-        core (only before any request arrived), its calibration the contracts' windows."""
+        """Start from a persisted state, path by path once the path's workers show
+        (``capacity``): a path's fitted coefficients become its step model's prior and its
+        calibration windows are loaded only where its live workers are those it was learnt on
+        (the same measured profiles); output lengths where the engines are the same. A state
+        made with other workers, another engine, or by an older release, is dropped: a promise
+        priced on another machine's outcomes is no promise."""
+        self._saved = state if state.get("format") == STATE_FORMAT and isinstance(state.get("identity"), dict) \
+            else None
+        self.saved_state = {} if self._saved is not None else {pool: "dropped: saved by an older release"
+                                                                for pool in POOLS}
+
+    def _restore(self) -> list[str]:
+        """Match the saved state with the paths whose workers are known now; what was done."""
+        saved = self._saved
+        if saved is None:
+            return []
+        notes = []
+        identity: dict[str, Any] = saved["identity"]
+        found = saved.get("contracts")
+        calibration: dict[str, Any] = found if isinstance(found, dict) else {}
         config = getattr(self.driver.policy, "config", None)
-        fitted = state.get("step_model")
-        if isinstance(config, SchedulerConfig) and isinstance(fitted, dict) and self.driver.queued == 0:
-            paths = {}
-            for pool, coef in fitted.items():
-                if pool in POOLS and isinstance(coef, dict):
-                    with contextlib.suppress(TypeError, ValueError):
-                        paths[pool] = replace(getattr(config, pool), **coef)
-            if paths:
-                self.driver = Driver(make_policy(self.policy, replace(config, **paths)), lease_s=self.lease_s)
-                self.priors.clear()
-        calibration = state.get("contracts")
-        if isinstance(calibration, dict):
-            self.driver.contracts.load(calibration)
+        for pool, now_id in self._identity.items():
+            if pool in self.saved_state or pool not in identity:
+                continue
+            if identity[pool] != now_id:
+                self.saved_state[pool] = "dropped: learnt on other workers or profiles"
+                notes.append(f"the saved step-time model and calibration of the {pool} path were learnt on other "
+                             f"workers or profiles ({identity[pool]}; now {now_id}): starting from the measured "
+                             "profiles")
+                continue
+            coef = saved.get("step_model", {}).get(pool)
+            if isinstance(config, SchedulerConfig) and isinstance(coef, dict):
+                with contextlib.suppress(TypeError, ValueError):
+                    self.driver.prior(pool, replace(getattr(config, pool), **coef))
+            self.driver.contracts.load({"ratios": [r for r in calibration.get("ratios", ())
+                                                   if isinstance(r, list) and len(r) == 5 and r[1] == pool]})
+            self.saved_state[pool] = "restored"
+            notes.append(f"the {pool} path starts from its saved step-time model and calibration (same workers "
+                         "and profiles)")
+        if "outputs" not in self.saved_state and self._engines:
+            same = saved.get("engines") == self._engines
+            if same:
+                self.driver.contracts.load({"outputs": calibration.get("outputs", ())})
+            self.saved_state["outputs"] = "restored" if same else "dropped: learnt on other engines or models"
+        return notes
 
     def tick(self, now: float) -> tuple[list[Send], list[Reject]]:
         sends: list[Send] = []
@@ -453,10 +536,11 @@ class SchedulerShell:
         (their heartbeats say) are the other one's, and keep their slots until they end."""
         self._foreign = {pool: n for pool, n in running_by_pool(workers).items() if n > 0}
 
-    def capacity(self, workers: dict[str, p.Heartbeat], now: float) -> None:
+    def capacity(self, workers: dict[str, p.Heartbeat], now: float) -> list[str]:
         """The live workers' slots (less what a previous scheduler left running on them), and
         the priors their measured profiles give each pool's step-time model (re-seeded when
-        the set of profiles changes)."""
+        the set of profiles changes); a saved state is restored for the paths it matches.
+        Returns what became of the saved state, to log."""
         share = capacity_share(workers)
         self._gpu_alive = share["gpu"][0] > 0
         if self.placement is not None:
@@ -474,8 +558,15 @@ class SchedulerShell:
                 measured = measured_prior(workers, pool, getattr(config, pool))
                 if measured is None or self.priors.get(pool) == measured[0]:
                     continue
-                if self.driver.prior(pool, measured[1]):
+                if self.driver.prior(pool, measured[1], measured_trust(workers, pool)):
                     self.priors[pool] = measured[0]
+        for pool in POOLS:
+            identity = path_identity(workers, pool)
+            if identity is not None:
+                self._identity[pool] = identity
+        if workers:
+            self._engines = engines_identity(workers)
+        return self._restore()
 
     def cancel(self, rid: str, now: float) -> bool:
         """True if the request was still queued here: it will never be dispatched."""

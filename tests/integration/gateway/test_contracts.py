@@ -15,7 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from common import wire
 from gateway.dispatch.dispatcher import Dispatcher
 from gateway.settings import GatewaySettings
-from sched_core import SchedulerConfig
 from tests.integration.gateway.conftest import Harness
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
@@ -241,9 +240,11 @@ async def test_the_model_and_calibration_are_saved_and_a_new_dispatcher_starts_f
     fresh = Dispatcher(GatewaySettings(redis_url=redis_url, model_name=harness.model), dispatcher.client)
     assert fresh.shell.driver.contracts.state() == {"ratios": [], "outputs": []}
     await fresh._load_model()
+    assert fresh.shell.driver.contracts.state() == {"ratios": [], "outputs": []}  # not before its workers show
+    await fresh.refresh_workers()  # the same worker, the same profile: restored
+    assert fresh.shell.snapshot()["saved_state"] == {"cpu": "restored", "outputs": "restored"}
     assert fresh.shell.driver.contracts.state() == learnt
-    # the fitted step-time coefficients are the new core's priors
+    # the fitted step-time coefficients are the cpu path's prior
     coef = saved["step_model"]["cpu"]
-    config = fresh.shell.driver.policy.config  # type: ignore[attr-defined]
-    assert {name: getattr(config.cpu, name) for name in coef} == coef
-    assert config.cpu != SchedulerConfig().cpu
+    model = fresh.shell.snapshot()["paths"]["cpu"]["step_model"]  # type: ignore[index]
+    assert model == pytest.approx(coef)

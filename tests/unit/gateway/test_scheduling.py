@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
@@ -369,3 +370,120 @@ def test_its_own_requests_taken_up_from_the_arrivals_are_acknowledged_when_sent(
         t += 0.05
         sends = shell.tick(t)[0]
     assert [(s.job.reply_to, s.acks) for s in sends] == [("tg:replies:gw1", ("7-0",))]
+
+
+# -- a restart on saved state (issue 36) --------------------------------------------------------
+
+# The AMD VM's measured profile, quiet (decode step ~31 ms, ~1.7 ms per prompt token), and the
+# same machine measured while the test suite ran beside it: every term 17x slower (525 ms).
+QUIET = {"decode_launch": 0.028, "decode_seq": 1e-3, "kv_token": 5e-6, "prefill_launch": 0.03,
+         "prefill_token": 1.7e-3, "prefill_attention": 0.0, "max_batch": 32, "step_tokens": 64}
+BUSY = {k: (17 * v if k not in ("max_batch", "step_tokens") else v) for k, v in QUIET.items()}
+SLO = Origin(tenant="t1", weight=1000.0, slo_ttft_s=2.0)
+
+
+def _worker(model: dict[str, float], measured_at: float) -> p.Heartbeat:
+    """The serve worker, with the profile it measured at ``measured_at`` (same machine, same
+    fingerprint: a re-measure is another profile)."""
+    profile = {"fingerprint": "0aaef8be1c7d474c", "measured_at": measured_at, "step_model": model}
+    return replace(_hb("vm-1", "cpu", 32), engine="transformers", model="SmolLM2-135M-Instruct", profile=profile)
+
+
+def _served(shell: SchedulerShell, rid: str, prompt: int, now: float, ttft: float, total: float) -> object:
+    """A request admitted at ``now`` (SLO or not), run, and ended after ``ttft``/``total``."""
+    decision = shell.arrive(_seq(rid, n=prompt, max_tokens=16), WHO, now=now)
+    if not isinstance(decision, Contract):
+        return decision
+    t = now
+    while len(shell):
+        t += 0.002
+        shell.tick(t)
+    shell.finished(rid, 16, now + total)
+    shell.outcome(rid, ttft, total, 16, now + total)
+    return decision
+
+
+def _steps(model: dict[str, float], n: int) -> p.Telemetry:
+    """A worker's decode steps of one sequence at the speed ``model`` says."""
+    step = p.StepRecord(0, 1, 200, 1000 * (model["decode_launch"] + model["decode_seq"] + 200 * model["kv_token"]))
+    return p.Telemetry("vm-1", "cpu", 32, 31, 1, 0, 64, (step,) * n)
+
+
+def _busy_run() -> dict[str, object]:
+    """`make run` while the machine is busy: the worker measured BUSY, the machine's speed
+    came and went (some requests took the quiet time, most the busy one give or take half, a
+    few were stuck behind the neighbours 8x longer), and the gateway saved what it learnt on
+    Ctrl-C."""
+    rng = random.Random(1)
+    shell = _shell()
+    shell.capacity({"vm-1": _worker(BUSY, 1000.0)}, now=0.0)
+    shell.telemetry(_steps(BUSY, 32), 0.0)
+    busy_ttft = BUSY["prefill_launch"] + 300 * BUSY["prefill_token"]
+    for i in range(300):
+        stretch = 8.0 if i % 40 == 0 else 1 / 17 if i % 3 == 0 else rng.lognormvariate(0.0, 0.5)
+        _served(shell, f"b{i}", 300, 100.0 * i, busy_ttft * stretch, busy_ttft * stretch * 2)
+    state = shell.model_state()
+    assert state is not None
+    return state
+
+
+def test_a_restart_on_a_busy_run_s_saved_state_refuses_nothing_an_idle_worker_serves() -> None:
+    """Issue 36: `make run` on a busy machine, Ctrl-C, `make run` on a quiet one. The worker
+    measures itself again (17x faster); the saved calibration was learnt against the busy
+    profile and would bound a 300-token prompt's first token at many seconds, refusing every
+    request with the default 2 s SLO. It belongs to the other profile: it is dropped."""
+    state = _busy_run()
+    restarted = _shell()
+    restarted.load_model_state(state)
+    notes = restarted.capacity({"vm-1": _worker(QUIET, 2000.0)}, now=0.0)
+    assert any("learnt on other workers or profiles" in note for note in notes), notes
+    assert restarted.snapshot()["saved_state"] == {"cpu": "dropped: learnt on other workers or profiles",
+                                                   "outputs": "restored"}
+    restarted.telemetry(_steps(QUIET, 17), 0.0)  # the worker's warm-up
+    quiet_ttft = QUIET["prefill_launch"] + 300 * QUIET["prefill_token"]
+    for i in range(20):
+        c = restarted.arrive(_seq(f"q{i}", n=300, max_tokens=16), SLO, now=10.0 * i)
+        assert isinstance(c, Contract), c
+        assert c.ttft_p99_s <= 3.0 * c.ttft_s + 1e-9 and c.ttft_p99_s < 2.0
+        assert c.ttft_s == pytest.approx(quiet_ttft, rel=0.5)
+        restarted.cancel(f"q{i}", 10.0 * i)
+        restarted.outcome(f"q{i}", None, None, 0, 10.0 * i)
+
+
+def test_a_restart_on_the_same_profile_restores_the_saved_state_and_checks_it() -> None:
+    """The same profile, reused (its re-check passed): the saved model and calibration are
+    restored, and the idle worker still serves an SLO request its bound would have refused;
+    its first outcomes re-anchor the calibration they contradict, level and spread."""
+    state = _busy_run()
+    restarted = _shell()
+    restarted.load_model_state(state)
+    notes = restarted.capacity({"vm-1": _worker(BUSY, 1000.0)}, now=0.0)
+    assert restarted.snapshot()["saved_state"]["cpu"] == "restored" and notes
+    restarted.telemetry(_steps(QUIET, 17), 0.0)  # ...but the machine runs quietly now
+    c = restarted.arrive(_seq("first", n=300, max_tokens=16), SLO, now=0.0)
+    assert isinstance(c, Contract)  # an idle worker's step model serves it within 2 s
+    restarted.cancel("first", 0.0)
+    restarted.outcome("first", None, None, 0, 0.0)
+    quiet_ttft = QUIET["prefill_launch"] + 300 * QUIET["prefill_token"]
+    for i in range(64):
+        _served(restarted, f"q{i}", 300, 10.0 * i, quiet_ttft * (1 + 0.05 * (i % 5)), 2 * quiet_ttft)
+    # the busy run's tail (8x, 1/17x) drawn in: the quiet machine's outcomes scatter far less
+    assert restarted.driver.contracts.drawn_in.get(("ttft", "cpu"), 0) >= 1
+    c = restarted.arrive(_seq("later", n=300, max_tokens=16), WHO, now=500.0)
+    assert isinstance(c, Contract)
+    assert c.ttft_s == pytest.approx(quiet_ttft, rel=0.5) and c.ttft_p99_s < 4 * quiet_ttft
+
+
+def test_a_state_saved_by_another_engine_or_an_older_release_is_not_restored() -> None:
+    state = _busy_run()
+    echo = _shell()
+    echo.load_model_state(state)
+    echo.capacity({"w": replace(_hb("w", "cpu", 8), engine="echo")}, now=0.0)  # no profile: its engine
+    assert echo.snapshot()["saved_state"] == {"cpu": "dropped: learnt on other workers or profiles",
+                                              "outputs": "dropped: learnt on other engines or models"}
+    assert echo.driver.contracts.state() == {"ratios": [], "outputs": []}
+    old = _shell()
+    old.load_model_state({"step_model": state["step_model"], "contracts": state["contracts"]})
+    old.capacity({"vm-1": _worker(BUSY, 1000.0)}, now=0.0)
+    assert old.driver.contracts.state() == {"ratios": [], "outputs": []}
+    assert old.snapshot()["saved_state"]["cpu"] == "dropped: saved by an older release"
