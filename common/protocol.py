@@ -154,6 +154,9 @@ class Heartbeat:
     upstream: dict[str, float] = dataclasses.field(default_factory=dict)  # the upstream's own gauges (vLLM)
     # the engine's step-time profile, measured at start (workers/selfprofile.py); {} if none
     profile: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # the share of the worker's thread time spent waiting for a CPU since its last heartbeat:
+    # another program on its CPUs (0 on a quiet machine, or where the system does not say)
+    cpu_starved: float = 0.0
 
     def profile_part(self, name: str) -> dict[str, Any]:
         """``profile[name]`` (``facts``: the machine; ``summary``: what it measured) where it
@@ -162,6 +165,9 @@ class Heartbeat:
         return part if isinstance(part, dict) else {}
 
 
+#: A worker whose threads spent this share of their time waiting for a CPU (``Heartbeat.cpu_starved``,
+#: a profile's ``starved``) was starved: another program on its CPUs slowed what it measured.
+STARVED_SHARE = 0.1
 TELEMETRY_MAX_STEPS = 64  # a telemetry entry carries at most this many step records
 
 

@@ -94,6 +94,12 @@ class Metrics:
             "What each live worker's start-up self-profile cost (a re-check of a stored one is short)",
             labels, registry=self.registry,
         )
+        self.worker_starved = Gauge(
+            "tokengate_worker_cpu_starved_ratio",
+            "Each live worker's share of thread time spent waiting for a CPU since its last heartbeat "
+            "(another program on its CPUs: every step slows)",
+            ["worker", "pool"], registry=self.registry,
+        )
         self.budget_wait = Histogram(
             "tokengate_budget_wait_seconds",
             "How long admitted requests waited for their tenant's token budget (waits > 0 only)",
@@ -106,10 +112,11 @@ class Metrics:
         (workers/selfprofile.py); a gone worker's series go with it."""
         for pool in pools:
             self.workers.labels(pool).set(sum(1 for w in workers.values() if w.pool == pool))
-        gauges = (self.worker_prefill, self.worker_decode, self.worker_profile)
+        gauges = (self.worker_prefill, self.worker_decode, self.worker_profile, self.worker_starved)
         for gauge in gauges:
             gauge.clear()
         for wid, hb in workers.items():
+            self.worker_starved.labels(wid, hb.pool).set(hb.cpu_starved)
             summary, facts = hb.profile_part("summary"), hb.profile_part("facts")
             if not summary or not facts:
                 continue

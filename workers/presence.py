@@ -19,6 +19,7 @@ from redis.backoff import AbstractBackoff
 from common import protocol as p
 from common import wire
 from common.retry import Outage, Retrier, is_nogroup
+from workers import selfprofile
 from workers.engine import Engine
 from workers.fencing import Fence
 from workers.settings import WorkerSettings
@@ -54,6 +55,7 @@ class Presence:
         self._backoff = backoff
         self._outage = outage
         self._clock = clock
+        self._starvation = selfprofile.Starvation()  # since the last heartbeat
         self._steps: deque[p.StepRecord] = deque()  # not yet in a telemetry entry
         self._dropped = 0  # step records left out since the last entry
         self._telemetry_at = float("-inf")  # when the last entry went out
@@ -126,7 +128,15 @@ class Presence:
             down=self.engine.down,
             upstream=dict(self.engine.metrics),
             profile=self.profile,
+            cpu_starved=self._starved(),
         )
+
+    def _starved(self) -> float:
+        """The share of this process's thread time spent waiting for a CPU since the last
+        heartbeat: another program on the machine's CPUs (it slows every step)."""
+        share = self._starvation.share()
+        self._starvation = selfprofile.Starvation()
+        return round(share, 3)
 
     def loop(self) -> None:
         """Beat, keep owned entries from being claimed, and trim the jobs stream, until ``stop``."""

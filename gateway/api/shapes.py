@@ -351,6 +351,9 @@ class WorkerView(TypedDict):
     threads: int | None
     prefill_tokens_per_s: float | None
     decode_step_ms: float | None
+    profile_how: str | None  # measured, reused (a re-check confirmed it), re-anchored (a re-check scaled it)
+    profile_starved: float | None  # the share of time its threads waited for a CPU while it measured
+    cpu_starved: float  # the same since its last heartbeat: another program on its CPUs
 
 
 @with_config(_FORBID)
@@ -461,6 +464,9 @@ HEADERS: dict[str, dict[str, Any]] = {
     "x-tokengate-p99-ms": {"description": "The bound the request should finish within 99 times in 100 (ms since "
                            "arrival); on a 503 `slo_unattainable`, the best the gateway could promise.",
                            "schema": _MS},
+    "x-tokengate-p99-output-tokens": {"description": "The output length `x-tokengate-p99-ms` assumes: exact with "
+                                      "`ignore_eos`, else the 99th percentile of the tenant's recent lengths (at "
+                                      "most `max_tokens`).", "schema": _INT},
     "x-tokengate-tokens-ahead": {"description": "Tokens queued ahead of it in its bucket.", "schema": _INT},
     "x-tokengate-budget-wait-ms": {"description": "How long the budget limiter held it.", "schema": _MS},
     "x-tokengate-bucket": {"description": "Its prompt-length bucket (0 = shortest).", "schema": _INT},
@@ -476,8 +482,8 @@ HEADERS: dict[str, dict[str, Any]] = {
 # the latency contract on every admitted generation, in the order ``contract_headers`` writes them
 CONTRACT_HEADERS = (
     "x-tokengate-ttft-ms", "x-tokengate-tpot-ms", "x-tokengate-output-tokens", "x-tokengate-latency-ms",
-    "x-tokengate-ttft-p99-ms", "x-tokengate-tpot-p99-ms", "x-tokengate-p99-ms", "x-tokengate-tokens-ahead",
-    "x-tokengate-budget-wait-ms", "x-tokengate-bucket", "x-tokengate-path",
+    "x-tokengate-ttft-p99-ms", "x-tokengate-tpot-p99-ms", "x-tokengate-p99-ms", "x-tokengate-p99-output-tokens",
+    "x-tokengate-tokens-ahead", "x-tokengate-budget-wait-ms", "x-tokengate-bucket", "x-tokengate-path",
 )
 # on every admitted generation (streams: before the first event)
 ADMITTED_HEADERS = (
@@ -500,6 +506,7 @@ def contract_headers(c: Contract | None) -> dict[str, str]:
         return {}
     return dict(zip(CONTRACT_HEADERS, (
         f"{c.ttft_s * 1000:.1f}", f"{c.tpot_s * 1000:.1f}", str(c.output_tokens), f"{c.total_s * 1000:.1f}",
-        f"{c.ttft_p99_s * 1000:.1f}", f"{c.tpot_p99_s * 1000:.1f}", f"{c.p99_s * 1000:.1f}", str(c.tokens_ahead),
-        f"{c.budget_wait_s * 1000:.1f}", str(c.bucket), c.path,
+        f"{c.ttft_p99_s * 1000:.1f}", f"{c.tpot_p99_s * 1000:.1f}", f"{c.p99_s * 1000:.1f}",
+        str(c.output_tokens_hi or c.output_tokens), str(c.tokens_ahead), f"{c.budget_wait_s * 1000:.1f}",
+        str(c.bucket), c.path,
     ), strict=True))

@@ -341,6 +341,10 @@ def worker_line(hb: p.Heartbeat) -> str:
         line += (f"; measured at start ({hb.profile.get('how', '?')}, {hb.profile.get('cost_s', 0.0):.1f} s): "
                  f"prefill {summary.get('prefill_tokens_per_s', 0.0):.0f} tokens/s, "
                  f"decode step {summary.get('decode_step_ms', 0.0):.1f} ms")
+        starved = hb.profile.get("starved", 0.0)
+        if isinstance(starved, float) and starved >= p.STARVED_SHARE:
+            line += (f" (starved of CPU: {starved * 100:.0f}% of its time waiting for one, another program is "
+                     "running; the gateway follows the live steps)")
     return line
 
 

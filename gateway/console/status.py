@@ -25,7 +25,7 @@ STALE_S = 3.0  # a part not rewritten for this long is gone (its TTL): the gatew
 GENERATION_ROUTES = ("chat", "completions")  # ``Instrument``'s labels of the two generation routes
 CLIENT_LEFT = "499"  # the status of a request whose client went away: not a refusal
 # the scheduler's snapshot, less what grows with the tenants (fairness) or only the CLI reads
-_SNAPSHOT_KEYS = ("queued", "buckets", "paths", "policy", "placed", "tail_cut", "priors", "backlog")
+_SNAPSHOT_KEYS = ("queued", "buckets", "paths", "policy", "placed", "tail_cut", "priors", "saved_state", "backlog")
 _PATH_KEYS = ("capacity", "in_flight", "slot_limit", "workers", "max_batch", "kv_tokens", "pending_prefill",
               "step_s", "step_tokens", "fitted_steps", "drift")
 
@@ -101,6 +101,9 @@ def worker_view(hb: p.Heartbeat, beat: float | None, now: float) -> dict[str, An
         "gpu": facts.get("gpu", ""), "threads": facts.get("threads"),
         "prefill_tokens_per_s": summary.get("prefill_tokens_per_s"),
         "decode_step_ms": summary.get("decode_step_ms"),
+        "profile_how": hb.profile.get("how"),
+        "profile_starved": hb.profile.get("starved"),
+        "cpu_starved": hb.cpu_starved,
     }
 
 

@@ -165,6 +165,11 @@ def decode_question(fields: dict[bytes, bytes]) -> tuple[str, str, str]:
     return doc["rid"], ask, reply_to
 
 
+def _known(cls: type, doc: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in doc.items() if k in names}
+
+
 def encode_decision(rid: str, decision: Contract | Reject | None) -> bytes:
     """The scheduler's answer: a contract, a refusal, or (a baseline policy) admitted without one."""
     if decision is None:
@@ -174,12 +179,14 @@ def encode_decision(rid: str, decision: Contract | Reject | None) -> bytes:
 
 
 def decode_decision(raw: bytes) -> tuple[str, Contract | Reject | None]:
+    """Fields this version does not know are ignored (a newer scheduler's contract still
+    decodes); fields added later have defaults."""
     try:
         doc = orjson.loads(raw)
         if "contract" in doc:
-            return str(doc["rid"]), Contract(**doc["contract"])
+            return str(doc["rid"]), Contract(**_known(Contract, doc["contract"]))
         if "reject" in doc:
-            return str(doc["rid"]), Reject(**doc["reject"])
+            return str(doc["rid"]), Reject(**_known(Reject, doc["reject"]))
         return str(doc["rid"]), None
     except (KeyError, TypeError, orjson.JSONDecodeError) as exc:
         raise p.ProtocolError(f"malformed decision: {exc!r}") from exc

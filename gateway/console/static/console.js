@@ -235,24 +235,36 @@ async function refreshLive() {
     table($("buckets"), ["bucket", "prompt ≤", "queued", "tokens", "arrivals/s", "mean output"],
       (s.buckets || []).map((b) => [b.bucket, num(b.max_prompt), num(b.queued), num(b.tokens), num(b.arrival_rate, 2),
         num(b.mean_output, 0)]));
-    table($("paths"), ["path", "workers", "slots", "in flight", "slot limit", "step ms", "KV tokens", "prefill queued"],
+    table($("paths"), ["path", "workers", "slots", "in flight", "slot limit", "step ms", "speed vs profile", "KV tokens",
+      "prefill queued", "saved state"],
       Object.entries(s.paths || {}).map(([name, p]) => [name, p.workers, p.capacity, p.in_flight, p.slot_limit,
-        num(1000 * p.step_s, 1), num(p.kv_tokens), num(p.pending_prefill)]));
+        num(1000 * p.step_s, 1), speed(p.drift), num(p.kv_tokens), num(p.pending_prefill),
+        (s.saved_state || {})[name] || "–"]));
     table($("backlog"), ["pool", "requests", "tokens"],
       Object.entries(s.backlog || {}).map(([pool, b]) => [pool, num(b.requests), num(b.tokens)]));
   } else {
     for (const id of ["buckets", "paths", "backlog"]) table($(id), ["no gateway schedules now"], []);
   }
   table($("workers"), ["worker", "pool", "engine", "device", "dtype", "AMX", "in flight / slots", "heartbeat",
-    "prefill tok/s", "decode step", "tok/s", "state"],
+    "prefill tok/s", "decode step", "profile", "CPU wait now", "tok/s", "state"],
   c.workers.map((w) => [w.worker, w.pool, w.engine, w.gpu || w.cpu || w.device, w.dtype,
     w.amx === null || w.amx === undefined ? "–" : w.amx_used ? "in use" : w.amx ? "present, unused" : "no",
     bar(w.slots - w.free, w.slots), w.heartbeat_age_s === null ? "–" : num(w.heartbeat_age_s, 1) + " s",
     num(w.prefill_tokens_per_s), w.decode_step_ms === null ? "–" : num(w.decode_step_ms, 1) + " ms",
-    num(w.tokens_per_s, 1), w.down ? "down: " + w.down : "serving"]));
+    w.profile_how ? w.profile_how + (w.profile_starved >= STARVED ? ", starved " + pct(w.profile_starved) : "") : "–",
+    pct(w.cpu_starved), num(w.tokens_per_s, 1), w.down ? "down: " + w.down : "serving"]));
   table($("gateways"), ["gateway", "role", "in flight", "last report"],
     c.gateways.map((g) => ({ cells: [g.gateway, g.role, g.in_flight, num(g.age_s, 1) + " s ago"],
       cls: g.gateway === c.gateway ? "on" : "" })));
+}
+
+// a worker whose threads waited this share of their time for a CPU was starved (common.protocol.STARVED_SHARE)
+const STARVED = 0.1;
+
+// the step-time model's drift: how much slower (or faster) the path runs than its workers' profiles
+function speed(drift) {
+  if (drift === undefined || drift === null || Math.abs(drift - 1) < 0.005) return "as measured";
+  return drift > 1 ? num(drift, 2) + "x slower" : num(1 / drift, 2) + "x faster";
 }
 
 function drawPolicy(s) {

@@ -108,6 +108,7 @@ CALIBRATED = (
     "x-tokengate-latency-ms",
     "x-tokengate-p99-ms",
     "x-tokengate-output-tokens",
+    "x-tokengate-p99-output-tokens",
 )
 
 
@@ -133,6 +134,8 @@ async def test_every_response_carries_the_calibrated_contract(harness: Harness, 
         ttft, ttft_hi, tpot, tpot_hi, total, total_hi = (float(h[n]) for n in CALIBRATED[:6])
         assert 0 < ttft <= ttft_hi and 0 < tpot <= tpot_hi and ttft <= total <= total_hi
         assert ttft_hi <= total_hi
+        # the bound's output length: at most max_tokens, at least the estimate
+        assert int(h["x-tokengate-output-tokens"]) <= int(h["x-tokengate-p99-output-tokens"]) <= max_tokens
         assert 1 <= int(h["x-tokengate-output-tokens"]) <= max_tokens
 
 

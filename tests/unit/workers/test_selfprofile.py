@@ -87,10 +87,14 @@ def test_the_echo_engine_is_measured_stored_and_then_reused(tmp_path: Path) -> N
     assert not engine.busy
     again = sp.obtain(engine, **kw)  # type: ignore[arg-type]
     assert again is not None and again["how"] == "reused" and again["recheck_error"] <= sp.RECHECK_TOLERANCE
+    assert again["id"] == first["id"]  # the same profile: what gateways learnt on it still holds
     slower = EchoEngine(tokens=16, slots=32, step_s=0.02)  # the same fingerprint, 10x slower now
-    remeasured = sp.obtain(slower, **kw)  # type: ignore[arg-type]
-    assert remeasured is not None and remeasured["how"] == "measured again"
-    assert remeasured["summary"]["decode_step_ms"] == pytest.approx(20, rel=0.5)
+    anchored = sp.obtain(slower, **kw)  # type: ignore[arg-type]
+    assert anchored is not None and anchored["how"] == "re-anchored" and anchored["cost_s"] < 1.0
+    assert anchored["summary"]["decode_step_ms"] == pytest.approx(20, rel=0.5)
+    assert anchored["id"] != first["id"]  # another profile: gateways start afresh on it
+    stored = json.loads((tmp_path / f"{first['fingerprint']}.json").read_text())
+    assert sp.profile_id(stored) == anchored["id"]  # the next start re-checks the re-anchored one
 
 
 def test_no_budget_no_profile(tmp_path: Path) -> None:
@@ -116,3 +120,34 @@ def test_the_fleet_has_the_newest_profile_of_each_pool() -> None:
     gpu = {"pool": "gpu", "fit": {}, "measured_at": 0.5, "name": "gpu"}
     fleet = by_pool([old, gpu, new, {"pool": "cpu", "name": "no fit"}])
     assert {pool: prof["name"] for pool, prof in fleet.items()} == {"cpu": "new", "gpu": "gpu"}
+
+
+def test_the_share_of_time_waiting_for_a_cpu_is_measured() -> None:
+    """Another program spinning on every core: this process's threads wait for a CPU a good
+    share of the time they want one (Linux's schedstat); alone, nearly never."""
+    import multiprocessing
+    import os
+    import time
+
+    def spin(until: float) -> None:
+        while time.monotonic() < until:
+            pass
+
+    def busy_share(seconds: float) -> float:
+        starvation = sp.Starvation()
+        spin(time.monotonic() + seconds)
+        return starvation.share()
+
+    if sp.cpu_times() == (0.0, 0.0):
+        pytest.skip("no schedstat on this system")
+    cores = len(os.sched_getaffinity(0))
+    hogs = [multiprocessing.Process(target=spin, args=(time.monotonic() + 1.5,)) for _ in range(cores)]
+    for hog in hogs:
+        hog.start()
+    try:
+        starved = busy_share(1.0)
+    finally:
+        for hog in hogs:
+            hog.join()
+    assert starved > 0.2, starved  # one of two runnable threads per core: about half
+    assert busy_share(0.3) < starved / 2
