@@ -620,6 +620,10 @@ cdef class Scheduler:
         it is read)."""
         return self.acts[self.state].admit_w, self.acts[self.state].admit_slack
 
+    def drift(self, path):
+        """How much slower than its prior ``path``'s workers run now (reference.py)."""
+        return self._models[POOLS.index(path)].scale
+
     def prefill_alone_s(self, path, int prompt_tokens):
         """The fitted time to prefill ``prompt_tokens`` on an idle worker of ``path``: the part
         of a first token that no queue adds."""

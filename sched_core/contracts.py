@@ -190,6 +190,8 @@ class _Pending:
     basis: float  # raw total bound without the wait: ttft + (out_hi − 1)·tpot
     promise: Contract
     middles: tuple[float, float, float]  # per component, the median ratio when promised (drift's yardstick)
+    speed: float  # the step-time model's re-anchoring of the path when promised (``StepModel.scale``)
+    at: float  # when it was promised
     first: float | None = None  # its first token, seconds from arrival, once seen
     judged: bool = False  # its first-token bound has moved the adaptive level (kept or missed)
 
@@ -232,6 +234,8 @@ class Contracts:
         self._recent: dict[tuple[str, str], deque[tuple[float, int, int]]] = {}
         self.reanchored: dict[tuple[str, str], int] = {}
         self.drawn_in: dict[tuple[str, str], int] = {}  # how many times the spread was drawn in
+        self._now = 0.0  # the time of the latest event (for ``summary``)
+        self._speeds: dict[str, float] = {}  # per path, the step-time model's re-anchoring as last told
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -291,13 +295,16 @@ class Contracts:
         w = self._ratios.get((component, path, load_level(load), -1))
         return w is not None and len(w) >= MIN_POINT
 
-    def promise(self, raw: Contract, req: Request, out_hi: int, load: float, now: float) -> Contract:
+    def promise(self, raw: Contract, req: Request, out_hi: int, load: float, now: float,
+                speed: float = 1.0) -> Contract:
         """The calibrated contract for a request the core admitted with ``raw``; ``load`` is
-        its path's running and queued sequences ÷ its slots. The total's bound assumes
+        its path's running and queued sequences ÷ its slots; ``speed``: the step-time model's
+        re-anchoring of the path now (see ``observe``). The total's bound assumes
         ``out_hi`` output tokens: before the total's windows can bound it, it is the first
         token's bound plus ``out_hi − 1`` tokens at the per-token bound (nothing on top of an
         output length that is already its 99th percentile)."""
         self._overdue(now)
+        self._now = now
         level = load_level(load)
         wait = raw.budget_wait_s
         out = raw.output_tokens
@@ -317,35 +324,49 @@ class Contracts:
         c = Contract(raw.request_id, raw.bucket, raw.path, ttft, total, total_hi, raw.tokens_ahead, wait, tpot, out,
                      ttft_hi, tpot_hi, out_hi)
         self._pending[raw.request_id] = _Pending(raw.path, level, raw.bucket, req.tenant, wait, raw_ttft,
-                                                 raw_tpot, raw.total_s, basis, c, (m_ttft, m_tpot, m_total))
+                                                 raw_tpot, raw.total_s, basis, c, (m_ttft, m_tpot, m_total), speed,
+                                                 now)
+        self._speeds[raw.path] = speed
         heapq.heappush(self._due, (now - wait + ttft_hi, raw.request_id))
         return c
 
     def _overdue(self, now: float) -> None:
         """Promises whose first-token bound ran out with no first token are misses now, not
-        when they finish: in a burst the level rises while the burst lasts."""
+        when they finish: in a burst the level rises while the burst lasts. Where the path's
+        step-time model was re-anchored slower since the promise, the bound is judged as the
+        re-anchored model would have set it (the change is followed there, not by the level)."""
         due = self._due
         while due and due[0][0] < now:
-            pend = self._pending.get(heapq.heappop(due)[1])
-            if pend is not None and not pend.judged:
-                pend.judged = True
-                self._adapt("ttft", pend.path, False, now)
+            rid = heapq.heappop(due)[1]
+            pend = self._pending.get(rid)
+            if pend is None or pend.judged:
+                continue
+            moved = self._speeds.get(pend.path, pend.speed) / pend.speed
+            later = pend.at + (pend.promise.ttft_p99_s - pend.wait) * moved
+            if later > now:
+                heapq.heappush(due, (later, rid))
+                continue
+            pend.judged = True
+            self._adapt("ttft", pend.path, False, now)
 
     def _adapt(self, component: str, path: str, inside: bool, now: float) -> None:
+        self._now = max(self._now, now)
         q = self._adaptive(component, path, now) + GAMMA * ((not inside) - (1.0 - self.coverage))
         self._level[(component, path)] = (min(max(q, self.coverage), LEVEL_MAX) - self.coverage, now)
 
-    def first_token(self, rid: str, ttft_s: float, now: float) -> None:
+    def first_token(self, rid: str, ttft_s: float, now: float, speed: float = 1.0) -> None:
         """A promised request's first token came, ``ttft_s`` after arrival: its first-token
-        ratio is learnt now, before its last token."""
+        ratio is learnt now, before its last token (``speed``: see ``observe``)."""
         pend = self._pending.get(rid)
         if pend is None or pend.first is not None or not ttft_s > 0.0:
             return
         pend.first = ttft_s
-        self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft)
+        self._speeds[pend.path] = speed
+        moved = pend.speed / speed
+        self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft * moved)
         if not pend.judged:
             pend.judged = True
-            self._adapt("ttft", pend.path, ttft_s <= pend.promise.ttft_p99_s, now)
+            self._adapt("ttft", pend.path, _within(ttft_s, pend.promise.ttft_p99_s, pend.wait, moved), now)
 
     def promised(self, rid: str) -> Contract | None:
         """The contract given to ``rid``, while its outcome is awaited."""
@@ -357,10 +378,16 @@ class Contracts:
         self._pending.pop(rid, None)
 
     def observe(self, rid: str, ttft_s: float | None, total_s: float, tokens: int,
-                now: float) -> Accuracy | None:
+                now: float, speed: float = 1.0) -> Accuracy | None:
         """A request this calibrator promised finished: learn from it; how its promise fared
         (None if it made none). ``ttft_s`` is None where the first token was not seen apart
-        (a non-streaming response): the total and the output length still teach."""
+        (a non-streaming response): the total and the output length still teach.
+
+        The windows keep ratios to the raw model as it prices now: where the step-time model
+        was re-anchored since the promise (``speed``, against the promise's; another program
+        took the CPU and the model followed its steps), the ratio is taken against the raw
+        prediction re-anchored alike, so that the two corrections never count one change
+        twice."""
         pend = self._pending.pop(rid, None)
         if pend is not None and pend.first is not None:
             ttft_s = pend.first  # seen and learnt already
@@ -368,7 +395,9 @@ class Contracts:
             return None
         c = pend.promise
         k = pend.bucket
-        self._add("total", pend, max(total_s - pend.wait, 1e-6) / pend.basis)
+        self._speeds[pend.path] = speed
+        moved = pend.speed / speed  # the raw model's re-anchoring since the promise, undone
+        self._add("total", pend, max(total_s - pend.wait, 1e-6) / pend.basis * moved)
         for key in ((pend.tenant, k), ("", k)):
             window = self._outputs.get(key)
             if window is None:  # not setdefault: that builds a window on every call
@@ -376,14 +405,15 @@ class Contracts:
             window.add(float(tokens))
         total_inside = total_s <= c.p99_s
         ttft_inside = None if ttft_s is None else ttft_s <= c.ttft_p99_s
-        self._adapt("total", pend.path, total_inside, now)
+        # the adaptive level counts the misses the re-anchored raw model would not have made
+        self._adapt("total", pend.path, _within(total_s, c.p99_s, pend.wait, moved), now)
         if ttft_s is not None:
             if pend.first is None:
-                self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft)
+                self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft * moved)
             if not pend.judged:
-                self._adapt("ttft", pend.path, bool(ttft_inside), now)
+                self._adapt("ttft", pend.path, _within(ttft_s, c.ttft_p99_s, pend.wait, moved), now)
             if tokens > 1:
-                self._add("tpot", pend, max((total_s - ttft_s) / (tokens - 1), 1e-6) / pend.raw_tpot)
+                self._add("tpot", pend, max((total_s - ttft_s) / (tokens - 1), 1e-6) / pend.raw_tpot * moved)
         return Accuracy(
             path=pend.path,
             total_inside=total_inside,
@@ -467,6 +497,24 @@ class Contracts:
             if c == component and p == path:
                 w.rescale(how(w), newest.get((level, bucket), []))
 
+    def summary(self) -> dict[str, dict[str, dict[str, float | int | None]]]:
+        """Per path and component, what the promises rest on as of the last event: the outcomes in the path's
+        window, its median ratio of actual to the raw model (the point's correction), its
+        bound (the conformal quantile at the adaptive level), that level, and how many times
+        the windows were re-anchored and drawn in (for ``/admin/scheduler``)."""
+        out: dict[str, dict[str, dict[str, float | int | None]]] = {}
+        for (component, path, level, bucket), w in sorted(self._ratios.items()):
+            if level != -1 or bucket != -1:
+                continue
+            q = self._adaptive(component, path, self._now)
+            bound = w.quantile(q) if len(w) >= MIN_POINT else math.inf
+            out.setdefault(path, {})[component] = {
+                "outcomes": len(w), "median": w.median() if len(w) >= MIN_POINT else 1.0,
+                "bound": bound if bound < math.inf else None, "level": q,
+                "reanchored": self.reanchored.get((component, path), 0),
+                "drawn_in": self.drawn_in.get((component, path), 0)}
+        return out
+
     # -- persistence --------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
@@ -495,6 +543,12 @@ class Contracts:
                     self._outputs[(t, k)] = Window(self.output_window, xs)
             except (TypeError, ValueError):
                 continue
+
+
+def _within(actual: float, bound: float, wait: float, moved: float) -> bool:
+    """Whether ``actual`` (seconds, a budget ``wait`` included) is inside ``bound`` once its
+    model part is scaled by ``moved`` (the raw model's re-anchoring since the promise, undone)."""
+    return wait + (actual - wait) * moved <= bound
 
 
 def _quantile(xs: list[float], q: float) -> float:

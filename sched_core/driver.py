@@ -153,6 +153,7 @@ class Driver:
         self.policy = policy
         self._wakes = policy if isinstance(policy, Wakes) else None  # a Protocol check costs ~10 us a call
         self._alone = getattr(policy, "prefill_alone_s", None)  # the scheduler's; baselines promise nothing
+        self._drift = getattr(policy, "drift", None)  # the step-time model's re-anchoring per path
         self._admission = getattr(policy, "admission", None)  # the threshold of the state in force (smdp)
         self.tick_s = tick_s
         config = getattr(policy, "config", None)
@@ -185,7 +186,7 @@ class Driver:
             return decision
         path = decision.path
         load = (self._used[path] + self.policy.queued) / max(self._cap[path], 1)
-        c = cal.promise(decision, req, out_hi, load, now)
+        c = cal.promise(decision, req, out_hi, load, now, self._speed(path))
         if req.slo_ttft_s is not None or req.slo_tpot_s is not None:
             refusal = self._refusal(req, c, decision, load, now)
             if refusal is not None:
@@ -282,7 +283,12 @@ class Driver:
         """A request with a promise finished: first token and last after ``ttft_s`` (None: not
         seen apart) and ``total_s`` seconds (from arrival), ``tokens`` generated. How the
         promise fared."""
-        return self.contracts.observe(request_id, ttft_s, total_s, tokens, now)
+        pend = self.contracts.promised(request_id)
+        return self.contracts.observe(request_id, ttft_s, total_s, tokens, now,
+                                      self._speed(pend.path) if pend is not None else 1.0)
+
+    def _speed(self, path: str) -> float:
+        return self._drift(path) if self._drift is not None else 1.0
 
     def promised(self, request_id: str) -> Contract | None:
         """The contract a request was given (None: none, or its outcome is in)."""
@@ -290,7 +296,9 @@ class Driver:
 
     def first_token(self, request_id: str, ttft_s: float, now: float) -> None:
         """A promised request's first token came ``ttft_s`` seconds after its arrival."""
-        self.contracts.first_token(request_id, ttft_s, now)
+        pend = self.contracts.promised(request_id)
+        if pend is not None:
+            self.contracts.first_token(request_id, ttft_s, now, self._speed(pend.path))
 
     def forget(self, request_id: str) -> None:
         """A request ended without a usable outcome (failed, cancelled, refused later)."""

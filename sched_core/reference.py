@@ -359,6 +359,11 @@ class Scheduler:
             slo=self.config.ttft_p99_slo_s, tenants=tenants, min_counter=self._min_counter(),
             policy=describe(self.config.policy_table, self._state, self._visits))
 
+    def drift(self, path: str) -> float:
+        """How much slower than its prior ``path``'s workers run now (the step-time model's
+        re-anchoring, ``StepModel.scale``): 1 as measured."""
+        return self._models[POOLS.index(path)].scale
+
     def prefill_alone_s(self, path: str, prompt_tokens: int) -> float:
         """The fitted time to prefill ``prompt_tokens`` on an idle worker of ``path``: the part
         of a first token that no queue adds."""

@@ -228,6 +228,7 @@ class SchedulerShell:
             snap["placed"] = self.placement.held()  # requests running per worker, as this scheduler placed them
         snap["priors"] = {pool: self.priors.get(pool, "packaged profile") for pool in POOLS}
         snap["saved_state"] = dict(self.saved_state)
+        snap["calibration"] = self.driver.contracts.summary()
         return snap
 
     def next_tick(self, now: float) -> float:

@@ -487,3 +487,63 @@ def test_a_state_saved_by_another_engine_or_an_older_release_is_not_restored() -
     old.capacity({"vm-1": _worker(BUSY, 1000.0)}, now=0.0)
     assert old.driver.contracts.state() == {"ratios": [], "outputs": []}
     assert old.snapshot()["saved_state"]["cpu"] == "dropped: saved by an older release"
+
+
+def test_a_machine_that_slows_down_is_followed_once_not_twice() -> None:
+    """Another program takes the CPU: every step takes 3x as long. The step-time model sees it
+    in the steps and re-anchors; the calibration sees it in the outcomes of requests promised
+    before. Each alone would follow it; the promises must move 3x, not 9x, and come back."""
+    shell = _shell()
+    shell.capacity({"vm-1": _worker(QUIET, 1000.0)}, now=0.0)
+    quiet_ttft = QUIET["prefill_launch"] + 300 * QUIET["prefill_token"]
+    t = 0.0
+    for i in range(150):  # the quiet machine, learnt (outcomes within 10 % of the model)
+        t += 2.0
+        shell.telemetry(_steps(QUIET, 4), t)
+        jitter = 1.0 + 0.05 * (i % 5 - 2)
+        _served(shell, f"q{i}", 300, t, quiet_ttft * jitter, 2 * quiet_ttft * jitter)
+    before = shell.arrive(_seq("before", n=300, max_tokens=16), WHO, now=t)
+    assert isinstance(before, Contract) and before.ttft_s == pytest.approx(quiet_ttft, rel=0.3)
+    shell.cancel("before", t)
+    shell.outcome("before", None, None, 0, t)
+    slow = {k: (3 * v if k not in ("max_batch", "step_tokens") else v) for k, v in QUIET.items()}
+    # twenty requests queued or running when it starts: promised quiet, they end 3x late
+    promised = {}
+    for i in range(20):
+        c = promised[f"f{i}"] = shell.arrive(_seq(f"f{i}", n=300, max_tokens=16), WHO, now=t)
+        assert isinstance(c, Contract)
+    shell.telemetry(_steps(slow, 20), t)
+    start = t
+    while True:
+        sends, _ = shell.tick(t)
+        running = [s.rid for send in sends for s in send.job.seqs]
+        if not running:
+            break
+        for rid in running:
+            c = promised[rid]
+            t = max(t, start + 3 * c.total_s)
+            shell.finished(rid, 16, t)
+            jitter = 1.0 + 0.05 * (int(rid[1:]) % 5 - 2)
+            shell.outcome(rid, 3 * c.ttft_s * jitter, 3 * c.total_s * jitter, 16, t)
+    at_once = shell.arrive(_seq("at once", n=300, max_tokens=16), WHO, now=t)  # the in-flight ones learnt
+    assert isinstance(at_once, Contract) and at_once.ttft_s == pytest.approx(3 * before.ttft_s, rel=0.3)
+    shell.cancel("at once", t)
+    shell.outcome("at once", None, None, 0, t)
+    for i in range(60):  # and later ones
+        t += 2.0
+        shell.telemetry(_steps(slow, 4), t)
+        jitter = 1.0 + 0.05 * (i % 5 - 2)
+        _served(shell, f"s{i}", 300, t, 3 * quiet_ttft * jitter, 6 * quiet_ttft * jitter)
+    during = shell.arrive(_seq("during", n=300, max_tokens=16), WHO, now=t)
+    assert isinstance(during, Contract)
+    assert during.ttft_s == pytest.approx(3 * before.ttft_s, rel=0.3)
+    assert during.ttft_p99_s < 3.5 * during.ttft_s
+    shell.cancel("during", t)
+    shell.outcome("during", None, None, 0, t)
+    for i in range(60):  # the other program left
+        t += 2.0
+        shell.telemetry(_steps(QUIET, 4), t)
+        jitter = 1.0 + 0.05 * (i % 5 - 2)
+        _served(shell, f"b{i}", 300, t, quiet_ttft * jitter, 2 * quiet_ttft * jitter)
+    after = shell.arrive(_seq("after", n=300, max_tokens=16), WHO, now=t)
+    assert isinstance(after, Contract) and after.ttft_s == pytest.approx(before.ttft_s, rel=0.3)
