@@ -157,6 +157,7 @@ class Heartbeat:
     # the share of the worker's thread time spent waiting for a CPU since its last heartbeat:
     # another program on its CPUs (0 on a quiet machine, or where the system does not say)
     cpu_starved: float = 0.0
+    threads: int = 0  # the engine's intra-op threads now (0: none of its own); fewer while starved
 
     def profile_part(self, name: str) -> dict[str, Any]:
         """``profile[name]`` (``facts``: the machine; ``summary``: what it measured) where it

@@ -19,7 +19,7 @@ path's sequences running and queued, as a share of its slots, when the request a
 the windows conditional on congestion (Mondrian conformal prediction): the model errs most in
 bursts, and an unconditional window, mostly calm, bounds a burst too tightly. A cell with too
 few outcomes borrows its level's pooled window, then its path's; with too few of those, the
-bound is the raw one times ``PRIOR_BOUND_FACTOR``.
+bound is the point times ``PRIOR_BOUND_FACTOR``, or the largest of the latest ratios.
 
 The windows follow the machine: per component and path, the latest ``DRIFT_OUTCOMES`` outcomes'
 errors against the calibrated prediction they were promised are watched, and when their
@@ -86,6 +86,9 @@ DRIFT_SIGMAS = 4.0
 #: widening the bounds; ``SPREAD_FLOOR`` is the least spread assumed. A wider spread needs no
 #: help: its large ratios reach a window's top, which sets the bounds, as they come.
 SPREAD_OUTCOMES = 32
+#: An outcome whose path's step-time model was re-anchored by more than this factor while it
+#: ran is the change's, not the path's: it judges its bound but is not learnt.
+TRANSITION = 1.1
 SPREAD_DROP = 0.5
 SPREAD_FLOOR = 0.05
 
@@ -286,7 +289,7 @@ class Contracts:
                     break
         if bound < math.inf:
             return point, max(point, bound), True, middle
-        seen = max((max(w.values) for w in cells if w is not None and len(w)), default=0.0)
+        seen = max((max(w.ordered()[-POINT_WINDOW:]) for w in cells if w is not None and len(w)), default=0.0)
         return point, max(PRIOR_BOUND_FACTOR * point, seen), False, middle
 
     def calibrated(self, component: str, path: str, load: float) -> bool:
@@ -363,7 +366,7 @@ class Contracts:
         pend.first = ttft_s
         self._speeds[pend.path] = speed
         moved = pend.speed / speed
-        self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft * moved)
+        self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft * moved, moved)
         if not pend.judged:
             pend.judged = True
             self._adapt("ttft", pend.path, _within(ttft_s, pend.promise.ttft_p99_s, pend.wait, moved), now)
@@ -397,7 +400,7 @@ class Contracts:
         k = pend.bucket
         self._speeds[pend.path] = speed
         moved = pend.speed / speed  # the raw model's re-anchoring since the promise, undone
-        self._add("total", pend, max(total_s - pend.wait, 1e-6) / pend.basis * moved)
+        self._add("total", pend, max(total_s - pend.wait, 1e-6) / pend.basis * moved, moved)
         for key in ((pend.tenant, k), ("", k)):
             window = self._outputs.get(key)
             if window is None:  # not setdefault: that builds a window on every call
@@ -409,11 +412,11 @@ class Contracts:
         self._adapt("total", pend.path, _within(total_s, c.p99_s, pend.wait, moved), now)
         if ttft_s is not None:
             if pend.first is None:
-                self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft * moved)
+                self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft * moved, moved)
             if not pend.judged:
                 self._adapt("ttft", pend.path, _within(ttft_s, c.ttft_p99_s, pend.wait, moved), now)
             if tokens > 1:
-                self._add("tpot", pend, max((total_s - ttft_s) / (tokens - 1), 1e-6) / pend.raw_tpot * moved)
+                self._add("tpot", pend, max((total_s - ttft_s) / (tokens - 1), 1e-6) / pend.raw_tpot * moved, moved)
         return Accuracy(
             path=pend.path,
             total_inside=total_inside,
@@ -424,7 +427,13 @@ class Contracts:
             raw_ttft_ape=None if ttft_s is None else abs(pend.raw_ttft + pend.wait - ttft_s) / ttft_s,
         )
 
-    def _add(self, component: str, pend: _Pending, ratio: float) -> None:
+    def _add(self, component: str, pend: _Pending, ratio: float, moved: float = 1.0) -> None:
+        """Learn a ratio, unless the path's step-time model was re-anchored by more than
+        ``TRANSITION`` while the request ran: its lateness is the change's (the requests in
+        flight when another program took the CPU), which the re-anchoring answers; it still
+        judged its bound (the adaptive level, the metrics)."""
+        if not 1.0 / TRANSITION < moved < TRANSITION:
+            return
         path = pend.path
         for key in ((component, path, pend.level, pend.bucket), (component, path, pend.level, -1),
                     (component, path, -1, -1)):

@@ -61,7 +61,8 @@ WORKER_FLAGS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
     ("heartbeat", "heartbeat_s", "seconds between heartbeats (and liveness touches of running batches)", {}),
     ("heartbeat-ttl", "heartbeat_ttl_s", "seconds without a heartbeat after which gateways drop this worker", {}),
     ("max-deliveries", "max_deliveries", "deliveries after which a batch goes to the dead-letter stream", {}),
-    ("threads", "threads", "torch intra-op threads (default: torch's choice)", {"type": int}),
+    ("threads", "threads", "torch intra-op threads, fixed (default: one per core, fewer while another program keeps "
+     "the CPUs busy: docs/operations.md)", {"type": int}),
     ("dtype", "dtype", "a CPU worker's dtype; auto: bf16 where AMX or AVX512-BF16 runs it, else fp32 "
      "(a GPU worker runs bf16, or fp16 where bf16 is unsupported)", {"choices": DTYPES}),
     ("profile-s", "profile_s", "seconds the worker may spend measuring its engine at start, the step-time "

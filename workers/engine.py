@@ -69,6 +69,7 @@ class Engine(Protocol):
     step_tokens: int  # per-step token budget: decode tokens plus prefill (0: none, whole prompts)
     down: str  # why the engine takes no work now (an upstream that does not answer); "" if it does
     metrics: dict[str, float]  # the gauges of the server an engine fronts (vLLM's); {} for a local one
+    max_threads: int  # the intra-op threads it may run (0: it runs none of its own: echo, upstream)
 
     def add(self, seq: SeqJob, kv: dict[str, Any] | None = None) -> None:
         """Queue a sequence; with ``kv`` (a handed-over prefill) it skips prefill."""
@@ -80,6 +81,10 @@ class Engine(Protocol):
 
     def reset(self) -> None:
         """Drop every sequence (after an engine error)."""
+        ...
+
+    def set_threads(self, n: int) -> None:
+        """Run ``n`` intra-op threads from the next step on (``workers.cpu.ThreadGovernor``)."""
         ...
 
     @property
@@ -117,6 +122,7 @@ class EchoEngine:
     step_tokens = 0
     down = ""
     metrics: dict[str, float] = {}
+    max_threads = 0
 
     def __init__(self, tokens: int = 16, slots: int = 256, step_s: float = 0.0, prefill_s: float = 0.0) -> None:
         self.tokens = tokens
@@ -155,6 +161,9 @@ class EchoEngine:
     @property
     def queued_prefill(self) -> int:
         return sum(len(self._running[rid][0].prompt_ids) for rid in self._fresh)
+
+    def set_threads(self, n: int) -> None:
+        """No threads of its own."""
 
     def reset(self) -> None:
         self._running.clear()

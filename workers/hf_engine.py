@@ -76,6 +76,7 @@ class HFEngine:
         self.dtype = choice.dtype
         self.choice = choice.reason
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_threads = torch.get_num_threads()  # what --threads or torch chose: one per core
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[choice.dtype])
         model.eval()
@@ -146,6 +147,9 @@ class HFEngine:
                 seq.cancelled = True
                 return True
         return False
+
+    def set_threads(self, n: int) -> None:
+        torch.set_num_threads(max(1, min(n, self.max_threads)))
 
     def reset(self) -> None:
         self._waiting.clear()

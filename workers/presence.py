@@ -19,7 +19,7 @@ from redis.backoff import AbstractBackoff
 from common import protocol as p
 from common import wire
 from common.retry import Outage, Retrier, is_nogroup
-from workers import selfprofile
+from workers.cpu import Starvation, ThreadGovernor
 from workers.engine import Engine
 from workers.fencing import Fence
 from workers.settings import WorkerSettings
@@ -55,7 +55,10 @@ class Presence:
         self._backoff = backoff
         self._outage = outage
         self._clock = clock
-        self._starvation = selfprofile.Starvation()  # since the last heartbeat
+        self._starvation = Starvation()  # since the last heartbeat
+        self.starved = 0.0  # the share of thread time spent waiting for a CPU over the last heartbeat
+        # the engine's intra-op threads, fewer while a neighbour keeps the CPUs busy (None: fixed)
+        self.governor = ThreadGovernor(engine.max_threads) if engine.max_threads > 1 and not settings.threads else None
         self._steps: deque[p.StepRecord] = deque()  # not yet in a telemetry entry
         self._dropped = 0  # step records left out since the last entry
         self._telemetry_at = float("-inf")  # when the last entry went out
@@ -129,14 +132,19 @@ class Presence:
             upstream=dict(self.engine.metrics),
             profile=self.profile,
             cpu_starved=self._starved(),
+            threads=self.governor.threads if self.governor is not None else self.engine.max_threads,
         )
 
     def _starved(self) -> float:
         """The share of this process's thread time spent waiting for a CPU since the last
-        heartbeat: another program on the machine's CPUs (it slows every step)."""
-        share = self._starvation.share()
-        self._starvation = selfprofile.Starvation()
-        return round(share, 3)
+        heartbeat (another program on the machine's CPUs: it slows every step), which the
+        thread governor learns from."""
+        ran, waited = self._starvation.since()
+        self._starvation = Starvation()
+        if self.governor is not None:
+            self.governor.observe(ran, waited, self._clock())
+        self.starved = round(waited / (ran + waited), 3) if ran + waited > 0 else 0.0
+        return self.starved
 
     def loop(self) -> None:
         """Beat, keep owned entries from being claimed, and trim the jobs stream, until ``stop``."""

@@ -61,6 +61,7 @@ import numpy as np
 
 from common.protocol import STARVED_SHARE, SamplingParams, SeqJob
 from workers import model_store
+from workers.cpu import Starvation
 from workers.devices import AMX_FLAGS, cpu_flags
 from workers.engine import Engine
 
@@ -116,7 +117,7 @@ def machine_facts(engine: Engine) -> dict[str, Any]:
     if engine.name == "transformers":  # the model engine: torch is loaded already
         import torch
 
-        facts["threads"] = torch.get_num_threads()
+        facts["threads"] = engine.max_threads  # the most it runs (fewer while a neighbour is busy)
         facts["torch"] = torch.__version__
         if engine.device == "cuda":
             facts["gpu"] = torch.cuda.get_device_name()
@@ -132,38 +133,6 @@ def fingerprint(facts: dict[str, Any], setup: dict[str, Any]) -> str:
 
 
 # -- measuring -----------------------------------------------------------------------------
-
-
-def cpu_times() -> tuple[float, float]:
-    """(seconds run, seconds runnable but waiting for a CPU) of this process's threads so far,
-    from Linux's /proc/self/task/*/schedstat; (0, 0) where there is none."""
-    run = wait = 0
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return 0.0, 0.0
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/schedstat") as f:
-                ran, waited, _ = f.read().split()
-        except (OSError, ValueError):
-            continue  # a thread that ended meanwhile
-        run += int(ran)
-        wait += int(waited)
-    return run / 1e9, wait / 1e9
-
-
-class Starvation:
-    """The share of this process's thread time spent waiting for a CPU since it was made
-    (``share()``): 0 on a quiet machine, large with another program on the CPUs."""
-
-    def __init__(self) -> None:
-        self._start = cpu_times()
-
-    def share(self) -> float:
-        run, wait = cpu_times()
-        ran, waited = run - self._start[0], wait - self._start[1]
-        return waited / (ran + waited) if ran + waited > 0 else 0.0
 
 
 def synthetic_prompt(length: int, salt: int) -> tuple[int, ...]:

@@ -142,6 +142,7 @@ class UpstreamEngine:
     device = "remote"
     dtype = "upstream"
     step_tokens = 0
+    max_threads = 0  # the upstream server runs its own
 
     def __init__(self, url: str, model: str | None = None, slots: int = 32, timeout_s: float = 60.0,
                  probe_s: float = PROBE_S) -> None:
@@ -252,6 +253,9 @@ class UpstreamEngine:
             s.future.cancel()  # the task is cancelled in the loop: its stream and connection close
         self._cancelled.append(s)
         return True
+
+    def set_threads(self, n: int) -> None:
+        """The upstream server's threads are its own."""
 
     def reset(self) -> None:
         for s in self._seqs.values():

@@ -38,6 +38,7 @@ from common import wire
 from common.retry import Outage, Retrier, backoff_policy, is_nogroup
 from workers import selfprofile
 from workers.batches import Admission, Batch, account, handoff_write, report
+from workers.cpu import Starvation
 from workers.engine import Engine, StepResult
 from workers.fencing import Fence, HandoffWrite, Publish
 from workers.presence import Presence
@@ -92,6 +93,7 @@ class Worker:
         self.presence = Presence(settings, engine, client, self.fence, model, self._held, self._backoff,
                                  self._outage, clock)
         self._stop_threads = self.presence.stop
+        self._threads = engine.max_threads  # the engine's intra-op threads now
 
     def _held(self) -> list[Batch]:
         with self._lock:
@@ -115,11 +117,24 @@ class Worker:
         if tokens <= 0:
             return
         params = p.SamplingParams(tokens, 0.0, ignore_eos=True)
+        starvation = Starvation()
         self.engine.add(p.SeqJob("warm-up", WARM_UP_PROMPT, params, text=WARM_UP_TEXT))
         while self.engine.busy:
             self.presence.record(self.engine.step().records())
         self.engine.reset()
         self.presence.publish_telemetry()
+        if self.presence.governor is not None:  # a neighbour busy already: measure as the engine will run
+            self.presence.governor.observe(*starvation.since(), self._clock())
+            self._govern_threads()
+
+    def _govern_threads(self) -> None:
+        """Between steps: the intra-op threads the governor wants now (``workers.cpu``)."""
+        governor = self.presence.governor
+        if governor is not None and governor.threads != self._threads:
+            log.info("the CPUs are %s: running on %d of %d threads", "shared with a busy neighbour"
+                     if governor.threads < governor.maximum else "free again", governor.threads, governor.maximum)
+            self.engine.set_threads(governor.threads)
+            self._threads = governor.threads
 
     def measure_engine(self) -> None:
         """The engine's step-time profile, measured (or a stored one re-checked) before the
@@ -177,6 +192,7 @@ class Worker:
                 return False
             self._apply_cancels()
             if self.engine.busy:
+                self._govern_threads()
                 self._step()
             self.presence.publish_telemetry()
         except redis.RedisError as exc:

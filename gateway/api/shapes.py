@@ -354,6 +354,7 @@ class WorkerView(TypedDict):
     profile_how: str | None  # measured, reused (a re-check confirmed it), re-anchored (a re-check scaled it)
     profile_starved: float | None  # the share of time its threads waited for a CPU while it measured
     cpu_starved: float  # the same since its last heartbeat: another program on its CPUs
+    threads_now: int | None  # the engine's threads now (fewer than ``threads`` while starved)
 
 
 @with_config(_FORBID)

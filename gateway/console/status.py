@@ -104,6 +104,7 @@ def worker_view(hb: p.Heartbeat, beat: float | None, now: float) -> dict[str, An
         "profile_how": hb.profile.get("how"),
         "profile_starved": hb.profile.get("starved"),
         "cpu_starved": hb.cpu_starved,
+        "threads_now": hb.threads or None,
     }
 
 

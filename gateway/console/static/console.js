@@ -246,13 +246,14 @@ async function refreshLive() {
     for (const id of ["buckets", "paths", "backlog"]) table($(id), ["no gateway schedules now"], []);
   }
   table($("workers"), ["worker", "pool", "engine", "device", "dtype", "AMX", "in flight / slots", "heartbeat",
-    "prefill tok/s", "decode step", "profile", "CPU wait now", "tok/s", "state"],
+    "prefill tok/s", "decode step", "profile", "CPU wait now", "threads", "tok/s", "state"],
   c.workers.map((w) => [w.worker, w.pool, w.engine, w.gpu || w.cpu || w.device, w.dtype,
     w.amx === null || w.amx === undefined ? "–" : w.amx_used ? "in use" : w.amx ? "present, unused" : "no",
     bar(w.slots - w.free, w.slots), w.heartbeat_age_s === null ? "–" : num(w.heartbeat_age_s, 1) + " s",
     num(w.prefill_tokens_per_s), w.decode_step_ms === null ? "–" : num(w.decode_step_ms, 1) + " ms",
     w.profile_how ? w.profile_how + (w.profile_starved >= STARVED ? ", starved " + pct(w.profile_starved) : "") : "–",
-    pct(w.cpu_starved), num(w.tokens_per_s, 1), w.down ? "down: " + w.down : "serving"]));
+    pct(w.cpu_starved), w.threads_now ? w.threads_now + " of " + w.threads : "–", num(w.tokens_per_s, 1),
+    w.down ? "down: " + w.down : "serving"]));
   table($("gateways"), ["gateway", "role", "in flight", "last report"],
     c.gateways.map((g) => ({ cells: [g.gateway, g.role, g.in_flight, num(g.age_s, 1) + " s ago"],
       cls: g.gateway === c.gateway ? "on" : "" })));

@@ -121,33 +121,3 @@ def test_the_fleet_has_the_newest_profile_of_each_pool() -> None:
     fleet = by_pool([old, gpu, new, {"pool": "cpu", "name": "no fit"}])
     assert {pool: prof["name"] for pool, prof in fleet.items()} == {"cpu": "new", "gpu": "gpu"}
 
-
-def test_the_share_of_time_waiting_for_a_cpu_is_measured() -> None:
-    """Another program spinning on every core: this process's threads wait for a CPU a good
-    share of the time they want one (Linux's schedstat); alone, nearly never."""
-    import multiprocessing
-    import os
-    import time
-
-    def spin(until: float) -> None:
-        while time.monotonic() < until:
-            pass
-
-    def busy_share(seconds: float) -> float:
-        starvation = sp.Starvation()
-        spin(time.monotonic() + seconds)
-        return starvation.share()
-
-    if sp.cpu_times() == (0.0, 0.0):
-        pytest.skip("no schedstat on this system")
-    cores = len(os.sched_getaffinity(0))
-    hogs = [multiprocessing.Process(target=spin, args=(time.monotonic() + 1.5,)) for _ in range(cores)]
-    for hog in hogs:
-        hog.start()
-    try:
-        starved = busy_share(1.0)
-    finally:
-        for hog in hogs:
-            hog.join()
-    assert starved > 0.2, starved  # one of two runnable threads per core: about half
-    assert busy_share(0.3) < starved / 2

@@ -1,0 +1,69 @@
+"""workers.cpu: the share of thread time spent waiting for a CPU (measured, against a real
+spinning neighbour), and the thread governor's decisions (pure: time is an argument)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import pytest
+
+from workers.cpu import BACKOFF_MAX_S, BACKOFF_S, GIVE_UP, Starvation, ThreadGovernor, cpu_times
+
+
+def _spin(until: float) -> None:
+    while time.monotonic() < until:
+        pass
+
+
+def _busy_share(seconds: float) -> float:
+    starvation = Starvation()
+    _spin(time.monotonic() + seconds)
+    return starvation.share()
+
+
+def test_the_share_of_time_waiting_for_a_cpu_is_measured() -> None:
+    """Another program spinning on every core: this process's thread waits for a CPU a good
+    share of the time it wants one; alone, nearly never."""
+    if cpu_times() == (0.0, 0.0):
+        pytest.skip("no schedstat on this system")
+    cores = len(os.sched_getaffinity(0))
+    hogs = [multiprocessing.Process(target=_spin, args=(time.monotonic() + 1.5,)) for _ in range(cores)]
+    for hog in hogs:
+        hog.start()
+    try:
+        starved = _busy_share(1.0)
+    finally:
+        for hog in hogs:
+            hog.join()
+    assert starved > 0.2, starved  # two runnable threads per core: about half
+    assert _busy_share(0.3) < starved / 2
+
+
+def test_a_starved_engine_gives_up_a_thread_and_tries_it_back_later() -> None:
+    g = ThreadGovernor(maximum=2)
+    assert g.threads == 2
+    assert g.observe(0.05, 0.5, now=0.0) == 2  # idle: nothing learnt, however long it waited
+    assert g.observe(1.0, 1.0, now=1.0) == 1  # half its time waiting: a thread given up
+    assert g.observe(1.0, 1.0, now=2.0) == 1  # never below one
+    assert g.observe(1.0, 0.01, now=3.0) == 1  # quiet, but not for long enough yet
+    assert g.observe(1.0, 0.01, now=1.0 + BACKOFF_S) == 2  # tried back
+    assert g.observe(1.0, 1.0, now=2.0 + BACKOFF_S) == 1  # starved at once: the neighbour is still there
+    assert g.backoff == 2 * BACKOFF_S  # so the next try waits twice as long
+    assert g.observe(1.0, 0.01, now=3.0 + 2 * BACKOFF_S) == 1
+    assert g.observe(1.0, 0.01, now=2.0 + 3 * BACKOFF_S) == 2
+    assert g.observe(1.0, 0.01, now=1000.0) == 2  # the neighbour left: it stays
+    assert g.observe(1.0, 1.0, now=1100.0) == 1 and g.backoff == BACKOFF_S  # a new neighbour, long after
+
+
+def test_the_backoff_is_bounded_and_a_mild_wait_changes_nothing() -> None:
+    g = ThreadGovernor(maximum=4)
+    now = 0.0
+    for _ in range(20):  # a neighbour that never leaves: tries ever further apart, up to the cap
+        now += g.backoff
+        g.observe(1.0, 0.0, now)
+        g.observe(1.0, 1.0, now + 1.0)
+    assert g.backoff == BACKOFF_MAX_S
+    g = ThreadGovernor(maximum=4)
+    assert g.observe(1.0, 0.8 * GIVE_UP, now=5.0) == 4

@@ -1,0 +1,98 @@
+"""The CPUs a worker shares with other programs: how starved of them its threads are, and how
+many threads its engine should run so that a neighbour does not stall it.
+
+A CPU-bound neighbour on a 2-core machine costs a torch engine that runs one intra-op thread
+per core far more than the core it takes: every parallel region ends at a barrier where one
+thread waits for the other, and the other is off its core for a scheduler time slice. Measured
+on the AMD VM under ``tokengate serve`` with one spinning program: steps 20-100x slower with
+two threads, 1.0-1.5x with one (SmolLM2, bf16; quiet, one thread is 1.5x slower than two).
+So the worker watches the share of its threads' time spent runnable but waiting for a CPU
+(Linux's schedstat, per thread: it sees the neighbours whatever the container or VM shows of
+the machine) and gives up a thread while that share is large; it tries one back later, when
+the share is small again, waiting twice as long after each try that starved at once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from common.protocol import STARVED_SHARE
+
+
+def cpu_times() -> tuple[float, float]:
+    """(seconds run, seconds runnable but waiting for a CPU) of this process's threads so far,
+    from Linux's /proc/self/task/*/schedstat; (0, 0) where there is none."""
+    run = wait = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0.0, 0.0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/schedstat") as f:
+                ran, waited, _ = f.read().split()
+        except (OSError, ValueError):
+            continue  # a thread that ended meanwhile
+        run += int(ran)
+        wait += int(waited)
+    return run / 1e9, wait / 1e9
+
+
+class Starvation:
+    """This process's thread time since it was made (``since()``), and the share of it spent
+    waiting for a CPU (``share()``): 0 on a quiet machine, large with another program on it."""
+
+    def __init__(self) -> None:
+        self._start = cpu_times()
+
+    def since(self) -> tuple[float, float]:
+        """(seconds run, seconds waiting for a CPU) since this was made."""
+        run, wait = cpu_times()
+        return run - self._start[0], wait - self._start[1]
+
+    def share(self) -> float:
+        ran, waited = self.since()
+        return waited / (ran + waited) if ran + waited > 0 else 0.0
+
+
+#: Giving up a thread: the share of thread time spent waiting for a CPU over an interval in
+#: which the engine ran at least ``BUSY_S``; a thread is tried back once the share is under
+#: ``STARVED_SHARE`` and ``backoff`` has passed since the last change. A try that starves
+#: within ``RECENT_S`` doubles the backoff, up to ``BACKOFF_MAX_S``.
+GIVE_UP = 0.25
+BUSY_S = 0.1
+BACKOFF_S = 10.0
+BACKOFF_MAX_S = 300.0
+RECENT_S = 10.0
+
+
+@dataclass(slots=True)
+class ThreadGovernor:
+    """How many intra-op threads an engine runs, at most ``maximum``: decisions only, time is
+    an argument (the heartbeat thread feeds it, the engine's loop applies it between steps)."""
+
+    maximum: int
+    threads: int = 0
+    backoff: float = BACKOFF_S
+    changed_at: float = float("-inf")
+    raised_at: float = float("-inf")
+
+    def __post_init__(self) -> None:
+        self.threads = self.threads or self.maximum
+
+    def observe(self, ran_s: float, waited_s: float, now: float) -> int:
+        """The engine's threads ran ``ran_s`` and waited ``waited_s`` for a CPU since the last
+        call: the number of threads to run from now on."""
+        if ran_s < BUSY_S:
+            return self.threads  # idle: nothing learnt
+        share = waited_s / (ran_s + waited_s)
+        if share >= GIVE_UP and self.threads > 1:
+            recent = now - self.raised_at < RECENT_S
+            self.backoff = min(2.0 * self.backoff, BACKOFF_MAX_S) if recent else BACKOFF_S
+            self.threads -= 1
+            self.changed_at = now
+        elif share < STARVED_SHARE and self.threads < self.maximum and now - self.changed_at >= self.backoff:
+            self.threads += 1
+            self.changed_at = self.raised_at = now
+        return self.threads
