@@ -344,13 +344,20 @@ class Contracts:
             pend = self._pending.get(rid)
             if pend is None or pend.judged:
                 continue
-            moved = self._speeds.get(pend.path, pend.speed) / pend.speed
-            later = pend.at + (pend.promise.ttft_p99_s - pend.wait) * moved
+            slower = self._speeds.get(pend.path, pend.speed) / pend.speed
+            later = pend.at + (pend.promise.ttft_p99_s - pend.wait) * slower
             if later > now:
                 heapq.heappush(due, (later, rid))
                 continue
             pend.judged = True
-            self._adapt("ttft", pend.path, False, now)
+            self._judge("ttft", pend, False, 1.0 / slower, now)
+
+    def _judge(self, component: str, pend: _Pending, inside: bool, moved: float, now: float) -> None:
+        """A bound kept or missed moves the adaptive level, unless the request was in flight
+        while the step-time model re-anchored (``TRANSITION``): that change is answered by the
+        re-anchoring, and a level raised for it would widen every bound for minutes after."""
+        if 1.0 / TRANSITION < moved < TRANSITION:
+            self._adapt(component, pend.path, inside, now)
 
     def _adapt(self, component: str, path: str, inside: bool, now: float) -> None:
         self._now = max(self._now, now)
@@ -369,7 +376,7 @@ class Contracts:
         self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft * moved, moved)
         if not pend.judged:
             pend.judged = True
-            self._adapt("ttft", pend.path, _within(ttft_s, pend.promise.ttft_p99_s, pend.wait, moved), now)
+            self._judge("ttft", pend, _within(ttft_s, pend.promise.ttft_p99_s, pend.wait, moved), moved, now)
 
     def promised(self, rid: str) -> Contract | None:
         """The contract given to ``rid``, while its outcome is awaited."""
@@ -408,13 +415,13 @@ class Contracts:
             window.add(float(tokens))
         total_inside = total_s <= c.p99_s
         ttft_inside = None if ttft_s is None else ttft_s <= c.ttft_p99_s
-        # the adaptive level counts the misses the re-anchored raw model would not have made
-        self._adapt("total", pend.path, _within(total_s, c.p99_s, pend.wait, moved), now)
+        # the adaptive level counts the misses the re-anchored raw model would have made
+        self._judge("total", pend, _within(total_s, c.p99_s, pend.wait, moved), moved, now)
         if ttft_s is not None:
             if pend.first is None:
                 self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft * moved, moved)
             if not pend.judged:
-                self._adapt("ttft", pend.path, _within(ttft_s, c.ttft_p99_s, pend.wait, moved), now)
+                self._judge("ttft", pend, _within(ttft_s, c.ttft_p99_s, pend.wait, moved), moved, now)
             if tokens > 1:
                 self._add("tpot", pend, max((total_s - ttft_s) / (tokens - 1), 1e-6) / pend.raw_tpot * moved, moved)
         return Accuracy(

@@ -55,9 +55,11 @@ class Presence:
         self._backoff = backoff
         self._outage = outage
         self._clock = clock
+        self.draining = False  # asked to stop: it takes no job any more
         self._starvation = Starvation()  # since the last heartbeat
         self.starved = 0.0  # the share of thread time spent waiting for a CPU over the last heartbeat
-        # the engine's intra-op threads, fewer while a neighbour keeps the CPUs busy (None: fixed)
+        # the engine's intra-op threads, fewer while a neighbour keeps the CPUs busy (None: fixed);
+        # the worker's loop feeds it between steps and applies it
         self.governor = ThreadGovernor(engine.max_threads) if engine.max_threads > 1 and not settings.threads else None
         self._steps: deque[p.StepRecord] = deque()  # not yet in a telemetry entry
         self._dropped = 0  # step records left out since the last entry
@@ -128,7 +130,7 @@ class Presence:
             choice=self.engine.choice,
             running=sum(len(b.pending) for b in held),
             batches=tuple(b.job.batch_id for b in held[: p.HEARTBEAT_MAX_BATCHES]),
-            down=self.engine.down,
+            down="draining: it finishes what it runs and stops" if self.draining else self.engine.down,
             upstream=dict(self.engine.metrics),
             profile=self.profile,
             cpu_starved=self._starved(),
@@ -137,12 +139,9 @@ class Presence:
 
     def _starved(self) -> float:
         """The share of this process's thread time spent waiting for a CPU since the last
-        heartbeat (another program on the machine's CPUs: it slows every step), which the
-        thread governor learns from."""
+        heartbeat (another program on the machine's CPUs: it slows every step)."""
         ran, waited = self._starvation.since()
         self._starvation = Starvation()
-        if self.governor is not None:
-            self.governor.observe(ran, waited, self._clock())
         self.starved = round(waited / (ran + waited), 3) if ran + waited > 0 else 0.0
         return self.starved
 

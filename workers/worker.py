@@ -38,7 +38,7 @@ from common import wire
 from common.retry import Outage, Retrier, backoff_policy, is_nogroup
 from workers import selfprofile
 from workers.batches import Admission, Batch, account, handoff_write, report
-from workers.cpu import Starvation
+from workers.cpu import BUSY_S, Starvation
 from workers.engine import Engine, StepResult
 from workers.fencing import Fence, HandoffWrite, Publish
 from workers.presence import Presence
@@ -47,6 +47,7 @@ from workers.settings import WorkerSettings
 log = logging.getLogger("tokengate.worker")
 
 SUSPECT_TTL_S = 3600  # a suspect mark outlives any redelivery cycle of its entry
+HANDBACK_S = 0.5  # draining, the jobs delivered here but not started are handed back this often
 CANCEL_POLL_S = 0.1  # the cancel thread checks for a stop this often (the exit joins it)
 WARM_UP_PROMPT = tuple(range(100, 132))  # 32 token ids, valid in any vocabulary of a real model
 WARM_UP_TEXT = "Count from one to twenty in words: one, two, three,"  # the same, for an upstream engine
@@ -94,6 +95,8 @@ class Worker:
                                  self._outage, clock)
         self._stop_threads = self.presence.stop
         self._threads = engine.max_threads  # the engine's intra-op threads now
+        self._next_handback = 0.0  # draining: when the jobs not started are handed back next
+        self._cpu = Starvation()  # the threads' time since the governor last looked
 
     def _held(self) -> list[Batch]:
         with self._lock:
@@ -103,6 +106,7 @@ class Worker:
 
     def request_stop(self) -> None:
         self._signals += 1
+        self.presence.draining = True  # heartbeats say so: no scheduler places a job here any more
         if self._signals == 1:
             log.info("draining: no new batches; finishing %d running", len(self._batches))
         else:
@@ -126,11 +130,21 @@ class Worker:
         if self.presence.governor is not None:  # a neighbour busy already: measure as the engine will run
             self.presence.governor.observe(*starvation.since(), self._clock())
             self._govern_threads()
+        self._cpu = Starvation()
 
     def _govern_threads(self) -> None:
-        """Between steps: the intra-op threads the governor wants now (``workers.cpu``)."""
+        """Between steps: what the engine's threads ran and waited for a CPU since the last
+        look goes to the governor (``workers.cpu``) once it is enough to judge, and the engine
+        runs the threads it wants. Judged here, between steps, rather than at a heartbeat: a
+        starved step can take seconds, and each one more is the neighbour's doing."""
         governor = self.presence.governor
-        if governor is not None and governor.threads != self._threads:
+        if governor is None:
+            return
+        ran, waited = self._cpu.since()
+        if ran >= BUSY_S:
+            governor.observe(ran, waited, self._clock())
+            self._cpu = Starvation()
+        if governor.threads != self._threads:
             log.info("the CPUs are %s: running on %d of %d threads", "shared with a busy neighbour"
                      if governor.threads < governor.maximum else "free again", governor.threads, governor.maximum)
             self.engine.set_threads(governor.threads)
@@ -188,8 +202,10 @@ class Worker:
                     self._run_alone()
                 else:
                     self._read(0 if self.engine.busy else self.settings.block_ms)
-            elif not self.engine.busy:
-                return False
+            else:
+                self._hand_back_unstarted()
+                if not self.engine.busy:
+                    return False
             self._apply_cancels()
             if self.engine.busy:
                 self._govern_threads()
@@ -264,6 +280,23 @@ class Worker:
         if self._rings:  # nothing was admitted to acknowledge them with
             self.client.xack(self.bell, wire.GROUP, *self._rings)
             self._rings.clear()
+
+    def _hand_back_unstarted(self) -> None:
+        """Draining: the jobs delivered to this worker that it has not started (the scheduler
+        placed them before its heartbeat said it drains) go to the next reclaim of a peer at
+        once, instead of waiting out the claim idle time (15 s) with no one to run them."""
+        now = self._clock()
+        if now < self._next_handback:
+            return
+        self._next_handback = now + HANDBACK_S
+        pending = self.client.xpending_range(self.stream, wire.GROUP, min="-", max="+", count=1000,
+                                             consumername=self.settings.worker_id)
+        with self._lock:
+            held = {b.entry_id for b in self._batches.values()}
+        loose = [e["message_id"] for e in pending if isinstance(e["message_id"], bytes) and e["message_id"] not in held]
+        if loose:
+            self.fence.release(loose, int(self.settings.claim_idle_s * 1000))
+            log.info("draining: %d jobs not started here go to the other workers", len(loose))
 
     def _release_abandoned(self) -> None:
         """Entries abandoned while Redis failed go to the next XAUTOCLAIM (this worker's, at

@@ -231,6 +231,38 @@ def test_sigterm_drains_running_work_then_exits(redis_client: redis.Redis, worke
     _check_exactly_once(events, rids, tokens=12)
 
 
+def test_a_draining_worker_hands_the_jobs_placed_on_it_to_its_peers_at_once(
+        redis_client: redis.Redis, workers: Workers) -> None:
+    """The scheduler places a job on a worker (into its pending entries) just as the worker is
+    told to stop: the worker says it drains (its heartbeat is down), finishes what it runs, and
+    hands the job it never started to the next reclaim of a peer, instead of leaving it for
+    the claim idle time (30 s here) with no one to run it."""
+    draining = workers.start("--claim-idle", "30", "--slots", "1", "--echo-step-ms", "250")
+    stream = wire.jobs_stream("cpu")
+    redis_client.xadd(stream, p.encode_job(_job("running", True)))  # 12 tokens of 250 ms: 3 s
+    deadline = time.monotonic() + 20
+    while redis_client.xlen(REPLIES) < 1 and time.monotonic() < deadline:  # its first token: it runs
+        time.sleep(0.01)
+    placed = redis_client.xadd(stream, p.encode_job(_job("placed", False)))
+    redis_client.xreadgroup(wire.GROUP, "w1", {stream: ">"}, count=1)  # as the scheduler's DISPATCH does
+    draining.send_signal(signal.SIGTERM)  # three seconds of "running" left
+    started = time.monotonic()
+    beat = None
+    while time.monotonic() < started + 2 and (beat is None or not beat.down):
+        raw = redis_client.get(wire.worker_key("w1"))
+        beat = p.decode_heartbeat(raw) if raw else beat
+        time.sleep(0.05)
+    assert beat is not None and beat.down.startswith("draining")  # no scheduler places more here
+    peer = workers.start("--claim-idle", "30")
+    events = _read_all(redis_client, {"running", "placed"}, timeout_s=15)
+    assert time.monotonic() - started < 10, "the placed job waited for the claim idle time"
+    _check_exactly_once(events, {"running": True, "placed": False}, tokens=12)
+    reports = {e.batch_id: e.worker for e in events if isinstance(e, p.BatchReport)}
+    assert reports == {"b-running": "w1", "b-placed": "w2"}
+    assert draining.wait(timeout=20) == 0 and peer.poll() is None
+    assert not redis_client.xpending_range(stream, wire.GROUP, min=placed, max=placed, count=1)
+
+
 def test_a_silent_worker_drops_out_of_the_gateway_view(
     redis_client: redis.Redis, redis_url: str, workers: Workers
 ) -> None:

@@ -107,6 +107,9 @@ class FlakyRedis:
     def xautoclaim(self, *args: Any, **kw: Any) -> tuple[bytes, list[Any], list[Any]]:
         return b"0-0", [], []
 
+    def xpending_range(self, *args: Any, **kw: Any) -> list[Any]:  # a draining worker's jobs not started
+        return []
+
     def xreadgroup(self, *args: Any, **kw: Any) -> None:
         self.calls.append("xreadgroup")
         outcome = self.reads.pop(0) if self.reads else None
