@@ -463,7 +463,9 @@ class Contracts:
         ring = self._recent[(component, path)]
         if len(ring) < DRIFT_OUTCOMES:
             return
-        older = self._ratios[(component, path, -1, -1)].ordered()[:-len(ring)]
+        pooled = self._ratios[(component, path, -1, -1)].ordered()
+        # the outcomes before the latest dozen (before the whole ring where the window has them)
+        older = pooled[:-len(ring)] if len(pooled) - len(ring) >= MIN_POINT else pooled[:-DRIFT_OUTCOMES]
         if len(older) < MIN_POINT:
             return  # too few older outcomes to judge against: the windows are still filling
         latest = sorted(older[-POINT_WINDOW:])  # the spread as it is now: the old one may have been tighter
@@ -486,7 +488,7 @@ class Contracts:
                 self._level.pop((component, path), None)
                 self.reanchored[(component, path)] = self.reanchored.get((component, path), 0) + 1
                 return
-        if len(ring) < SPREAD_OUTCOMES or len(older) < 2 * POINT_WINDOW:
+        if len(ring) < SPREAD_OUTCOMES or len(pooled) - len(ring) < 2 * POINT_WINDOW:
             return
         spread = max(log_spread(sorted(e for e, _, _ in ring)), SPREAD_FLOOR)
         if spread >= SPREAD_DROP * old_spread:

@@ -121,16 +121,12 @@ class Worker:
         if tokens <= 0:
             return
         params = p.SamplingParams(tokens, 0.0, ignore_eos=True)
-        starvation = Starvation()
         self.engine.add(p.SeqJob("warm-up", WARM_UP_PROMPT, params, text=WARM_UP_TEXT))
         while self.engine.busy:
+            self._govern_threads()  # a neighbour busy already: the profile measures the engine as it will run
             self.presence.record(self.engine.step().records())
         self.engine.reset()
         self.presence.publish_telemetry()
-        if self.presence.governor is not None:  # a neighbour busy already: measure as the engine will run
-            self.presence.governor.observe(*starvation.since(), self._clock())
-            self._govern_threads()
-        self._cpu = Starvation()
 
     def _govern_threads(self) -> None:
         """Between steps: what the engine's threads ran and waited for a CPU since the last
