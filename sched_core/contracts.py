@@ -197,6 +197,7 @@ class _Pending:
     at: float  # when it was promised
     first: float | None = None  # its first token, seconds from arrival, once seen
     judged: bool = False  # its first-token bound has moved the adaptive level (kept or missed)
+    changed: bool = False  # its path's workers changed how they run while it ran (``transition``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,11 +353,26 @@ class Contracts:
             pend.judged = True
             self._judge("ttft", pend, False, 1.0 / slower, now)
 
+    def transition(self, path: str) -> None:
+        """A worker of ``path`` changed how it runs (another program took its CPUs and it gave
+        up a thread, or the program left): the requests in flight now are the change's, like
+        those in flight while the step-time model re-anchored (``_steady``)."""
+        for pend in self._pending.values():
+            if pend.path == path:
+                pend.changed = True
+
+    @staticmethod
+    def _steady(pend: _Pending, moved: float) -> bool:
+        """Whether a request ran on a steady path: no worker of it changed how it runs, and its
+        step-time model moved by less than ``TRANSITION`` while it ran (``moved``). A request
+        that did not is the change's: it judges its bound for the metrics, but teaches neither
+        the windows nor the adaptive level (the re-anchoring answers the change; a level raised
+        for it would widen every bound for minutes after)."""
+        return not pend.changed and 1.0 / TRANSITION < moved < TRANSITION
+
     def _judge(self, component: str, pend: _Pending, inside: bool, moved: float, now: float) -> None:
-        """A bound kept or missed moves the adaptive level, unless the request was in flight
-        while the step-time model re-anchored (``TRANSITION``): that change is answered by the
-        re-anchoring, and a level raised for it would widen every bound for minutes after."""
-        if 1.0 / TRANSITION < moved < TRANSITION:
+        """A bound kept or missed moves the adaptive level, on a steady path (``_steady``)."""
+        if self._steady(pend, moved):
             self._adapt(component, pend.path, inside, now)
 
     def _adapt(self, component: str, path: str, inside: bool, now: float) -> None:
@@ -435,11 +451,8 @@ class Contracts:
         )
 
     def _add(self, component: str, pend: _Pending, ratio: float, moved: float = 1.0) -> None:
-        """Learn a ratio, unless the path's step-time model was re-anchored by more than
-        ``TRANSITION`` while the request ran: its lateness is the change's (the requests in
-        flight when another program took the CPU), which the re-anchoring answers; it still
-        judged its bound (the adaptive level, the metrics)."""
-        if not 1.0 / TRANSITION < moved < TRANSITION:
+        """Learn a ratio, of a request that ran on a steady path (``_steady``)."""
+        if not self._steady(pend, moved):
             return
         path = pend.path
         for key in ((component, path, pend.level, pend.bucket), (component, path, pend.level, -1),

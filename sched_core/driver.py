@@ -300,6 +300,11 @@ class Driver:
         if pend is not None:
             self.contracts.first_token(request_id, ttft_s, now, self._speed(pend.path))
 
+    def transition(self, path: str) -> None:
+        """A worker of ``path`` changed how it runs (its threads): what is in flight there now
+        is the change's, and the calibration does not learn from it."""
+        self.contracts.transition(path)
+
     def forget(self, request_id: str) -> None:
         """A request ended without a usable outcome (failed, cancelled, refused later)."""
         self.contracts.forget(request_id)

@@ -198,6 +198,7 @@ class SchedulerShell:
         self._engines = ""  # the live workers' engines and models, as last seen
         self._saved: dict[str, Any] | None = None  # a persisted state, restored path by path once its workers show
         self.saved_state: dict[str, str] = {}  # per pool: what became of the saved state
+        self._threads: dict[str, int] = {}  # per worker: the intra-op threads it ran at its last heartbeat
         # a request another gateway forwarded -> (that gateway's reply stream, its arrival entry)
         self._origin: dict[str, tuple[str, str]] = {}
         # a dispatched batch with forwarded requests -> its jobs (local id -> reply stream, requests)
@@ -544,6 +545,10 @@ class SchedulerShell:
         Returns what became of the saved state, to log."""
         share = capacity_share(workers)
         self._gpu_alive = share["gpu"][0] > 0
+        for wid, hb in workers.items():  # a worker that gave up a thread (or took it back) runs anew
+            if self._threads.get(wid, hb.threads) != hb.threads:
+                self.driver.transition(hb.pool)
+        self._threads = {wid: hb.threads for wid, hb in workers.items()}
         if self.placement is not None:
             self.placement.workers(workers)
         if self._foreign:  # it shrinks as the workers report fewer sequences than this scheduler sent

@@ -547,3 +547,37 @@ def test_a_machine_that_slows_down_is_followed_once_not_twice() -> None:
         _served(shell, f"b{i}", 300, t, quiet_ttft * jitter, 2 * quiet_ttft * jitter)
     after = shell.arrive(_seq("after", n=300, max_tokens=16), WHO, now=t)
     assert isinstance(after, Contract) and after.ttft_s == pytest.approx(before.ttft_s, rel=0.3)
+
+
+def test_the_requests_in_flight_when_a_worker_gives_up_a_thread_teach_nothing() -> None:
+    """A neighbour starts: the steps in flight stall for seconds before the worker gives up a
+    thread. Those requests end 20x late; they are the change's, not the path's: the next
+    promises keep their bounds, however many of them there were."""
+    shell = _shell()
+    hb = replace(_worker(QUIET, 1000.0), threads=2)
+    shell.capacity({"vm-1": hb}, now=0.0)
+    quiet_ttft = QUIET["prefill_launch"] + 300 * QUIET["prefill_token"]
+    t = 0.0
+    for i in range(120):
+        t += 2.0
+        jitter = 1.0 + 0.05 * (i % 5 - 2)
+        _served(shell, f"q{i}", 300, t, quiet_ttft * jitter, 2 * quiet_ttft * jitter)
+    before = shell.arrive(_seq("before", n=300, max_tokens=16), WHO, now=t)
+    assert isinstance(before, Contract)
+    shell.cancel("before", t)
+    shell.outcome("before", None, None, 0, t)
+    stalled = [f"s{i}" for i in range(6)]
+    for rid in stalled:
+        assert isinstance(shell.arrive(_seq(rid, n=300, max_tokens=16), WHO, now=t), Contract)
+    while len(shell):
+        t += 0.002
+        shell.tick(t)
+    shell.capacity({"vm-1": replace(hb, threads=1)}, now=t + 1.0)  # its heartbeat: one thread now
+    for rid in stalled:
+        t += 0.5
+        shell.finished(rid, 16, t)
+        shell.outcome(rid, 20 * quiet_ttft, 21 * quiet_ttft, 16, t)
+    after = shell.arrive(_seq("after", n=300, max_tokens=16), WHO, now=t)
+    assert isinstance(after, Contract)
+    assert after.ttft_s == pytest.approx(before.ttft_s, rel=0.05)
+    assert after.ttft_p99_s == pytest.approx(before.ttft_p99_s, rel=0.05)
