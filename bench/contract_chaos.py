@@ -271,6 +271,16 @@ class Serve:
         assert found, "serve's log names no redis"
         return found.group(1)
 
+    def calibration(self) -> str:
+        """What the scheduler's promises rest on now: the path's drift from its profile and,
+        per component, the re-anchorings and draw-ins of its calibration so far."""
+        snap = httpx.get(self.base + "/admin/scheduler", headers={"authorization": f"Bearer {ADMIN}"}).json()
+        cal = snap.get("calibration", {}).get("cpu", {})
+        parts = [f"drift {snap['paths']['cpu'].get('drift', 1.0):.2f}"]
+        parts += [f"{c}: median {v['median']:.2f}, re-anchored {v['reanchored']}, drawn in {v['drawn_in']}"
+                  for c, v in cal.items()]
+        return "; ".join(parts)
+
     def profile_line(self) -> str:
         lines = [ln for ln in self.log.read_text().splitlines() if "profile " in ln and "tokengate.worker" in ln]
         return lines[-1].split("tokengate.worker: ")[-1] if lines else "?"
@@ -407,6 +417,7 @@ def main() -> None:
             asyncio.run(traffic.run(name, mix(n, args.seed + seed), rates, at))
             phases.append(figures(name, traffic.records))
             records.extend(traffic.records)
+            notes[f"{name}: after it"] = serve.calibration()
             print(f"{name}: done", file=sys.stderr, flush=True)
             return traffic
 
@@ -442,6 +453,7 @@ def main() -> None:
         traffic = asyncio.run(hog_phase())
         phases.append(figures("hog", traffic.records))
         records.extend(traffic.records)
+        notes["hog: after it"] = serve.calibration()
         phase("load step", [(base, "0.5x"), (3 * base, "1.5x"), (base, "0.5x again")], seed=4)
 
         async def worker_phase() -> Traffic:
@@ -459,6 +471,7 @@ def main() -> None:
         traffic = asyncio.run(worker_phase())
         phases.append(figures("worker", traffic.records))
         records.extend(traffic.records)
+        notes["worker: after it"] = serve.calibration()
         notes["Ctrl-C, idle (end)"] = f"{serve.interrupt():.2f} s"
     print_table(phases, notes)
     (OUT / "contract_chaos.json").write_bytes(orjson.dumps([asdict(r) for r in records]))

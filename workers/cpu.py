@@ -14,6 +14,7 @@ the share is small again, waiting twice as long after each try that starved at o
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -56,12 +57,42 @@ class Starvation:
         return waited / (ran + waited) if ran + waited > 0 else 0.0
 
 
+def idle_cpus() -> tuple[float, float]:
+    """(seconds the machine's CPUs have been idle, all of them together, uptime seconds) so
+    far, from /proc/stat and /proc/uptime; (0, 0) where there are none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    return (int(fields[4]) + int(fields[5])) / tick, uptime  # idle + iowait
+
+
+class Idle:
+    """The machine's idle CPUs (in cores) since the last look (``cores()``)."""
+
+    def __init__(self) -> None:
+        self._last = idle_cpus()
+
+    def cores(self) -> float:
+        idle, at = idle_cpus()
+        last_idle, last_at = self._last
+        self._last = idle, at
+        return (idle - last_idle) / (at - last_at) if at > last_at else 0.0
+
+
 #: Giving up a thread: the share of thread time spent waiting for a CPU over an interval in
-#: which the engine ran at least ``BUSY_S``; a thread is tried back once the share is under
-#: ``STARVED_SHARE`` and ``backoff`` has passed since the last change. A try that starves
-#: within ``RECENT_S`` doubles the backoff, up to ``BACKOFF_MAX_S``.
+#: which the engine's threads ran or waited at least ``BUSY_S``; a thread is tried back once
+#: the share is under ``STARVED_SHARE``, ``backoff`` has passed since the last change, and
+#: the machine had ``IDLE_CORES`` idle (a neighbour that still keeps a core busy would stall
+#: the try: a step at two threads beside it takes seconds). A try that starves within
+#: ``RECENT_S`` doubles the backoff, up to ``BACKOFF_MAX_S``.
 GIVE_UP = 0.25
 BUSY_S = 0.1
+IDLE_CORES = 0.5
 BACKOFF_S = 10.0
 BACKOFF_MAX_S = 300.0
 RECENT_S = 10.0
@@ -81,10 +112,11 @@ class ThreadGovernor:
     def __post_init__(self) -> None:
         self.threads = self.threads or self.maximum
 
-    def observe(self, ran_s: float, waited_s: float, now: float) -> int:
+    def observe(self, ran_s: float, waited_s: float, now: float, idle_cores: float = math.inf) -> int:
         """The engine's threads ran ``ran_s`` and waited ``waited_s`` for a CPU since the last
-        call: the number of threads to run from now on."""
-        if ran_s < BUSY_S:
+        call, while the machine had ``idle_cores`` idle on average: the number of threads to
+        run from now on."""
+        if ran_s + waited_s < BUSY_S:
             return self.threads  # idle: nothing learnt
         share = waited_s / (ran_s + waited_s)
         if share >= GIVE_UP and self.threads > 1:
@@ -92,7 +124,8 @@ class ThreadGovernor:
             self.backoff = min(2.0 * self.backoff, BACKOFF_MAX_S) if recent else BACKOFF_S
             self.threads -= 1
             self.changed_at = now
-        elif share < STARVED_SHARE and self.threads < self.maximum and now - self.changed_at >= self.backoff:
+        elif (share < STARVED_SHARE and self.threads < self.maximum and now - self.changed_at >= self.backoff
+              and idle_cores >= IDLE_CORES):
             self.threads += 1
             self.changed_at = self.raised_at = now
         return self.threads

@@ -38,7 +38,7 @@ from common import wire
 from common.retry import Outage, Retrier, backoff_policy, is_nogroup
 from workers import selfprofile
 from workers.batches import Admission, Batch, account, handoff_write, report
-from workers.cpu import BUSY_S, Starvation
+from workers.cpu import BUSY_S, Idle, Starvation
 from workers.engine import Engine, StepResult
 from workers.fencing import Fence, HandoffWrite, Publish
 from workers.presence import Presence
@@ -97,6 +97,7 @@ class Worker:
         self._threads = engine.max_threads  # the engine's intra-op threads now
         self._next_handback = 0.0  # draining: when the jobs not started are handed back next
         self._cpu = Starvation()  # the threads' time since the governor last looked
+        self._idle = Idle()  # and the machine's idle CPUs
 
     def _held(self) -> list[Batch]:
         with self._lock:
@@ -137,8 +138,8 @@ class Worker:
         if governor is None:
             return
         ran, waited = self._cpu.since()
-        if ran >= BUSY_S:
-            governor.observe(ran, waited, self._clock())
+        if ran + waited >= BUSY_S:
+            governor.observe(ran, waited, self._clock(), self._idle.cores())
             self._cpu = Starvation()
         if governor.threads != self._threads:
             log.info("the CPUs are %s: running on %d of %d threads", "shared with a busy neighbour"

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from workers.cpu import BACKOFF_MAX_S, BACKOFF_S, GIVE_UP, Starvation, ThreadGovernor, cpu_times
+from workers.cpu import BACKOFF_MAX_S, BACKOFF_S, GIVE_UP, Idle, Starvation, ThreadGovernor, cpu_times, idle_cpus
 
 
 def _spin(until: float) -> None:
@@ -44,7 +44,7 @@ def test_the_share_of_time_waiting_for_a_cpu_is_measured() -> None:
 def test_a_starved_engine_gives_up_a_thread_and_tries_it_back_later() -> None:
     g = ThreadGovernor(maximum=2)
     assert g.threads == 2
-    assert g.observe(0.05, 0.5, now=0.0) == 2  # idle: nothing learnt, however long it waited
+    assert g.observe(0.05, 0.04, now=0.0) == 2  # next to idle: nothing learnt
     assert g.observe(1.0, 1.0, now=1.0) == 1  # half its time waiting: a thread given up
     assert g.observe(1.0, 1.0, now=2.0) == 1  # never below one
     assert g.observe(1.0, 0.01, now=3.0) == 1  # quiet, but not for long enough yet
@@ -67,3 +67,32 @@ def test_the_backoff_is_bounded_and_a_mild_wait_changes_nothing() -> None:
     assert g.backoff == BACKOFF_MAX_S
     g = ThreadGovernor(maximum=4)
     assert g.observe(1.0, 0.8 * GIVE_UP, now=5.0) == 4
+
+
+def test_a_thread_is_tried_back_only_with_a_core_idle() -> None:
+    """The neighbour still keeps a core busy (no idle core): trying a thread back would stall
+    the next steps for seconds, so the worker waits for an idle core, however long."""
+    g = ThreadGovernor(maximum=2)
+    assert g.observe(1.0, 1.0, now=0.0) == 1
+    assert g.observe(1.0, 0.01, now=1000.0, idle_cores=0.1) == 1
+    assert g.observe(1.0, 0.01, now=1001.0, idle_cores=0.9) == 2
+    assert g.observe(0.02, 0.5, now=1002.0) == 1  # a stalled step: little run, much wait, judged
+
+
+def test_the_idle_cores_are_read_from_the_machine() -> None:
+    if idle_cpus() == (0.0, 0.0):
+        pytest.skip("no /proc/stat here")
+    idle = Idle()
+    time.sleep(0.3)
+    quiet = idle.cores()
+    assert 0.0 <= quiet <= len(os.sched_getaffinity(0)) + 0.5
+    hogs = [multiprocessing.Process(target=_spin, args=(time.monotonic() + 1.0,)) for _ in range(os.cpu_count() or 1)]
+    for hog in hogs:
+        hog.start()
+    time.sleep(0.2)
+    idle.cores()
+    time.sleep(0.5)
+    busy = idle.cores()
+    for hog in hogs:
+        hog.join()
+    assert busy < 0.5 < quiet or quiet < 0.5  # a quiet machine may be busy elsewhere; a hogged one is not idle
