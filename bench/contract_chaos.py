@@ -273,11 +273,11 @@ class Serve:
 
     def calibration(self) -> str:
         """What the scheduler's promises rest on now: the path's drift from its profile and,
-        per component, the re-anchorings and draw-ins of its calibration so far."""
+        per component, its calibration's median and re-anchorings so far."""
         snap = httpx.get(self.base + "/admin/scheduler", headers={"authorization": f"Bearer {ADMIN}"}).json()
         cal = snap.get("calibration", {}).get("cpu", {})
         parts = [f"drift {snap['paths']['cpu'].get('drift', 1.0):.2f}"]
-        parts += [f"{c}: median {v['median']:.2f}, re-anchored {v['reanchored']}, drawn in {v['drawn_in']}"
+        parts += [f"{c}: median {v['median']:.2f}, re-anchored {v['reanchored']}"
                   for c, v in cal.items()]
         return "; ".join(parts)
 

@@ -21,12 +21,12 @@ bursts, and an unconditional window, mostly calm, bounds a burst too tightly. A 
 few outcomes borrows its level's pooled window, then its path's; with too few of those, the
 bound is the point times ``PRIOR_BOUND_FACTOR``, or the largest of the latest ratios.
 
-The windows follow the machine: per component and path, the latest ``DRIFT_OUTCOMES`` outcomes'
-errors against the calibrated prediction they were promised are watched, and when their
-median says the machine moved (another program took the CPU, a worker joined, a restart on a
-saved state that no longer fits) every window of that component and path is re-anchored: its
-older ratios are scaled by that median, so the spread it learnt stays and its level moves,
-within a dozen outcomes rather than a window's length (docs/scheduling.md §14).
+The windows follow the machine without double counting: their ratios are taken against the
+raw model as the step-time model prices now (it re-anchors on the workers' steps when the
+machine's speed moves), the requests in flight while it moved (or while a worker changed its
+threads) teach nothing, and the windows a path starts with (restored from a saved state, or
+filled while the step-time model was still far off) are checked by its first outcomes and
+re-anchored when a dozen of them disagree (docs/scheduling.md §14).
 
 Output lengths are learned per tenant and bucket: the last ``output_window`` lengths, with
 exact quantiles over them (a sliding window is small and forgets, which a mergeable sketch
@@ -40,7 +40,6 @@ import heapq
 import math
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,29 +67,29 @@ LEVEL_DECAY_S = 60.0
 COMPONENTS = ("ttft", "tpot", "total")
 #: Upper edges of the load levels: (running + queued) ÷ slots of the request's path.
 LEVELS = (0.5, 0.9, 1.5)
-#: Drift: the outcomes a change of the machine is judged on (per component and path). It is
-#: one when their median error is past ``DRIFT_MIN`` and past ``DRIFT_SIGMAS`` standard errors
-#: of a median (the spread is the larger of the window's and theirs: a path whose outcomes only
-#: scatter more is not re-anchored), and ``DRIFT_AGREE`` of them erred past the same
-#: ``DRIFT_TAIL`` tail of the errors the window holds (each does by chance one time in ten).
-#: So a quiet path follows a 1.5x change within a dozen outcomes, a noisy one only a larger one.
+#: The windows a path starts with are checked by its first outcomes: windows restored from a
+#: saved state, or filled while the step-time model was still far from the machine (a start
+#: beside a busy program). While a component and path has learnt fewer than ``CHECK_OUTCOMES``
+#: outcomes in this process, its latest ``DRIFT_OUTCOMES`` outcomes' errors are compared with
+#: what the windows held before them: when their median is past ``DRIFT_MIN`` and past
+#: ``DRIFT_SIGMAS`` standard errors of a median (σ the larger of the window's spread and
+#: theirs, so a path whose outcomes only scatter more is not re-anchored on noise), and
+#: ``DRIFT_AGREE`` of them erred past the same ``DRIFT_TAIL`` tail of the window, the windows
+#: are re-anchored. At ``CHECK_OUTCOMES`` the values a saved state brought are dropped: the
+#: path has its own by then, and a restored tail (a busy run's, say) would widen its bounds for
+#: another window's length. Later, a machine that changes is the step-time model's to follow
+#: (it sees steps, many per second, where outcomes come a few at a time): a dozen outcomes of a
+#: burst are late together without the machine having changed, and in the simulator (whose
+#: machine never changes) re-anchoring on them cost 1-5 points of coverage.
+CHECK_OUTCOMES = 128
 DRIFT_OUTCOMES = 12
 DRIFT_TAIL = 0.1
 DRIFT_AGREE = 8
 DRIFT_MIN = 1.2
 DRIFT_SIGMAS = 4.0
-#: The spread follows too: when the latest ``SPREAD_OUTCOMES`` errors scatter less than
-#: ``SPREAD_DROP`` times as much as the window's older ratios (a busy machine went quiet, a
-#: restored window learnt on a noisier one), the older ratios are drawn towards each window's
-#: median in that proportion (on a log scale), so a tail the machine no longer has stops
-#: widening the bounds; ``SPREAD_FLOOR`` is the least spread assumed. A wider spread needs no
-#: help: its large ratios reach a window's top, which sets the bounds, as they come.
-SPREAD_OUTCOMES = 32
 #: An outcome whose path's step-time model was re-anchored by more than this factor while it
 #: ran is the change's, not the path's: it judges its bound but is not learnt.
 TRANSITION = 1.1
-SPREAD_DROP = 0.5
-SPREAD_FLOOR = 0.05
 
 
 def load_level(load: float) -> int:
@@ -101,11 +100,12 @@ def load_level(load: float) -> int:
 class Window:
     """The last ``size`` ratios, sorted on demand (cached while fewer than ``REFRESH`` new)."""
 
-    __slots__ = ("size", "values", "at", "stale", "point", "centre", "sorted")
+    __slots__ = ("size", "values", "at", "stale", "point", "centre", "sorted", "restored")
 
     def __init__(self, size: int, values: list[float] | None = None) -> None:
         self.size = size
         self.values: list[float] = list(values or [])[-size:]
+        self.restored = 0  # the oldest values came from a saved state (``Contracts.load``), this many
         self.at = 0  # the oldest (values are oldest first); appends until full leave it there
         self.stale = len(self.values)
         self.point = 1.0
@@ -118,7 +118,15 @@ class Window:
         else:
             self.values[self.at] = x
             self.at = (self.at + 1) % self.size
+            self.restored = max(0, self.restored - 1)
         self.stale += 1
+
+    def forget_restored(self) -> None:
+        """Drop the values a saved state brought (their time is over: the path has its own)."""
+        if self.restored:
+            self.values = self.ordered()[self.restored:]
+            self.at = self.restored = 0
+            self.stale = max(self.stale, REFRESH)
 
     def __len__(self) -> int:
         return len(self.values)
@@ -160,12 +168,12 @@ class Window:
         """Oldest first (for persisting)."""
         return self.values[self.at:] + self.values[: self.at]
 
-    def rescale(self, how: Callable[[float], float], keep: list[bool]) -> None:
-        """Map every value through ``how`` (re-anchoring) but those of the newest
+    def rescale(self, factor: float, keep: list[bool]) -> None:
+        """Multiply every value by ``factor`` (re-anchoring) but those of the newest
         ``len(keep)`` (oldest first) that ``keep`` marks."""
         order = [(self.at + i) % len(self.values) for i in range(len(self.values))]  # oldest first
         kept = {order[len(order) - len(keep) + i] for i, k in enumerate(keep) if k and len(keep) <= len(order)}
-        self.values = [v if i in kept else how(v) for i, v in enumerate(self.values)]
+        self.values = [v if i in kept else v * factor for i, v in enumerate(self.values)]
         self.stale = max(self.stale, REFRESH)
 
 
@@ -237,7 +245,7 @@ class Contracts:
         # (level, bucket) cell each went to; how many re-anchorings there were
         self._recent: dict[tuple[str, str], deque[tuple[float, int, int]]] = {}
         self.reanchored: dict[tuple[str, str], int] = {}
-        self.drawn_in: dict[tuple[str, str], int] = {}  # how many times the spread was drawn in
+        self._learnt: dict[tuple[str, str], int] = {}  # outcomes learnt in this process (``CHECK_OUTCOMES``)
         self._now = 0.0  # the time of the latest event (for ``summary``)
         self._speeds: dict[str, float] = {}  # per path, the step-time model's re-anchoring as last told
 
@@ -463,22 +471,26 @@ class Contracts:
             w.add(ratio)
         recent = self._recent.get((component, path))
         if recent is None:
-            recent = self._recent[(component, path)] = deque(maxlen=SPREAD_OUTCOMES)
+            recent = self._recent[(component, path)] = deque(maxlen=DRIFT_OUTCOMES)
         recent.append((ratio / pend.middles[COMPONENTS.index(component)], pend.level, pend.bucket))
         self._drift(component, path)
 
     def _drift(self, component: str, path: str) -> None:
-        """Re-anchor a component's windows on a path when its latest ``DRIFT_OUTCOMES``
-        outcomes say the calibrated prediction is off (see ``DRIFT_TAIL``): every older ratio
-        is scaled by their median error (the latest of the new regime stay as they came), and
-        the adaptive level, raised by the misses the change caused, starts again; or draw the
-        older ratios in when the latest ``SPREAD_OUTCOMES`` scatter far less (``SPREAD_DROP``)."""
-        ring = self._recent[(component, path)]
-        if len(ring) < DRIFT_OUTCOMES:
+        """While a component and path's windows are being checked (``CHECK_OUTCOMES``):
+        re-anchor them when the latest ``DRIFT_OUTCOMES`` outcomes say the calibrated
+        prediction is off (see ``DRIFT_TAIL``). Every older ratio is scaled by the median error
+        of the new regime's outcomes (those nearer it than 1 stay as they came), the promises
+        in flight are judged against the re-anchored windows, and the adaptive level starts
+        again."""
+        learnt = self._learnt[(component, path)] = self._learnt.get((component, path), 0) + 1
+        recent = self._recent[(component, path)]
+        if learnt == CHECK_OUTCOMES:  # what a saved state brought has served the start
+            for (c, p, _, _), w in self._ratios.items():
+                if c == component and p == path:
+                    w.forget_restored()
+        if learnt > CHECK_OUTCOMES or len(recent) < DRIFT_OUTCOMES:
             return
-        pooled = self._ratios[(component, path, -1, -1)].ordered()
-        # the outcomes before the latest dozen (before the whole ring where the window has them)
-        older = pooled[:-len(ring)] if len(pooled) - len(ring) >= MIN_POINT else pooled[:-DRIFT_OUTCOMES]
+        older = self._ratios[(component, path, -1, -1)].ordered()[:-DRIFT_OUTCOMES]
         if len(older) < MIN_POINT:
             return  # too few older outcomes to judge against: the windows are still filling
         latest = sorted(older[-POINT_WINDOW:])  # the spread as it is now: the old one may have been tighter
@@ -486,53 +498,38 @@ class Contracts:
         centre = median_of(older)
         lo = older[int(DRIFT_TAIL * (len(older) - 1))] / centre
         hi = older[math.ceil((1.0 - DRIFT_TAIL) * (len(older) - 1))] / centre
-        old_spread = math.log(hi / lo) / Z_SPAN
-        recent = list(ring)[-DRIFT_OUTCOMES:]
         errors = sorted(e for e, _, _ in recent)
         m = median_of(errors)
-        if shifted(errors, m, max(old_spread, log_spread(latest)), DRIFT_MIN, DRIFT_SIGMAS):
-            past = [e for e in errors if e > hi] if m > 1.0 else [e for e in errors if e < lo]
-            if len(past) >= DRIFT_AGREE:
-                m = median_of(past)  # the outcomes of the new regime: the oldest of the dozen may predate it
-                midway = math.sqrt(m)  # nearer m than 1 on a log scale: an outcome of the new regime
-                self._rescale(component, path, recent, lambda w: (lambda v: v * m),
-                              lambda e: e > midway if m > 1.0 else e < midway)
-                ring.clear()
-                self._level.pop((component, path), None)
-                self.reanchored[(component, path)] = self.reanchored.get((component, path), 0) + 1
-                return
-        if len(ring) < SPREAD_OUTCOMES or len(pooled) - len(ring) < 2 * POINT_WINDOW:
+        if not shifted(errors, m, max(math.log(hi / lo) / Z_SPAN, log_spread(latest)), DRIFT_MIN, DRIFT_SIGMAS):
             return
-        spread = max(log_spread(sorted(e for e, _, _ in ring)), SPREAD_FLOOR)
-        if spread >= SPREAD_DROP * old_spread:
+        past = [e for e in errors if e > hi] if m > 1.0 else [e for e in errors if e < lo]
+        if len(past) < DRIFT_AGREE:
             return
-        k = spread / old_spread
-
-        def draw_in(w: Window) -> Callable[[float], float]:
-            mid = w.middle()
-            return lambda v: mid * (v / mid) ** k
-
-        self._rescale(component, path, list(ring), draw_in, lambda e: True)
-        ring.clear()
-        self.drawn_in[(component, path)] = self.drawn_in.get((component, path), 0) + 1
-
-    def _rescale(self, component: str, path: str, recent: list[tuple[float, int, int]],
-                 how: Callable[[Window], Callable[[float], float]], kept: Callable[[float], bool]) -> None:
-        """Apply ``how(window)`` to every ratio of a component's windows on a path, but to the
-        values of the ``recent`` outcomes (oldest first) that ``kept`` marks."""
-        newest: dict[tuple[int, int], list[bool]] = {}  # per cell, its latest values: kept as they are?
+        m = median_of(past)  # the outcomes of the new regime: the oldest of the dozen may predate it
+        midway = math.sqrt(m)  # nearer m than 1 on a log scale: an outcome of the new regime
+        newest: dict[tuple[int, int], list[bool]] = {}  # per cell, its latest values: of the new regime?
         for e, level, bucket in recent:
             for cell in ((level, bucket), (level, -1), (-1, -1)):
-                newest.setdefault(cell, []).append(kept(e))
+                newest.setdefault(cell, []).append(e > midway if m > 1.0 else e < midway)
         for (c, p, level, bucket), w in self._ratios.items():
             if c == component and p == path:
-                w.rescale(how(w), newest.get((level, bucket), []))
+                w.rescale(m, newest.get((level, bucket), []))
+        # the promises in flight are judged against the re-anchored windows too, or their
+        # outcomes would show the same change again and re-anchor it twice
+        i = COMPONENTS.index(component)
+        for pend in self._pending.values():
+            if pend.path == path:
+                scaled = [x * m if j == i else x for j, x in enumerate(pend.middles)]
+                pend.middles = (scaled[0], scaled[1], scaled[2])
+        recent.clear()
+        self._level.pop((component, path), None)
+        self.reanchored[(component, path)] = self.reanchored.get((component, path), 0) + 1
 
     def summary(self) -> dict[str, dict[str, dict[str, float | int | None]]]:
         """Per path and component, what the promises rest on as of the last event: the outcomes in the path's
         window, its median ratio of actual to the raw model (the point's correction), its
         bound (the conformal quantile at the adaptive level), that level, and how many times
-        the windows were re-anchored and drawn in (for ``/admin/scheduler``)."""
+        the windows were re-anchored (for ``/admin/scheduler``)."""
         out: dict[str, dict[str, dict[str, float | int | None]]] = {}
         for (component, path, level, bucket), w in sorted(self._ratios.items()):
             if level != -1 or bucket != -1:
@@ -542,8 +539,7 @@ class Contracts:
             out.setdefault(path, {})[component] = {
                 "outcomes": len(w), "median": w.median() if len(w) >= MIN_POINT else 1.0,
                 "bound": bound if bound < math.inf else None, "level": q,
-                "reanchored": self.reanchored.get((component, path), 0),
-                "drawn_in": self.drawn_in.get((component, path), 0)}
+                "reanchored": self.reanchored.get((component, path), 0)}
         return out
 
     # -- persistence --------------------------------------------------------------------------
@@ -563,7 +559,8 @@ class Contracts:
                 c, p, lv, k, values = entry
                 xs = [float(x) for x in values if float(x) > 0.0 and math.isfinite(float(x))]
                 if c in COMPONENTS and isinstance(p, str) and isinstance(lv, int) and isinstance(k, int) and xs:
-                    self._ratios[(c, p, lv, k)] = Window(self.window, xs)
+                    w = self._ratios[(c, p, lv, k)] = Window(self.window, xs)
+                    w.restored = len(w.values)
             except (TypeError, ValueError):
                 continue
         for entry in state.get("outputs", ()):

@@ -13,6 +13,7 @@ import statistics
 import pytest
 
 from sched_core.contracts import (
+    CHECK_OUTCOMES,
     COMPONENTS,
     DRIFT_OUTCOMES,
     LEVEL_DECAY_S,
@@ -389,17 +390,18 @@ def _promise_and_take(cal: Contracts, rid: str, factor: float, now: float,
 
 
 @pytest.mark.parametrize("factor", [2.5, 0.4])
-def test_windows_re_anchor_within_a_dozen_outcomes_when_the_machine_changes(factor: float) -> None:
-    """Another program takes the CPU (or leaves it): after 600 outcomes at one speed the
-    outcomes come ``factor`` times later, and within a dozen the promises follow, with the
-    spread the windows learnt; without re-anchoring, a window of 512 takes hundreds."""
+def test_restored_windows_the_first_outcomes_contradict_are_re_anchored_within_a_dozen(factor: float) -> None:
+    """A restart on windows learnt where the raw model was off by ``factor``'s inverse: the
+    first dozen outcomes move the promise by ``factor``, and the spread the windows learnt
+    stays; without the check, a window of 512 takes hundreds."""
     rng = random.Random(5)
-    cal = Contracts(BOUNDS, default_output=64)
+    before = Contracts(BOUNDS, default_output=64)
     for i in range(600):
-        _promise_and_take(cal, f"a{i}", 1.0, i * 0.1, rng)
+        _promise_and_take(before, f"a{i}", 1.0, i * 0.1, rng)
+    cal = Contracts(BOUNDS, default_output=64)
+    cal.load(json.loads(json.dumps(before.state())))
     steady = cal.promise(raw("s"), req("s", out=10), 10, 0.0, 60.0)
     cal.forget("s")
-    assert cal.reanchored.get(("ttft", "cpu"), 0) == 0
     for i in range(DRIFT_OUTCOMES):
         _promise_and_take(cal, f"b{i}", factor, 60 + i * 0.1, rng)
     assert cal.reanchored[("ttft", "cpu")] == 1 and cal.reanchored[("total", "cpu")] == 1
@@ -410,6 +412,23 @@ def test_windows_re_anchor_within_a_dozen_outcomes_when_the_machine_changes(fact
     inside = [ttft <= p.ttft_p99_s for p, ttft in (_promise_and_take(cal, f"c{i}", factor, 62 + i * 0.1, rng)
                                                   for i in range(200))]
     assert sum(inside) >= 0.98 * len(inside)
+
+
+def test_once_checked_the_windows_are_not_re_anchored_by_a_burst() -> None:
+    """After its first outcomes, a path's windows are its own: a dozen outcomes late together
+    (a burst, not a machine that changed: that is the step-time model's to see) raise the
+    adaptive level; they do not re-anchor the windows. And the values a saved state brought
+    are gone by then."""
+    rng = random.Random(6)
+    cal = Contracts(BOUNDS, default_output=64)
+    cal.load({"ratios": [["ttft", "cpu", 0, 1, [9.0] * 50]]})
+    for i in range(CHECK_OUTCOMES + 10):
+        _promise_and_take(cal, f"a{i}", 1.0, i * 0.1, rng)
+    assert max(cal.state()["ratios"][0][-1]) < 9.0  # the restored values are dropped
+    checked = dict(cal.reanchored)  # (the restored 9s were re-anchored by the first outcomes)
+    for i in range(DRIFT_OUTCOMES):
+        _promise_and_take(cal, f"b{i}", 2.5, 60 + i * 0.1, rng)
+    assert cal.reanchored == checked
 
 
 @pytest.mark.parametrize("seed", [1, 2])
