@@ -45,14 +45,14 @@ def test_the_score_is_relative_attainment_and_goodput_less_the_penalties() -> No
 @pytest.fixture(scope="module")
 def small() -> tuple[ex.Setup, dict[sv.Scenario, wl.Workload]]:
     """One cpu pool of two 8-slot workers (the packaged measured profile), Poisson arrivals
-    of 250 log-normal requests at 6x its rough capacity, SLO at admission."""
+    of 250 log-normal requests at 3x its rough capacity, SLO at admission."""
     profile = CostProfile.from_dict(packaged_profile(DEFAULT_PROFILES["cpu"]))
     setup = ex.Setup((Pool("cpu", 2, 8, profile, 64),))
-    plan = (sv.Scenario(6.0, True),)
-    return setup, {plan[0]: wl.poisson(12.0, 250, wl.lognormal_lengths(), seed=4)}
+    plan = (sv.Scenario(3.0, True),)
+    return setup, {plan[0]: wl.poisson(6.0, 250, wl.lognormal_lengths(), seed=3)}
 
 
-def test_the_search_finds_a_better_table_where_one_exists(
+def test_the_search_finds_a_better_table_where_the_heuristic_sheds_too_much(
         small: tuple[ex.Setup, dict[sv.Scenario, wl.Workload]], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sv, "GRID", {"admit_quantile": (0.5, 0.99), "slot_share": (0.5, 1.0)})
     setup, workloads = small
@@ -64,7 +64,7 @@ def test_the_search_finds_a_better_table_where_one_exists(
         ref, mine = runner.map([("smdp", start, plan[0]), ("smdp", found, plan[0])])
     assert found != start and how["score"] > how["score_heuristic"] + sv.MIN_GAIN
     assert mine["goodput_rps"] > ref["goodput_rps"]  # the score's gain is the simulated goodput's
-    assert any(a.slot_share == 0.5 for a in found.actions)  # fewer sequences at once, each within its SLO
+    assert any(a.admit_quantile == 0.5 for a in found.actions)  # the median admits what p99 refused
     assert lines[0].startswith("heuristic: score") and how["evaluations"] > 2
     unseen = [s for s, name in enumerate(STATE_NAMES) if name not in how["searched_states"]]
     assert unseen and all(found.actions[s] == start.actions[s] for s in unseen)  # no evidence, no change
