@@ -67,11 +67,10 @@ LEVEL_DECAY_S = 60.0
 COMPONENTS = ("ttft", "tpot", "total")
 #: Upper edges of the load levels: (running + queued) ÷ slots of the request's path.
 LEVELS = (0.5, 0.9, 1.5)
-#: The windows a path starts with are checked by its first outcomes: windows restored from a
-#: saved state, or filled while the step-time model was still far from the machine (a start
-#: beside a busy program). While a component and path has learnt fewer than ``CHECK_OUTCOMES``
-#: outcomes in this process, its latest ``DRIFT_OUTCOMES`` outcomes' errors are compared with
-#: what the windows held before them: when their median is past ``DRIFT_MIN`` and past
+#: The windows a saved state brought are checked by the path's first outcomes: while a
+#: component and path has learnt fewer than ``CHECK_OUTCOMES`` outcomes in this process and its
+#: windows still hold restored values, its latest ``DRIFT_OUTCOMES`` outcomes' errors are
+#: compared with what the windows held before them: when their median is past ``DRIFT_MIN`` and past
 #: ``DRIFT_SIGMAS`` standard errors of a median (σ the larger of the window's spread and
 #: theirs, so a path whose outcomes only scatter more is not re-anchored on noise), and
 #: ``DRIFT_AGREE`` of them erred past the same ``DRIFT_TAIL`` tail of the window, the windows
@@ -79,8 +78,9 @@ LEVELS = (0.5, 0.9, 1.5)
 #: path has its own by then, and a restored tail (a busy run's, say) would widen its bounds for
 #: another window's length. Later, a machine that changes is the step-time model's to follow
 #: (it sees steps, many per second, where outcomes come a few at a time): a dozen outcomes of a
-#: burst are late together without the machine having changed, and in the simulator (whose
-#: machine never changes) re-anchoring on them cost 1-5 points of coverage.
+#: burst, or of a queue that grows under overload, are late together without the machine
+#: having changed, and in the simulator (whose machine never changes) re-anchoring on them cost
+#: 1-5 points of coverage, and under overload with shedding a fifth of the goodput.
 CHECK_OUTCOMES = 128
 DRIFT_OUTCOMES = 12
 DRIFT_TAIL = 0.1
@@ -488,9 +488,10 @@ class Contracts:
             for (c, p, _, _), w in self._ratios.items():
                 if c == component and p == path:
                     w.forget_restored()
-        if learnt > CHECK_OUTCOMES or len(recent) < DRIFT_OUTCOMES:
+        pooled = self._ratios[(component, path, -1, -1)]
+        if learnt > CHECK_OUTCOMES or len(recent) < DRIFT_OUTCOMES or not pooled.restored:
             return
-        older = self._ratios[(component, path, -1, -1)].ordered()[:-DRIFT_OUTCOMES]
+        older = pooled.ordered()[:-DRIFT_OUTCOMES]
         if len(older) < MIN_POINT:
             return  # too few older outcomes to judge against: the windows are still filling
         latest = sorted(older[-POINT_WINDOW:])  # the spread as it is now: the old one may have been tighter

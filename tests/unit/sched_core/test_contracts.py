@@ -483,16 +483,14 @@ def test_before_the_total_can_be_bounded_by_outcomes_it_sums_the_components_boun
     assert p.ttft_p99_s == pytest.approx(PRIOR_BOUND_FACTOR * p.ttft_s)
 
 
-def test_a_young_window_that_learnt_a_wrong_raw_model_is_re_anchored() -> None:
-    """A start under a busy machine: the step-time model first priced requests 14x too slow and
-    the window's first twenty ratios say so (0.07); once the model caught up, its outcomes
-    match it (1.0) and a dozen of them bring the promise back, though the window is young."""
+def test_windows_this_process_learnt_are_not_re_anchored_by_their_own_outcomes() -> None:
+    """A queue that grows under overload makes each dozen outcomes later than the ones before:
+    that is the windows' to learn, not a machine to re-anchor on (re-anchoring there refused a
+    fifth more of an overload's goodput in the simulator)."""
     rng = random.Random(13)
     cal = Contracts(BOUNDS, default_output=64)
     for i in range(20):
-        _promise_and_take(cal, f"a{i}", 0.07, i * 0.1, rng)
+        _promise_and_take(cal, f"a{i}", 0.5, i * 0.1, rng)
     for i in range(DRIFT_OUTCOMES):
-        _promise_and_take(cal, f"b{i}", 1.0, 2 + i * 0.1, rng)
-    assert cal.reanchored.get(("ttft", "cpu"), 0) == 1
-    p = cal.promise(raw("p"), req("p", out=10), 10, 0.0, 4.0)
-    assert p.ttft_s == pytest.approx(0.1, rel=0.25)
+        _promise_and_take(cal, f"b{i}", 2.0, 2 + i * 0.1, rng)
+    assert not cal.reanchored
