@@ -87,6 +87,9 @@ DRIFT_TAIL = 0.1
 DRIFT_AGREE = 8
 DRIFT_MIN = 1.2
 DRIFT_SIGMAS = 4.0
+#: An outcome whose path's step-time model was re-anchored by more than this factor while it
+#: ran is the change's, not the path's: it judges its bound but is not learnt.
+TRANSITION = 1.1
 
 
 def load_level(load: float) -> int:
@@ -356,7 +359,7 @@ class Contracts:
                 heapq.heappush(due, (later, rid))
                 continue
             pend.judged = True
-            self._judge("ttft", pend, False, now)
+            self._judge("ttft", pend, False, 1.0 / slower, now)
 
     def transition(self, path: str) -> None:
         """A worker of ``path`` changed how it runs (another program took its CPUs and it gave
@@ -367,18 +370,17 @@ class Contracts:
                 pend.changed = True
 
     @staticmethod
-    def _steady(pend: _Pending) -> bool:
-        """Whether a request ran on a steady path: no worker of it changed how it runs while
-        it ran. A request that did is the change's (its steps stalled until the worker gave up
-        a thread): it judges its bound for the metrics, but teaches neither the windows nor the
-        adaptive level (a level raised for it would widen every bound for minutes after). A
-        request during which the step-time model re-anchored is learnt, its ratio taken against
-        the re-anchored model (``observe``)."""
-        return not pend.changed
+    def _steady(pend: _Pending, moved: float) -> bool:
+        """Whether a request ran on a steady path: no worker of it changed how it runs, and its
+        step-time model moved by less than ``TRANSITION`` while it ran (``moved``). A request
+        that did not is the change's: it judges its bound for the metrics, but teaches neither
+        the windows nor the adaptive level (the re-anchoring answers the change; a level raised
+        for it would widen every bound for minutes after)."""
+        return not pend.changed and 1.0 / TRANSITION < moved < TRANSITION
 
-    def _judge(self, component: str, pend: _Pending, inside: bool, now: float) -> None:
+    def _judge(self, component: str, pend: _Pending, inside: bool, moved: float, now: float) -> None:
         """A bound kept or missed moves the adaptive level, on a steady path (``_steady``)."""
-        if self._steady(pend):
+        if self._steady(pend, moved):
             self._adapt(component, pend.path, inside, now)
 
     def _adapt(self, component: str, path: str, inside: bool, now: float) -> None:
@@ -395,10 +397,10 @@ class Contracts:
         pend.first = ttft_s
         self._speeds[pend.path] = speed
         moved = pend.speed / speed
-        self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft * moved)
+        self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft * moved, moved)
         if not pend.judged:
             pend.judged = True
-            self._judge("ttft", pend, _within(ttft_s, pend.promise.ttft_p99_s, pend.wait, moved), now)
+            self._judge("ttft", pend, _within(ttft_s, pend.promise.ttft_p99_s, pend.wait, moved), moved, now)
 
     def promised(self, rid: str) -> Contract | None:
         """The contract given to ``rid``, while its outcome is awaited."""
@@ -429,7 +431,7 @@ class Contracts:
         k = pend.bucket
         self._speeds[pend.path] = speed
         moved = pend.speed / speed  # the raw model's re-anchoring since the promise, undone
-        self._add("total", pend, max(total_s - pend.wait, 1e-6) / pend.basis * moved)
+        self._add("total", pend, max(total_s - pend.wait, 1e-6) / pend.basis * moved, moved)
         for key in ((pend.tenant, k), ("", k)):
             window = self._outputs.get(key)
             if window is None:  # not setdefault: that builds a window on every call
@@ -438,14 +440,14 @@ class Contracts:
         total_inside = total_s <= c.p99_s
         ttft_inside = None if ttft_s is None else ttft_s <= c.ttft_p99_s
         # the adaptive level counts the misses the re-anchored raw model would have made
-        self._judge("total", pend, _within(total_s, c.p99_s, pend.wait, moved), now)
+        self._judge("total", pend, _within(total_s, c.p99_s, pend.wait, moved), moved, now)
         if ttft_s is not None:
             if pend.first is None:
-                self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft * moved)
+                self._add("ttft", pend, max(ttft_s - pend.wait, 1e-6) / pend.raw_ttft * moved, moved)
             if not pend.judged:
-                self._judge("ttft", pend, _within(ttft_s, c.ttft_p99_s, pend.wait, moved), now)
+                self._judge("ttft", pend, _within(ttft_s, c.ttft_p99_s, pend.wait, moved), moved, now)
             if tokens > 1:
-                self._add("tpot", pend, max((total_s - ttft_s) / (tokens - 1), 1e-6) / pend.raw_tpot * moved)
+                self._add("tpot", pend, max((total_s - ttft_s) / (tokens - 1), 1e-6) / pend.raw_tpot * moved, moved)
         return Accuracy(
             path=pend.path,
             total_inside=total_inside,
@@ -456,9 +458,9 @@ class Contracts:
             raw_ttft_ape=None if ttft_s is None else abs(pend.raw_ttft + pend.wait - ttft_s) / ttft_s,
         )
 
-    def _add(self, component: str, pend: _Pending, ratio: float) -> None:
+    def _add(self, component: str, pend: _Pending, ratio: float, moved: float = 1.0) -> None:
         """Learn a ratio, of a request that ran on a steady path (``_steady``)."""
-        if not self._steady(pend):
+        if not self._steady(pend, moved):
             return
         path = pend.path
         for key in ((component, path, pend.level, pend.bucket), (component, path, pend.level, -1),

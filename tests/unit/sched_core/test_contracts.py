@@ -494,3 +494,25 @@ def test_windows_this_process_learnt_are_not_re_anchored_by_their_own_outcomes()
     for i in range(DRIFT_OUTCOMES):
         _promise_and_take(cal, f"b{i}", 2.0, 2 + i * 0.1, rng)
     assert not cal.reanchored
+
+
+
+def test_requests_the_step_model_re_anchored_under_are_the_changes() -> None:
+    """A request during which its path's step-time model re-anchored (a neighbour took the
+    CPUs) is the change's: it is judged for the metrics, but its stalled ratio widens no
+    window and moves no level. The same outcome with the model where it was is learnt."""
+    cal = Contracts(BOUNDS, default_output=10)
+    feed(cal, MIN_POINT)
+    before = cal.summary()["cpu"]["ttft"]
+    level = cal._adaptive("ttft", "cpu", 1.0)
+    c = raw("stalled", out=10)
+    cal.promise(c, req("stalled", out=10), 10, 0.0, 0.0, speed=1.0)
+    acc = cal.observe("stalled", c.ttft_s * 50.0, c.total_s * 50.0, 10, 1.0, speed=2.0)
+    assert acc is not None and not acc.ttft_inside
+    after = cal.summary()["cpu"]["ttft"]
+    assert after["outcomes"] == before["outcomes"] and after["bound"] == before["bound"]
+    assert cal._adaptive("ttft", "cpu", 1.0) == pytest.approx(level)
+    c = raw("slow", out=10)
+    cal.promise(c, req("slow", out=10), 10, 0.0, 2.0, speed=2.0)
+    cal.observe("slow", c.ttft_s * 50.0, c.total_s * 50.0, 10, 3.0, speed=2.0)
+    assert cal.summary()["cpu"]["ttft"]["outcomes"] == before["outcomes"] + 1
