@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -434,44 +434,30 @@ def main() -> None:
         base = 0.5 * capacity
         third = math.ceil(n / 3)
 
-        async def hog_phase() -> Traffic:
-            traffic = Traffic(serve.base, serve.key, args.seed + 3)
-            run = asyncio.create_task(traffic.run("hog", mix(n, args.seed + 3), [(base, "start")],
-                                                  {third: "hog on", 2 * third: "hog off"}))
-            procs: list[subprocess.Popen[bytes]] = []
-            while len(traffic.records) < third:
-                await asyncio.sleep(0.05)
-            procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
-            while len(traffic.records) < 2 * third:
-                await asyncio.sleep(0.05)
-            for p in procs:
-                p.kill()
-                p.wait()
-            await run
-            return traffic
+        def middle_third(name: str, seed: int, change: Callable[[], AbstractContextManager[object]],
+                         on: str, off: str) -> None:
+            """A phase at half the capacity with ``change`` in force over its middle third."""
 
-        traffic = asyncio.run(hog_phase())
-        phases.append(figures("hog", traffic.records))
-        records.extend(traffic.records)
-        notes["hog: after it"] = serve.calibration()
-        phase("load step", [(base, "0.5x"), (3 * base, "1.5x"), (base, "0.5x again")], seed=4)
-
-        async def worker_phase() -> Traffic:
-            traffic = Traffic(serve.base, serve.key, args.seed + 5)
-            run = asyncio.create_task(traffic.run("worker", mix(n, args.seed + 5), [(base, "start")],
-                                                  {third: "worker joins", 2 * third: "worker leaves"}))
-            while len(traffic.records) < third:
-                await asyncio.sleep(0.05)
-            with extra_worker(serve):
-                while len(traffic.records) < 2 * third:
+            async def run() -> Traffic:
+                traffic = Traffic(serve.base, serve.key, args.seed + seed)
+                task = asyncio.create_task(traffic.run(name, mix(n, args.seed + seed), [(base, "start")],
+                                                       {third: on, 2 * third: off}))
+                while len(traffic.records) < third:
                     await asyncio.sleep(0.05)
-            await run
-            return traffic
+                with change():
+                    while len(traffic.records) < 2 * third:
+                        await asyncio.sleep(0.05)
+                await task
+                return traffic
 
-        traffic = asyncio.run(worker_phase())
-        phases.append(figures("worker", traffic.records))
-        records.extend(traffic.records)
-        notes["worker: after it"] = serve.calibration()
+            traffic = asyncio.run(run())
+            phases.append(figures(name, traffic.records))
+            records.extend(traffic.records)
+            notes[f"{name}: after it"] = serve.calibration()
+
+        middle_third("hog", 3, lambda: hogs(args.hogs), "hog on", "hog off")
+        phase("load step", [(base, "0.5x"), (3 * base, "1.5x"), (base, "0.5x again")], seed=4)
+        middle_third("worker", 5, lambda: extra_worker(serve), "worker joins", "worker leaves")
         notes["Ctrl-C, idle (end)"] = f"{serve.interrupt():.2f} s"
     print_table(phases, notes)
     (OUT / "contract_chaos.json").write_bytes(orjson.dumps([asdict(r) for r in records]))

@@ -389,17 +389,24 @@ def _promise_and_take(cal: Contracts, rid: str, factor: float, now: float,
     return p, ttft
 
 
+def _restored(factor: float, rng: random.Random) -> Contracts:
+    """A calibration started from the saved state of one that learnt 600 outcomes taking
+    ``factor`` times the raw model (a restart on another machine's windows)."""
+    before = Contracts(BOUNDS, default_output=64)
+    for i in range(600):
+        _promise_and_take(before, f"a{i}", factor, i * 0.1, rng)
+    cal = Contracts(BOUNDS, default_output=64)
+    cal.load(json.loads(json.dumps(before.state())))
+    return cal
+
+
 @pytest.mark.parametrize("factor", [2.5, 0.4])
 def test_restored_windows_the_first_outcomes_contradict_are_re_anchored_within_a_dozen(factor: float) -> None:
     """A restart on windows learnt where the raw model was off by ``factor``'s inverse: the
     first dozen outcomes move the promise by ``factor``, and the spread the windows learnt
     stays; without the check, a window of 512 takes hundreds."""
     rng = random.Random(5)
-    before = Contracts(BOUNDS, default_output=64)
-    for i in range(600):
-        _promise_and_take(before, f"a{i}", 1.0, i * 0.1, rng)
-    cal = Contracts(BOUNDS, default_output=64)
-    cal.load(json.loads(json.dumps(before.state())))
+    cal = _restored(1.0, rng)
     steady = cal.promise(raw("s"), req("s", out=10), 10, 0.0, 60.0)
     cal.forget("s")
     for i in range(DRIFT_OUTCOMES):
@@ -453,11 +460,7 @@ def test_a_restored_state_the_first_outcomes_contradict_is_re_anchored() -> None
     first dozen outcomes on the quiet machine, as the raw model now predicts them, bring the
     promise and its bound back within a few times the truth."""
     rng = random.Random(11)
-    before = Contracts(BOUNDS, default_output=64)
-    for i in range(600):
-        _promise_and_take(before, f"a{i}", 17.0, i * 0.1, rng)
-    after = Contracts(BOUNDS, default_output=64)
-    after.load(json.loads(json.dumps(before.state())))
+    after = _restored(17.0, rng)
     first = after.promise(raw("f"), req("f", out=10), 10, 0.0, 0.0)
     after.forget("f")
     assert first.ttft_s == pytest.approx(17 * 0.1, rel=0.2)  # poisoned, as it was saved
