@@ -21,7 +21,7 @@ LLAMACPP_STAMP      := $(VENV)/.llamacpp-$(LLAMACPP_KEY)
 
 install: $(STAMP)
 
-# out of the default install: the upstream engine's tests and bench/upstream.py need it
+# out of the default install: the upstream engine's tests and bench/fronting.py need it
 install-llamacpp: $(LLAMACPP_STAMP)
 
 $(LLAMACPP_STAMP): $(STAMP)
@@ -41,7 +41,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt sched_core/_core.pyx $(wildcar
 	$(PY) setup.py -q build_ext --inplace
 	touch $(STAMP)
 
-# Debian's Chromium, for the console's browser tests (tests/e2e/test_console.py) and bench/console.py:
+# Debian's Chromium, for the console's browser tests (tests/e2e/test_console.py) and bench/console_browser.py:
 # Playwright drives it through its executable path and downloads no browser
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 install-browser:

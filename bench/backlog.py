@@ -27,7 +27,7 @@ import httpx
 import orjson
 import redis.asyncio as aioredis
 
-from bench.common import ADMIN_TOKEN, OUT, auth, json_lines, save_plot, stack, table
+from bench.harness import ADMIN_TOKEN, OUT, auth, json_lines, save_plot, stack, table
 from common import wire
 
 SAMPLE_S = 0.025

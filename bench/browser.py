@@ -1,5 +1,5 @@
 """Debian's Chromium, headless, driven by Playwright (no browser is downloaded): the console's
-browser tests and ``bench/console.py`` use it. ``make install-browser`` installs it."""
+browser tests and ``bench/console_browser.py`` use it. ``make install-browser`` installs it."""
 
 from __future__ import annotations
 

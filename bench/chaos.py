@@ -61,7 +61,7 @@ from bench.chaos_stack import (
     status_counts,
     summary,
 )
-from bench.common import OUT, console, table
+from bench.harness import OUT, console, table
 from gateway.cli.embedded_redis import FSYNC_CHOICES
 from gateway.http.protocol import raise_nofile_limit
 

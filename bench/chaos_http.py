@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from bench.chaos_stack import ECHO_TOKENS, MODEL, Load, Stack, findings, measure_capacity, print_phases, summary
-from bench.common import RawClient, pct, table
+from bench.harness import RawClient, pct, table
 from gateway.http.protocol import raise_nofile_limit
 from gateway.tenancy.limits import REFUSAL_BURST_BYTES, REFUSAL_BYTES_PER_S, REFUSAL_OVERHEAD_BYTES
 

@@ -25,8 +25,8 @@ import numpy as np
 import orjson
 import redis
 
-from bench.common import ADMIN_TOKEN, OUT, RawClient, pct, table
 from bench.fuzz import is_openai_error
+from bench.harness import ADMIN_TOKEN, OUT, RawClient, pct, table
 from gateway.cli.embedded_redis import EmbeddedRedis, free_port
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -53,7 +53,7 @@ import httpx
 import numpy as np
 import orjson
 
-from bench.common import OUT, spawn, table, wait_ready
+from bench.harness import OUT, spawn, table, wait_ready
 from gateway.cli.embedded_redis import free_port
 from workers import model_store
 

@@ -17,7 +17,7 @@ FCFS's 90 %-SLO load L is found by bisection (the baseline), then:
   second, refusals count as misses), the ratios to tokengate's own goodput at 1 L and to
   FCFS's at the same load, and the SLO attainment of the tenants whose offered tokens stay
   within their budget's share of what was served. Refusals are decided at arrival (the
-  simulator's admission takes no time; the gateway's is measured by ``bench.contracts``).
+  simulator's admission takes no time; the gateway's is measured by ``bench.contracts_live``).
 
 ``--json``: the last line has the worst figures over the workloads and loads.
 """
@@ -34,7 +34,7 @@ from typing import Any
 
 import orjson
 
-from bench.common import table
+from bench.harness import table
 from bench.traffic import DEFAULT_TRACE
 from sched_core.simulate import experiment as ex
 from sched_core.simulate import workload as wl

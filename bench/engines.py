@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from bench.common import json_lines, table
+from bench.harness import json_lines, table
 from bench.model import PROMPTS
 from common.protocol import Finished, SamplingParams, SeqJob
 from workers import model_store

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import redis.asyncio as aioredis
 
-from bench.common import ADMIN_TOKEN, OUT, auth, backend, json_lines, spawn, stop, table, wait_ready
+from bench.harness import ADMIN_TOKEN, OUT, auth, backend, json_lines, spawn, stop, table, wait_ready
 from bench.replicas import BODY, TENANTS, tenant_keys
 from common import protocol as p
 from common import wire

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import orjson
 
-from bench.common import OUT, spawn, stop, table, wait_ready
+from bench.harness import OUT, spawn, stop, table, wait_ready
 from gateway.cli.embedded_redis import free_port
 from gateway.cli.serve_state import ADMIN_TOKEN_FILE
 

@@ -1,7 +1,7 @@
 """A zero-cost OpenAI backend: Starlette on uvicorn+httptools answering every chat completion at
 once with one fixed, valid ``chat.completion`` body (with usage). It is the HTTP floor of
 ``bench.overhead``, and LiteLLM's upstream and the "direct" baseline of ``bench.peers``.
-Start it with ``bench.common.floor_server``."""
+Start it with ``bench.harness.floor_server``."""
 
 import orjson
 from starlette.applications import Starlette

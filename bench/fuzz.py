@@ -314,11 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         report = go(_target(args))
     else:
-        from bench import common  # numpy and the bench extra: only when starting a gateway
+        from bench import harness  # numpy and the bench extra: only when starting a gateway
 
         gateway = ["--max-body-bytes", str(args.max_body_bytes)]
-        with common.stack(engine="echo", echo_tokens=4, extra_gateway=gateway) as (base, _, key):
-            args.url, args.key, args.admin_token = base, key, common.ADMIN_TOKEN
+        with harness.stack(engine="echo", echo_tokens=4, extra_gateway=gateway) as (base, _, key):
+            args.url, args.key, args.admin_token = base, key, harness.ADMIN_TOKEN
             report = go(_target(args))
     left = report.left(tuple(args.allow))
     if left:

@@ -16,7 +16,7 @@ import asyncio
 import time
 from urllib.parse import urlparse
 
-from bench.common import RawClient, auth, json_lines, pct, stack, table
+from bench.harness import RawClient, auth, json_lines, pct, stack, table
 from bench.overhead import CHAT
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from bench.common import json_lines, pct, table
+from bench.harness import json_lines, pct, table
 from common import wire
 from gateway.cli.embedded_redis import EmbeddedRedis
 from gateway.redis_batch import AutoPipeline

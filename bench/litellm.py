@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from bench.common import OUT
+from bench.harness import OUT
 
 LITELLM_VERSION = "1.106.2"  # pinned: 1.107.0 was a compromised release
 PEERS_VENV = OUT / "peers-venv"

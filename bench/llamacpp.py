@@ -1,6 +1,6 @@
 """llama.cpp's OpenAI-compatible server (``llama-cpp-python[server]``, the ``llamacpp`` extra)
 on the default model's GGUF file, as a subprocess: the real upstream of the upstream
-engine's tests and of ``bench/upstream.py``."""
+engine's tests and of ``bench/fronting.py``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.common import wait_ready
+from bench.harness import wait_ready
 from gateway.cli.embedded_redis import free_port
 from workers.model_store import default_gguf
 

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 import orjson
 
-from bench.common import RawClient, auth, json_lines, stack, table
+from bench.harness import RawClient, auth, json_lines, stack, table
 from common.protocol import Finished, SamplingParams, SeqJob
 from workers import model_store
 from workers.devices import probe

@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 import orjson
 import redis.asyncio as aioredis
 
-from bench.common import RawClient, auth, floor_server, open_loop, pct, save_plot, stack, table
+from bench.harness import RawClient, auth, floor_server, open_loop, pct, save_plot, stack, table
 from common import protocol as p
 from common import wire
 from workers.engine import EchoEngine

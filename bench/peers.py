@@ -53,7 +53,7 @@ import uvloop
 from rich.console import Console
 
 from bench import wrk
-from bench.common import (
+from bench.harness import (
     OUT,
     RawClient,
     auth,

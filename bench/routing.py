@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import ADMIN_TOKEN, OUT, auth, bench_key, gateway_server, json_lines, pct, spawn, stop, table
+from bench.harness import ADMIN_TOKEN, OUT, auth, bench_key, gateway_server, json_lines, pct, spawn, stop, table
 from gateway.cli.embedded_redis import EmbeddedRedis
 
 WORKERS = {"fast": ("1", "5"), "slow": ("4", "20")}  # worker id -> (--echo-step-ms, --echo-prefill-us)

@@ -20,7 +20,7 @@ from typing import TypeVar
 import httpx
 import numpy as np
 
-from bench.common import ADMIN_TOKEN, ROOT
+from bench.harness import ADMIN_TOKEN, ROOT
 from sched_core.simulate.workload import parse_trace
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_code_2023.csv"

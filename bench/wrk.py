@@ -8,7 +8,7 @@ import os
 import shutil
 import subprocess
 
-from bench.common import OUT
+from bench.harness import OUT
 
 INSTALLED = shutil.which("wrk") is not None
 

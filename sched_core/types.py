@@ -195,7 +195,7 @@ class PathConfig:
 
     @classmethod
     def from_profile(cls, profile: Mapping[str, Any]) -> PathConfig:
-        """The ``step_model`` object of a profile written by ``bench/profile.py``."""
+        """The ``step_model`` object of a profile written by ``bench/cost_profile.py``."""
         fields = profile.get("step_model")
         if not isinstance(fields, dict):
             raise ValueError(f"profile {profile.get('name', '?')!r} has no step_model object")

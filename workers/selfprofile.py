@@ -1,7 +1,7 @@
 """A worker measures its own engine at start: the step-time profile its gateways price with.
 
 Before its first heartbeat a worker runs a few seconds of real engine steps (``measure``) and
-fits them (``fit``) into a profile in the format ``bench/profile.py`` writes and the simulator
+fits them (``fit``) into a profile in the format ``bench/cost_profile.py`` writes and the simulator
 reads (``sched_core.simulate.profile.CostProfile``):
 
 * **prefill**, whole prompts on an idle engine (what a first request gets): one prompt of
@@ -391,7 +391,7 @@ def _steps(fit_: dict[str, Any], slots: int, setup: dict[str, Any]) -> dict[str,
 
 def build(points: dict[str, Any], facts: dict[str, Any], setup: dict[str, Any], key: str, pool: str, model: str,
           slots: int, measured_s: float) -> dict[str, Any]:
-    """The profile document (``bench/profile.py``'s format plus the machine's facts), under
+    """The profile document (``bench/cost_profile.py``'s format plus the machine's facts), under
     its fingerprint ``key``."""
     fit_ = fit(points)
     steps = _steps(fit_, slots, setup)

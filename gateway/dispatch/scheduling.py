@@ -50,7 +50,7 @@ def scheduler_config(priors_path: str | None, **fields: Any) -> SchedulerConfig:
     """The scheduler's config: the given fields (the SLO it schedules for, its aging rate;
     left out, the defaults), with per-path step-time priors from a JSON file if one is given.
 
-    The file is either a profile written by ``bench/profile.py`` (its ``step_model`` object
+    The file is either a profile written by ``bench/cost_profile.py`` (its ``step_model`` object
     seeds the path named by its ``pool``), or ``{"cpu": {...}, "gpu": {...}}`` with any subset
     of the PathConfig fields (``decode_launch`` s, ``decode_seq`` s/sequence, ``kv_token``
     s/KV token, ``prefill_launch`` s, ``prefill_token`` s/prompt token, ``max_batch``,

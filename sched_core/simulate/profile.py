@@ -1,6 +1,6 @@
 """Cost profiles: how long a simulated worker of one path takes for a prefill and a decode step.
 
-A profile is the fitted model of one worker running the real model (``bench/profile.py``
+A profile is the fitted model of one worker running the real model (``bench/cost_profile.py``
 measures it and writes the JSON; this module only reads the parsed data):
 
     prefill of B sequences padded to L tokens:       P(B, L) = a + b·B·L + b2·B·L²
@@ -77,7 +77,7 @@ class CostProfile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CostProfile:
-        """Read the JSON written by ``bench/profile.py``; errors name the missing field."""
+        """Read the JSON written by ``bench/cost_profile.py``; errors name the missing field."""
         try:
             fit = data["fit"]
             prefill, decode = fit["prefill"], fit["decode"]

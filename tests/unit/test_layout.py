@@ -123,3 +123,13 @@ def test_the_walk_sees_imports_in_functions_and_relative_ones() -> None:
     graph = imports()
     assert "gateway.cli.server" in graph["gateway.cli.main"]  # `serve` imports it inside main()
     assert graph["sched_core"] >= {"sched_core._core", "sched_core.reference"}
+
+
+def test_no_benchmark_is_named_after_a_product_module() -> None:
+    """``bench.policies`` beside ``sched_core.policies`` reads as the one testing the other:
+    a benchmark's name says what it measures, not which module it happens to run."""
+    product = {p.stem for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py*")} | set(PACKAGES)
+    product |= {p.name for pkg in PACKAGES for p in (ROOT / pkg).rglob("*") if p.is_dir()}
+    product.discard("__init__")
+    clash = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem in product)
+    assert not clash, clash

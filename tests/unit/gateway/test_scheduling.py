@@ -136,7 +136,7 @@ def test_cost_priors_from_a_file_seed_the_paths_and_bad_files_name_the_problem(t
     assert (config.cpu.decode_launch, config.cpu.decode_seq, config.cpu.max_batch) == (0.05, 0.006, 16)
     assert config.cpu.kv_token == SchedulerConfig().cpu.kv_token and config.gpu == SchedulerConfig().gpu
     assert scheduler_config(None) == SchedulerConfig()
-    # A profile written by bench/profile.py seeds the path its pool names with its step model;
+    # A profile written by bench/cost_profile.py seeds the path its pool names with its step model;
     # the packaged ones are the defaults.
     for pool in ("cpu", "gpu"):
         profile = json.loads(resources.files("sched_core").joinpath("profiles", DEFAULT_PROFILES[pool]).read_text())

@@ -1,6 +1,6 @@
 """Worker pools: scaling with echo workers, recovery after `kill -9`, and the KV hand-off.
 
-    python -m bench.workers [--workers 1,2,4] [--duration 6] [--kills 3] [--lengths 64,256,1024] [--json]
+    python -m bench.worker_pools [--workers 1,2,4] [--duration 6] [--kills 3] [--lengths 64,256,1024] [--json]
 
 scaling   N echo-engine workers (model-free, every sequence answered in one step) share the
           cpu pool's consumer group; a client keeps 64 one-sequence jobs outstanding on the
@@ -29,7 +29,7 @@ import orjson
 import redis
 import redis.asyncio as aioredis
 
-from bench.common import OUT, pct, spawn, stop, table
+from bench.harness import OUT, pct, spawn, stop, table
 from common import protocol as p
 from common import wire
 from gateway.cli.embedded_redis import EmbeddedRedis

@@ -1,6 +1,6 @@
 """The operator console's two targets, measured in headless Chromium against a local gateway.
 
-    python -m bench.console [--loads 10] [--seconds 30] [--browsers 1,3] [--no-pin]
+    python -m bench.console_browser [--loads 10] [--seconds 30] [--browsers 1,3] [--no-pin]
                             [--screenshots docs/img/console] [--json]
 
 First paint: each view (``login``, ``live``, ``tenants``, ``request``) is loaded ``--loads``
@@ -42,7 +42,7 @@ import httpx
 from playwright.sync_api import Browser, Page
 
 from bench.browser import chromium
-from bench.common import ADMIN_TOKEN, backend, console, gateway_server, json_lines, table, tree_cpu_s
+from bench.harness import ADMIN_TOKEN, backend, console, gateway_server, json_lines, table, tree_cpu_s
 
 VIEWS = {  # view -> what shows its data has arrived
     "login": "document.querySelector('#login-form') !== null",

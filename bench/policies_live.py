@@ -1,6 +1,6 @@
 """Scheduling policies side by side on real traffic: the real gateway, the real model, one CPU worker.
 
-    python -m bench.policies [--policies fcfs,grid,tokengate,smdp] [--loads 0.5,0.9,1.5]
+    python -m bench.policies_live [--policies fcfs,grid,tokengate,smdp] [--loads 0.5,0.9,1.5]
                              [--requests 60] [--start 6140] [--length-scale 32] [--max-output 32]
                              [--slo-ttft-ms 3000] [--slo-tpot-ms 400] [--aging-tokens A] [--json]
 
@@ -51,8 +51,8 @@ import numpy as np
 import orjson
 import redis
 
-from bench.common import OUT, backend, gateway_server, pct, table
-from bench.profile import nn_relative_fit
+from bench.cost_profile import nn_relative_fit
+from bench.harness import OUT, backend, gateway_server, pct, table
 from bench.traffic import (
     BUDGETS,
     DEFAULT_TRACE,
@@ -155,7 +155,7 @@ def simulated(policy: str, rows: list[Row], slo: Slo, aging: float, profile: Cos
     tenants = tuple(Tenant(f"t{i}", b, 1 / len(BUDGETS)) for i, b in enumerate(BUDGETS))
     arrivals = tuple(Arrival(f"r{i}", r.at, f"t{i % len(BUDGETS)}", r.prompt, r.output, r.output)
                      for i, r in enumerate(rows))
-    workload = Workload(arrivals, tenants, "bench.policies slice")
+    workload = Workload(arrivals, tenants, "bench.policies_live slice")
     config = replace(ex.scheduler_config(setup, workload), aging_tokens_per_s=aging)
     result = simulate(make_policy(policy, config), workload, setup.sim_config())
     return summarize(result, slo)

@@ -2,9 +2,9 @@
 
 Run from the repository root (after ``python setup.py build_ext --inplace``)::
 
-    python -m bench.sched_core                 # table
-    python -m bench.sched_core --json          # one JSON object per line
-    python -m bench.sched_core --policy smdp   # with the packaged SMDP table (or smdp:FILE)
+    python -m bench.core_cost                 # table
+    python -m bench.core_cost --json          # one JSON object per line
+    python -m bench.core_cost --policy smdp   # with the packaged SMDP table (or smdp:FILE)
 
 For each queue depth Q the scheduler is first filled with Q requests (8 buckets, 100
 tenants, arriving over one second, no capacity offered, untimed). Then capacity is offered

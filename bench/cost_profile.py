@@ -1,10 +1,10 @@
 """Cost profile of a worker for the simulator: prefill and decode-step times of the real model.
 
-    python -m bench.profile                      # measure this machine's CPU worker (~2-4 min)
-    python -m bench.profile --pool gpu           # the same on a CUDA GPU, where there is one
-    python -m bench.profile --derive h100-sxm    # no GPU: derive one from published figures
-    python -m bench.profile --refit bench/out/profile-raw-cpu.json   # refit saved points
-    python -m bench.profile --refit sched_core/profiles/cpu-smollm2-135m.json  # step model only
+    python -m bench.cost_profile                      # measure this machine's CPU worker (~2-4 min)
+    python -m bench.cost_profile --pool gpu           # the same on a CUDA GPU, where there is one
+    python -m bench.cost_profile --derive h100-sxm    # no GPU: derive one from published figures
+    python -m bench.cost_profile --refit bench/out/profile-raw-cpu.json   # refit saved points
+    python -m bench.cost_profile --refit sched_core/profiles/cpu-smollm2-135m.json  # step model only
 
 Measuring drives ``workers.hf_engine.HFEngine`` exactly as a worker does and times whole
 ``step()`` calls (model forward, sampling, detokenization, KV-cache merge):
@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import OUT, ROOT, table
+from bench.harness import OUT, ROOT, table
 from workers import model_store
 from workers.selfprofile import cpu_model, fit, nn_relative_fit, synthetic_prompt
 
@@ -276,7 +276,7 @@ def main() -> None:
         "dtype": raw["dtype"],
         "derived": False,
         "pool": args.pool,
-        "source": (f"measured by bench/profile.py ({time.strftime('%Y-%m-%d')}), "
+        "source": (f"measured by bench/cost_profile.py ({time.strftime('%Y-%m-%d')}), "
                    "2-core VM shared with other work"),
         "fit": fit(raw["points"]),
         "step_model": fit_step_model(raw["points"], args.pool),

@@ -1,7 +1,7 @@
 """A worker's start-up self-profile on this machine, and what its step model promises against
 what the engine then takes: the first-request check of issue 24 without a gateway or Redis.
 
-    python -m bench.selfprofile [--pool cpu|gpu] [--dtype auto|float32|bfloat16] [--starts 3] [--json F]
+    python -m bench.start_profile [--pool cpu|gpu] [--dtype auto|float32|bfloat16] [--starts 3] [--json F]
 
 Each start builds the engine a worker builds (``workers.hf_engine.HFEngine``, the device and
 dtype ``workers.devices`` picks, ``--step-tokens`` as a worker's default), warms it up like a

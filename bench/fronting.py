@@ -1,6 +1,6 @@
 """tokengate in front of llama.cpp's OpenAI-compatible server, against the server directly.
 
-    python -m bench.upstream [--concurrency 1,8,32] [--requests 16,32,64] [--max-tokens 48] [--pairs 40]
+    python -m bench.fronting [--concurrency 1,8,32] [--requests 16,32,64] [--max-tokens 48] [--pairs 40]
                              [--rounds 2] [--kill-s 30] [--no-plot]
 
 One run, the same workload both ways: closed loops of streaming greedy chats (four prompts
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import httpx
 import orjson
 
-from bench.common import ADMIN_TOKEN, OUT, auth, console, pct, save_plot, stack, table
+from bench.harness import ADMIN_TOKEN, OUT, auth, console, pct, save_plot, stack, table
 from bench.llamacpp import LlamaServer
 
 GATEWAY_CPUS = (0,)

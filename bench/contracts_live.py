@@ -1,7 +1,7 @@
 """Latency contracts against the live gateway with the real model, on a slice of the trace.
 
-    python -m bench.contracts [--requests 200] [--speed 0.25] [--busy] [--json]
-    python -m bench.contracts --overload [--json]
+    python -m bench.contracts_live [--requests 200] [--speed 0.25] [--busy] [--json]
+    python -m bench.contracts_live --overload [--json]
 
 Replays rows of the Azure LLM code trace (``bench/traffic.py``) through ``tokengate gateway``
 and one ``hf`` CPU worker of 32 slots: arrivals at ``--speed`` times the trace's rate, prompts
@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 import orjson
 
-from bench.common import ADMIN_TOKEN, OUT, backend, gateway_server, pct, save_plot, table
+from bench.harness import ADMIN_TOKEN, OUT, backend, gateway_server, pct, save_plot, table
 from bench.traffic import (
     BUDGETS,
     DEFAULT_TRACE,
