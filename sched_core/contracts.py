@@ -45,14 +45,12 @@ from typing import Any
 
 from sched_core.drift import Z_SPAN, log_spread, median_of, shifted
 from sched_core.types import Contract, Request
+from sched_core.windows import POINT_WINDOW, Window
 
 #: Before a path has enough outcomes for a conformal bound, bounds are the raw model's times
 #: this (the model is the packaged profile's: measured, but not on this deployment's load).
 PRIOR_BOUND_FACTOR = 3.0
 MIN_POINT = 16  # outcomes a window needs before its median corrects the raw prediction
-POINT_WINDOW = 64  # the median is of a window's latest outcomes: the bias drifts with the load
-REFRESH = 8  # a window's factors are recomputed after this many new outcomes (and while small)
-MIN_CONFORMAL = 99  # outcomes a window needs before it bounds at a level past its resolution
 #: Adaptive conformal inference (Gibbs and Candès, 2021): after each outcome the level a
 #: component's bounds are set at moves by GAMMA·(miss − (1 − coverage)), so that misses that
 #: come together (a burst, whose outcomes the windows learn only once they finish) raise the
@@ -61,7 +59,6 @@ MIN_CONFORMAL = 99  # outcomes a window needs before it bounds at a level past i
 #: raised level decays back with time constant ``LEVEL_DECAY_S``: a gateway that refuses
 #: everything learns from no outcome, and must not stay locked by an old burst.
 GAMMA = 0.01
-STRETCH = 40.0
 LEVEL_MAX = 1.035  # a stretch of 4x at most
 LEVEL_DECAY_S = 60.0
 COMPONENTS = ("ttft", "tpot", "total")
@@ -95,97 +92,6 @@ TRANSITION = 1.1
 def load_level(load: float) -> int:
     """The level of a path's load: the number of ``LEVELS`` edges at or below it."""
     return sum(load >= edge for edge in LEVELS)
-
-
-class Window:
-    """The last ``size`` ratios, sorted on demand (cached while fewer than ``REFRESH`` new)."""
-
-    __slots__ = ("size", "values", "at", "stale", "point", "centre", "sorted", "restored")
-
-    def __init__(self, size: int, values: list[float] | None = None) -> None:
-        self.size = size
-        self.values: list[float] = list(values or [])[-size:]
-        self.restored = 0  # the oldest values came from a saved state (``Contracts.load``), this many
-        self.at = 0  # the oldest (values are oldest first); appends until full leave it there
-        self.stale = len(self.values)
-        self.point = 1.0
-        self.centre = 1.0
-        self.sorted: list[float] = []
-
-    def add(self, x: float) -> None:
-        if len(self.values) < self.size:
-            self.values.append(x)
-        else:
-            self.values[self.at] = x
-            self.at = (self.at + 1) % self.size
-            self.restored = max(0, self.restored - 1)
-        self.stale += 1
-
-    def forget_restored(self) -> None:
-        """Drop the values a saved state brought (their time is over: the path has its own)."""
-        if self.restored:
-            self.values = self.ordered()[self.restored:]
-            self.at = self.restored = 0
-            self.stale = max(self.stale, REFRESH)
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-    def _refresh(self) -> None:
-        if self.stale and (self.stale >= REFRESH or len(self.values) < 8 * REFRESH):
-            self.sorted = sorted(self.values)
-            recent = sorted(self.ordered()[-POINT_WINDOW:])
-            self.point = weighted_median(recent)
-            self.centre = median_of(recent)
-            self.stale = 0
-
-    def median(self) -> float:
-        """The 1/x-weighted median: the factor that minimises the mean absolute percentage error."""
-        self._refresh()
-        return self.point
-
-    def middle(self) -> float:
-        """The plain median of the same outcomes: half of them took longer (drift's yardstick;
-        the weighted one sits lower the more they scatter)."""
-        self._refresh()
-        return self.centre
-
-    def quantile(self, q: float) -> float:
-        """The split-conformal q quantile, the ⌈(n+1)·q⌉-th smallest; inf while the window is
-        too small for one. Past q = 1 (adaptive conformal inference asks for more than the
-        window can give), the largest ratio, stretched by how far past."""
-        self._refresh()
-        xs = self.sorted
-        n = len(xs)
-        if q >= 1.0:
-            return xs[-1] * math.exp(STRETCH * (q - 1.0)) if n >= MIN_CONFORMAL else math.inf
-        k = math.ceil((n + 1) * q)
-        if k > n:  # past the window's resolution: its largest ratio, as at q = 1, once it has enough
-            return xs[-1] if n >= MIN_CONFORMAL else math.inf
-        return xs[k - 1]
-
-    def ordered(self) -> list[float]:
-        """Oldest first (for persisting)."""
-        return self.values[self.at:] + self.values[: self.at]
-
-    def rescale(self, factor: float, keep: list[bool]) -> None:
-        """Multiply every value by ``factor`` (re-anchoring) but those of the newest
-        ``len(keep)`` (oldest first) that ``keep`` marks."""
-        order = [(self.at + i) % len(self.values) for i in range(len(self.values))]  # oldest first
-        kept = {order[len(order) - len(keep) + i] for i, k in enumerate(keep) if k and len(keep) <= len(order)}
-        self.values = [v if i in kept else v * factor for i, v in enumerate(self.values)]
-        self.stale = max(self.stale, REFRESH)
-
-
-def weighted_median(xs: list[float]) -> float:
-    """The median of sorted positive ``xs`` weighted 1/x: the c minimising Σ|c − x|/x."""
-    half = sum(1.0 / x for x in xs) / 2.0
-    acc = 0.0
-    for x in xs:
-        acc += 1.0 / x
-        if acc >= half:
-            return x
-    return xs[-1]
 
 
 @dataclass(slots=True)
@@ -459,16 +365,28 @@ class Contracts:
         )
 
     def _add(self, component: str, pend: _Pending, ratio: float, moved: float = 1.0) -> None:
-        """Learn a ratio, of a request that ran on a steady path (``_steady``)."""
-        if not self._steady(pend, moved):
-            return
+        """Learn a ratio, of a request that ran on a steady path (``_steady``), or provisionally
+        one the step-time model re-anchored under while its path's window at its load level
+        holds fewer than ``MIN_POINT`` (within the path's first ``CHECK_OUTCOMES``): a fresh
+        start's first burst runs while the measured profile is first corrected, and windows
+        that waited for steadier outcomes would leave the start on the prior bound, with no
+        wait bound in force. A provisional ratio (taken against the re-anchored model) is held
+        like a restored one: the path's first outcomes check it, and at ``CHECK_OUTCOMES`` it
+        is dropped (learnt for good, one start's stalled requests set the first-token bound at
+        53-58x its prediction for hundreds of outcomes in ``bench.contract_chaos``)."""
         path = pend.path
+        provisional = not self._steady(pend, moved)
+        if provisional and (pend.changed or len(self._ratios.get((component, path, pend.level, -1), ())) >= MIN_POINT
+                            or self._learnt.get((component, path), 0) >= CHECK_OUTCOMES):
+            return
         for key in ((component, path, pend.level, pend.bucket), (component, path, pend.level, -1),
                     (component, path, -1, -1)):
             w = self._ratios.get(key)
             if w is None:
                 w = self._ratios[key] = Window(self.window)
             w.add(ratio)
+            if provisional:
+                w.restored = min(len(w), w.restored + 1)
         recent = self._recent.get((component, path))
         if recent is None:
             recent = self._recent[(component, path)] = deque(maxlen=DRIFT_OUTCOMES)

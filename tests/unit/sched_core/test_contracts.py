@@ -21,11 +21,10 @@ from sched_core.contracts import (
     PRIOR_BOUND_FACTOR,
     Accuracy,
     Contracts,
-    Window,
     load_level,
-    weighted_median,
 )
 from sched_core.types import Contract
+from sched_core.windows import Window, weighted_median
 
 from .support import req
 
@@ -519,3 +518,19 @@ def test_requests_the_step_model_re_anchored_under_are_the_changes() -> None:
     cal.promise(c, req("slow", out=10), 10, 0.0, 2.0, speed=2.0)
     cal.observe("slow", c.ttft_s * 50.0, c.total_s * 50.0, 10, 3.0, speed=2.0)
     assert cal.summary()["cpu"]["ttft"]["outcomes"] == before["outcomes"] + 1
+
+
+def test_a_fresh_path_learns_its_first_burst_provisionally_and_drops_it_once_checked() -> None:
+    """At a fresh start the step-time model re-anchors while the first burst runs: a path with
+    fewer than ``MIN_POINT`` outcomes learns those requests (or no wait bound would ever come
+    into force), held like restored values, dropped after ``CHECK_OUTCOMES``."""
+    cal = Contracts(BOUNDS, default_output=10)
+    for i in range(4):
+        c = raw(f"first{i}", out=10)
+        cal.promise(c, req(f"first{i}", out=10), 10, 0.0, 0.0, speed=1.0)
+        cal.observe(f"first{i}", c.ttft_s * 5.0, c.total_s * 5.0, 10, 1.0, speed=2.0)
+    pooled = cal._ratios[("ttft", "cpu", -1, -1)]
+    assert len(pooled) == 4 and pooled.restored == 4
+    feed(cal, CHECK_OUTCOMES, start=10, now=2.0)
+    assert pooled.restored == 0 and len(pooled) == CHECK_OUTCOMES
+    assert max(pooled.values) < 5.0  # the provisional 10x ratios are gone
