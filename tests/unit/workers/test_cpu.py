@@ -24,12 +24,14 @@ def _busy_share(seconds: float) -> float:
 
 
 def test_the_share_of_time_waiting_for_a_cpu_is_measured() -> None:
-    """Another program spinning on every core: this process's thread waits for a CPU a good
-    share of the time it wants one; alone, nearly never."""
+    """Two more programs spinning on every core: this process's thread waits for a CPU a good
+    share of the time it wants one, and far more than just before without them (whatever else
+    runs on the machine: a build beside the tests makes "alone" itself a share of a half)."""
     if cpu_times() == (0.0, 0.0):
         pytest.skip("no schedstat on this system")
+    alone = _busy_share(0.3)
     cores = len(os.sched_getaffinity(0))
-    hogs = [multiprocessing.Process(target=_spin, args=(time.monotonic() + 1.5,)) for _ in range(cores)]
+    hogs = [multiprocessing.Process(target=_spin, args=(time.monotonic() + 1.5,)) for _ in range(2 * cores)]
     for hog in hogs:
         hog.start()
     try:
@@ -37,8 +39,8 @@ def test_the_share_of_time_waiting_for_a_cpu_is_measured() -> None:
     finally:
         for hog in hogs:
             hog.join()
-    assert starved > 0.2, starved  # two runnable threads per core: about half
-    assert _busy_share(0.3) < starved / 2
+    assert starved > 0.3, starved  # three runnable threads per core, quiet: about two thirds
+    assert starved > alone + 0.1, (starved, alone)
 
 
 def test_a_starved_engine_gives_up_a_thread_and_tries_it_back_later() -> None:

@@ -73,7 +73,10 @@ def test_the_fingerprint_names_the_machine_and_the_settings() -> None:
     assert same != sp.fingerprint(facts, {"step_tokens": 256})
 
 
-def test_the_echo_engine_is_measured_stored_and_then_reused(tmp_path: Path) -> None:
+def test_the_echo_engine_is_measured_stored_and_then_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # never judged starved: another program on these CPUs (a build, a parallel run) would turn
+    # the re-check below into a starved one, which keeps the stored profile (tested apart)
+    monkeypatch.setattr(sp, "STARVED", 1.01)
     engine = EchoEngine(tokens=16, slots=32, step_s=0.002)
     kw = {"pool": "cpu", "model": "echo", "setup": {"step_s": 0.002}, "budget_s": 5.0, "slots": 32,
           "directory": tmp_path}
@@ -95,6 +98,21 @@ def test_the_echo_engine_is_measured_stored_and_then_reused(tmp_path: Path) -> N
     assert anchored["id"] != first["id"]  # another profile: gateways start afresh on it
     stored = json.loads((tmp_path / f"{first['fingerprint']}.json").read_text())
     assert sp.profile_id(stored) == anchored["id"]  # the next start re-checks the re-anchored one
+
+
+
+def test_a_starved_re_check_keeps_the_stored_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A re-check that waited for a CPU timed its neighbours: the stored profile stays as it
+    is (the gateways' step-time model follows the machine from there), however far off."""
+    kw = {"pool": "cpu", "model": "echo", "setup": {"step_s": 0.002}, "budget_s": 5.0, "slots": 32,
+          "directory": tmp_path}
+    monkeypatch.setattr(sp, "STARVED", 1.01)
+    first = sp.obtain(EchoEngine(tokens=16, slots=32, step_s=0.002), **kw)  # type: ignore[arg-type]
+    assert first is not None and first["how"] == "measured"
+    monkeypatch.setattr(sp, "STARVED", 0.0)  # every re-check counts as starved
+    kept = sp.obtain(EchoEngine(tokens=16, slots=32, step_s=0.02), **kw)  # type: ignore[arg-type]
+    assert kept is not None and kept["how"] == "reused" and kept["id"] == first["id"]
+    assert kept["recheck_error"] > sp.RECHECK_TOLERANCE
 
 
 def test_no_budget_no_profile(tmp_path: Path) -> None:
