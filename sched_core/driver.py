@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from common.pools import POOLS
 from sched_core.contracts import Accuracy, Contracts
@@ -56,8 +56,8 @@ StepRecord = tuple[int, int, int, float]  # prefill tokens, decode sequences, KV
 
 
 class Policy(Protocol):
-    """What the driver drives: the scheduler's API (``sched_core.Scheduler`` and the baselines
-    of ``sched_core.policies`` fit)."""
+    """What the driver drives, every policy: the scheduler (``sched_core.Scheduler``, both
+    implementations) and the baselines of ``sched_core.policies``."""
 
     @property
     def queued(self) -> int: ...
@@ -75,6 +75,10 @@ class Policy(Protocol):
 
     def observe_steps(self, path: str, records: list[StepRecord], now: float) -> None: ...
 
+    def cancel(self, request_id: str, now: float) -> bool:
+        """Drop a queued request; False where it is not queued (dispatched, or never seen)."""
+        ...
+
 
 @runtime_checkable
 class Wakes(Protocol):
@@ -84,17 +88,46 @@ class Wakes(Protocol):
 
 
 @runtime_checkable
-class Priors(Protocol):
-    """A policy with a step-time model that a measured profile can seed."""
+class Prices(Protocol):
+    """A policy that prices work with a step-time model and promises what it prices: the
+    scheduler. The baselines promise nothing, and the driver asks them none of this."""
 
-    def set_prior(self, path: str, prior: PathConfig, trust: float = 1.0) -> None: ...
+    config: SchedulerConfig
+
+    def set_prior(self, path: str, prior: PathConfig, trust: float = 1.0) -> None:
+        """Seed ``path``'s step-time model with a measured profile, held as firmly as ``trust``."""
+        ...
+
+    def drift(self, path: str) -> float:
+        """The step-time model's re-anchoring of ``path`` (1: as fitted)."""
+        ...
+
+    def prefill_alone_s(self, path: str, prompt_tokens: int) -> float:
+        """The fitted time of a prompt's prefill on an idle worker of ``path``."""
+        ...
+
+    def admission(self) -> tuple[float, float]:
+        """The weight and slack of the admission rule of the state in force (the SMDP table's)."""
+        ...
+
+    def explain(self, request_id: str) -> dict[str, Any] | None:
+        """Why a request it holds is where it is (None: not held)."""
+        ...
+
+    def snapshot(self) -> dict[str, Any]:
+        """Its queues, paths and step-time models, as JSON data."""
+        ...
 
 
 @runtime_checkable
-class Cancels(Protocol):
-    """A policy that can drop a queued request."""
+class Queues(Protocol):
+    """A baseline: one queue filled into its ``paths`` in order, no cost model."""
 
-    def cancel(self, request_id: str, now: float) -> bool: ...
+    paths: tuple[str, ...]
+
+    def backlog(self) -> tuple[int, int]:
+        """Queued requests, and their prompt and expected output tokens."""
+        ...
 
 
 class Shares:
@@ -152,14 +185,13 @@ class Driver:
     def __init__(self, policy: Policy, tick_s: float = TICK_S, lease_s: float = math.inf) -> None:
         self.policy = policy
         self._wakes = policy if isinstance(policy, Wakes) else None  # a Protocol check costs ~10 us a call
-        self._alone = getattr(policy, "prefill_alone_s", None)  # the scheduler's; baselines promise nothing
-        self._drift = getattr(policy, "drift", None)  # the step-time model's re-anchoring per path
-        self._admission = getattr(policy, "admission", None)  # the threshold of the state in force (smdp)
+        #: the scheduler's pricing, asked where it promises (None: a baseline, which promises nothing)
+        self.pricing: Prices | None = policy if isinstance(policy, Prices) else None
+        #: a baseline's queue, for the backlog (None: the scheduler, whose snapshot says it per bucket)
+        self.queues: Queues | None = policy if isinstance(policy, Queues) else None
         self.tick_s = tick_s
-        config = getattr(policy, "config", None)
-        self._promises = isinstance(config, SchedulerConfig)  # the baselines promise nothing
-        if not isinstance(config, SchedulerConfig):
-            config = SchedulerConfig()
+        self._promises = self.pricing is not None
+        config = self.pricing.config if self.pricing is not None else SchedulerConfig()
         self.contracts = Contracts(config.bucket_bounds, config.default_output_tokens)
         self.shares = Shares(config.rate_window_s)
         self._cap = dict.fromkeys(POOLS, 0)
@@ -212,7 +244,7 @@ class Driver:
         tpot_slo = req.slo_tpot_s if req.slo_tpot_s is not None else math.inf
         full = over and load >= FULL_LOAD  # capacity left is kept for the tenants within their share
         ttft, tpot = c.ttft_p99_s, c.tpot_p99_s
-        weight, slack = self._admission() if self._admission is not None else (1.0, 1.0)
+        weight, slack = self.pricing.admission() if self.pricing is not None else (1.0, 1.0)
         stricter = weight < 1.0 or slack != 1.0  # the state's quantile of each bound, against its multiple of the SLO
         if stricter:
             if weight < 1.0:
@@ -246,9 +278,9 @@ class Driver:
         merely with a slot free: under overload, shedding keeps the queues short and a slot
         often free, and the bounds must decide there (admitting on a free slot cost the tenants
         within their share 8-17 points of attainment in the simulator)."""
-        if c.tokens_ahead or self._used[c.path] or not self._cap[c.path] or self._alone is None:
+        if c.tokens_ahead or self._used[c.path] or not self._cap[c.path] or self.pricing is None:
             return False
-        alone = self._alone(c.path, req.prompt_tokens)
+        alone = self.pricing.prefill_alone_s(c.path, req.prompt_tokens)
         return ((req.slo_ttft_s is None or c.budget_wait_s + alone <= req.slo_ttft_s)
                 and (req.slo_tpot_s is None or raw.tpot_s <= req.slo_tpot_s))
 
@@ -262,7 +294,7 @@ class Driver:
             return None  # nothing queued ahead and a slot free: no queue to wait in, whatever the model says
         if not self.contracts.calibrated("ttft", c.path, load):  # the raw model alone may be far off: no refusal
             return None
-        alone = self._alone(c.path, req.prompt_tokens) if self._alone is not None else 0.0
+        alone = self.pricing.prefill_alone_s(c.path, req.prompt_tokens) if self.pricing is not None else 0.0
         wait = c.ttft_s - c.budget_wait_s - alone
         if wait <= req.max_wait_s:
             return None
@@ -275,8 +307,7 @@ class Driver:
     def _take_back(self, request_id: str, now: float) -> bool:
         """Takes an admitted request out of the policy's queue, and its promise with it, to
         refuse it; False where the policy cannot (the request then keeps its promise)."""
-        policy = self.policy
-        if not isinstance(policy, Cancels) or not policy.cancel(request_id, now):
+        if not self.policy.cancel(request_id, now):
             return False
         self.contracts.forget(request_id)
         return True
@@ -291,7 +322,11 @@ class Driver:
                                       self._speed(pend.path) if pend is not None else 1.0)
 
     def _speed(self, path: str) -> float:
-        return self._drift(path) if self._drift is not None else 1.0
+        return self.pricing.drift(path) if self.pricing is not None else 1.0
+
+    def explain(self, request_id: str) -> dict[str, Any] | None:
+        """The scheduler's explanation of a request it holds (None: not held, or a baseline)."""
+        return self.pricing.explain(request_id) if self.pricing is not None else None
 
     def promised(self, request_id: str) -> Contract | None:
         """The contract a request was given (None: none, or its outcome is in)."""
@@ -383,9 +418,9 @@ class Driver:
     def prior(self, path: str, prior: PathConfig, trust: float = 1.0) -> bool:
         """Seed ``path``'s step-time model with ``prior`` (its workers measured themselves),
         held as firmly as ``trust`` (0-1]; False if the policy has no model (the baselines)."""
-        if not isinstance(self.policy, Priors):
+        if self.pricing is None:
             return False
-        self.policy.set_prior(path, prior, trust)
+        self.pricing.set_prior(path, prior, trust)
         return True
 
     def steps(self, path: str, records: Sequence[StepRecord], now: float) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sched_core import ReferenceScheduler, Scheduler
+from sched_core import IMPLEMENTATIONS, ReferenceScheduler, Scheduler
+from sched_core.driver import Driver
 from sched_core.policies import FifoPolicy, FixedBatch, TimeWindow, make_policy
 from sched_core.types import SchedulerConfig
 
@@ -40,3 +41,17 @@ def test_anything_else_is_refused_naming_the_forms(spec: str) -> None:
     with pytest.raises(ValueError, match="fixed:batch=B,window_ms=W"):
         make_policy(spec, CONFIG)
 
+
+
+@pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize("spec", ["tokengate", "smdp", "fcfs", "gpu-only", "fixed:batch=4", "fixed:window_ms=5"])
+def test_what_the_driver_may_ask_of_each_policy_is_declared(spec: str, implementation: str) -> None:
+    """The driver asks the scheduler for its pricing and a baseline for its queue through the
+    interfaces ``sched_core.driver`` declares, never by probing for a method: each policy the
+    factory makes is exactly one of the two."""
+    driver = Driver(make_policy(spec, SchedulerConfig(), implementation=implementation))
+    scheduler = spec in ("tokengate", "smdp")
+    assert (driver.pricing is not None) == scheduler
+    assert (driver.queues is not None) == (not scheduler)
+    assert driver.prior("cpu", SchedulerConfig().cpu) == scheduler
+    assert driver.explain("nobody") is None
