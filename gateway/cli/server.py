@@ -34,7 +34,7 @@ from gateway.cli.embedded_redis import EmbeddedRedis, default_data_dir
 from gateway.cli.flags import GATEWAY_FLAGS, SETTING_FLAGS
 from gateway.cli.shutdown import FORCED_EXIT_S, Interrupted, StopSignals, exit_within
 from gateway.cli.supervisor import POLL_S, Supervisor, gateway_child, worker_child
-from gateway.dispatch.scheduling import scheduler_config
+from gateway.dispatch.fleet import scheduler_config
 from gateway.settings import GatewaySettings
 from workers import cli as worker_cli
 from workers import model_store

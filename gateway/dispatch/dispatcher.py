@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import math
 import os
@@ -58,7 +57,6 @@ READ_BLOCK_MS = 1000  # the reply loop's blocking read returns at least this oft
 BACKOFF = backoff_policy(base_s=0.05, cap_s=2.0)  # after the n-th Redis failure in a row of one loop
 DECIDE_S = 5.0  # a follower waits this long for the scheduler's decision (a failover takes ~1 s)
 RECLAIM_S = 1.0  # the scheduler takes over arrivals left pending this long by another consumer
-DISPATCH_SHA = hashlib.sha1(election.DISPATCH.encode()).hexdigest()
 
 
 @dataclass(slots=True)
@@ -252,7 +250,7 @@ class Dispatcher:
         ask = os.urandom(8).hex()
         answer = self._asked[ask] = asyncio.get_running_loop().create_future()
         try:
-            await self._xadd_arrivals(election.encode_question(rid, ask, self.replies))
+            await self._xadd_arrivals(election.encode_question(election.Question(rid, ask, self.replies)))
             async with asyncio.timeout(ASK_S):
                 return await answer
         except TimeoutError:
@@ -288,7 +286,7 @@ class Dispatcher:
     def first_token(self, rid: str, ttft_s: float) -> None:
         """A streamed request's first token came ``ttft_s`` after it arrived."""
         if rid in self._remote:
-            self._note("first", rid, ttft_s=ttft_s)
+            self._tell(election.Note(election.FIRST, rid, ttft_s=ttft_s))
         else:
             self.shell.driver.first_token(rid, ttft_s, time.monotonic())
 
@@ -298,13 +296,13 @@ class Dispatcher:
         for a forwarded one: the scheduler keeps the calibration)."""
         if rid in self._remote:
             self._remote.discard(rid)
-            self._note("end", rid, ttft_s=ttft_s, total_s=total_s, tokens=tokens)
+            self._tell(election.Note(election.END, rid, ttft_s, total_s, tokens))
             return None
         return self.shell.outcome(rid, ttft_s, total_s, tokens, time.monotonic())
 
-    def _note(self, kind: str, rid: str, **values: float | int | None) -> None:
-        """Tell the scheduler about a request this gateway forwarded (``election.encode_note``)."""
-        self._spawn(self._xadd_arrivals(election.encode_note(kind, rid, **values)))
+    def _tell(self, note: election.Note) -> None:
+        """Tell the scheduler about a request this gateway forwarded."""
+        self._spawn(self._xadd_arrivals(election.encode_note(note)))
 
     async def _xadd_arrivals(self, fields: dict[bytes, bytes]) -> None:
         await self._xadd_or_warn(wire.ARRIVALS_STREAM, fields)  # if lost: the slot comes back with the report
@@ -333,7 +331,7 @@ class Dispatcher:
         read it yet, a pub/sub message for the one running it) and stops it within one
         decode step; its final event still arrives here. Harmless if repeated."""
         if rid in self._remote:  # the scheduler drops it if still queued, and says so with a final event
-            self._note("cancel", rid)
+            self._tell(election.Note(election.CANCEL, rid))
         elif self.shell.cancel(rid, time.monotonic()):
             self.pending.pop(rid, None)
             return True
@@ -385,16 +383,11 @@ class Dispatcher:
         and acknowledge the arrival ``entries`` they answer, in one script (``election.DISPATCH``)
         fenced by the lease when there are entries; False, and this gateway steps down, if it
         no longer schedules."""
-        keys = [wire.SCHEDULER_LEASE, wire.ARRIVALS_STREAM]
-        args: list[bytes | str | int] = [self.settings.gateway_id if entries else "", wire.ARRIVALS_GROUP,
-                                         p.VERSION, len(writes), wire.GROUP, wire.BELL_MAXLEN]
-        for stream, name, payload in writes:
-            keys += [stream, wire.bell_stream(worker) if worker else stream]
-            args += [name, payload, worker]
+        keys, args = election.dispatch_args(self.settings.gateway_id, writes, entries, worker)
         try:
-            done = await self.batch.call("EVALSHA", DISPATCH_SHA, len(keys), *keys, *args, *entries)
+            done = await self.batch.call("EVALSHA", election.DISPATCH_SHA, len(keys), *keys, *args)
         except NoScriptError:  # a fresh (or flushed) Redis: the script's text, which it keeps
-            done = await self.batch.call("EVAL", election.DISPATCH, len(keys), *keys, *args, *entries)
+            done = await self.batch.call("EVAL", election.DISPATCH, len(keys), *keys, *args)
         if done == -1:
             self._step_down("another gateway schedules now")
             return False
@@ -731,20 +724,19 @@ class Dispatcher:
                 done.append(entry_id)
                 continue
             fields = raw if isinstance(raw, dict) else dict(zip(raw[::2], raw[1::2], strict=True))
-            kind = fields.get(b"k")
             try:
-                if kind == b"a":
-                    self._admit(wire.text(entry_id), election.decode_arrival(fields), now)
+                msg = election.decode_entry(fields)
+                if isinstance(msg, election.Arrival):
+                    self._admit(wire.text(entry_id), msg, now)
                     continue
                 done.append(entry_id)
-                if kind == b"e":
-                    self._handle(p.decode_events(fields))
-                elif kind == b"n":
-                    self._apply_note(election.decode_note(fields), now)
-                elif kind == b"q":
-                    rid, ask, reply_to = election.decode_question(fields)
-                    answer = election.encode_explained(ask, self.explain(rid))
-                    self._spawn(self._xadd_or_warn(reply_to, {b"v": election.VERSION, election.EXPLAINED: answer}))
+                if isinstance(msg, election.Events):
+                    self._handle(list(msg.events))
+                elif isinstance(msg, election.Note):
+                    self._apply_note(msg, now)
+                elif isinstance(msg, election.Question):
+                    answer = election.encode_explained(msg.ask, self.explain(msg.rid))
+                    self._spawn(self._xadd_or_warn(msg.reply_to, {b"v": election.VERSION, election.EXPLAINED: answer}))
             except p.ProtocolError as exc:
                 log.error("dropping an unreadable arrival: %s", exc)
                 done.append(entry_id)
@@ -767,19 +759,16 @@ class Dispatcher:
         else:  # the arrival stays pending until its job leaves; if lost, the follower gives up after DECIDE_S
             self._spawn(self._xadd_or_warn(arrival.reply_to, {b"v": election.VERSION, election.DECISION: answer}))
 
-    def _apply_note(self, note: dict[str, object], now: float) -> None:
-        rid, kind = str(note["rid"]), note.get("kind")
-        if kind == "first" and isinstance(note.get("ttft_s"), float):
-            self.shell.driver.first_token(rid, note["ttft_s"], now)  # type: ignore[arg-type]
-        elif kind == "end":
-            ttft, total, tokens = note.get("ttft_s"), note.get("total_s"), note.get("tokens")
+    def _apply_note(self, note: election.Note, now: float) -> None:
+        rid = note.rid
+        if note.kind == election.FIRST and note.ttft_s is not None:
+            self.shell.driver.first_token(rid, note.ttft_s, now)
+        elif note.kind == election.END:
             self.shell.request_ended(rid, now)
-            accuracy = self.shell.outcome(rid, ttft if isinstance(ttft, float) else None,
-                                          total if isinstance(total, float) else None,
-                                          tokens if isinstance(tokens, int) else 0, now)
+            accuracy = self.shell.outcome(rid, note.ttft_s, note.total_s, note.tokens, now)
             if self._on_accuracy is not None:
                 self._on_accuracy(accuracy)
-        elif kind == "cancel" and self.shell.cancel(rid, now):
+        elif note.kind == election.CANCEL and self.shell.cancel(rid, now):
             self._refuse_queued(rid, "cancelled", "The client went away.")
 
     async def _watch_loop(self) -> None:

@@ -22,12 +22,14 @@ its refusal (a ``decision`` entry); the workers reply to the follower directly.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from common import protocol as p
+from common import wire
 from gateway.dispatch.scheduling import Origin
 from sched_core import Contract, Reject
 
@@ -84,6 +86,27 @@ for i = 7 + 3 * n, #ARGV do
 end
 return 1
 """
+DISPATCH_SHA = hashlib.sha1(DISPATCH.encode()).hexdigest()
+
+
+def dispatch_args(gateway_id: str, writes: list[tuple[str, bytes, bytes]], entries: list[str],
+                  worker: str = "") -> tuple[list[str], list[bytes | str | int]]:
+    """``DISPATCH``'s KEYS and ARGV: write ``(stream, field, payload)`` entries (a job for
+    ``worker``: delivered to it, its doorbell rung) and acknowledge the arrival ``entries``
+    they answer, fenced by the lease of ``gateway_id`` when there are entries."""
+    keys = [wire.SCHEDULER_LEASE, wire.ARRIVALS_STREAM]
+    args: list[bytes | str | int] = [gateway_id if entries else "", wire.ARRIVALS_GROUP, p.VERSION, len(writes),
+                                     wire.GROUP, wire.BELL_MAXLEN]
+    for stream, name, payload in writes:
+        keys += [stream, wire.bell_stream(worker) if worker else stream]
+        args += [name, payload, worker]
+    return keys, args + list(entries)
+
+
+#: the kind (``b"k"``) of an entry on the arrivals stream
+ARRIVAL, EVENTS, NOTE, QUESTION = b"a", b"e", b"n", b"q"
+#: the kind of a note (``Note``)
+FIRST, END, CANCEL = "first", "end", "cancel"
 
 DECISION = b"d"  # the field of a decision entry on a follower's reply stream (events use b"m")
 EXPLAINED = b"x"  # the field of an answer to a question (``encode_question``) on a follower's reply stream
@@ -99,25 +122,70 @@ class Arrival:
     reply_to: str
 
 
+@dataclass(frozen=True, slots=True)
+class Events:
+    """Worker events about forwarded requests (final events, batch reports): slots come back."""
+
+    events: tuple[p.Event, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """What a follower learnt about a request it forwarded: ``FIRST`` (its first token came
+    ``ttft_s`` after arrival), ``END`` (it ended where it was sent from: what it took; None:
+    not seen), ``CANCEL`` (its client left)."""
+
+    kind: str
+    rid: str
+    ttft_s: float | None = None
+    total_s: float | None = None
+    tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Question:
+    """A follower asks for the scheduler's ``explain`` of ``rid``; ``ask`` names the question
+    in the answer, written to ``reply_to``."""
+
+    rid: str
+    ask: str
+    reply_to: str
+
+
+Message = Arrival | Events | Note | Question
+
+
 def encode_arrival(seq: p.SeqJob, who: Origin, reply_to: str) -> dict[bytes, bytes]:
     job = p.encode_job(p.BatchJob("arrival", reply_to, 0, (seq,)))
-    return {b"k": b"a", b"v": VERSION, b"m": job["m"], b"o": orjson.dumps(dataclasses.asdict(who))}
+    return {b"k": ARRIVAL, b"v": VERSION, b"m": job["m"], b"o": orjson.dumps(dataclasses.asdict(who))}
 
 
 def encode_events(events: list[p.Event]) -> dict[bytes, bytes]:
-    """Worker events about forwarded requests (final events, batch reports), for the scheduler."""
-    return {b"k": b"e", b"v": VERSION, b"m": p.encode_events(events)["m"]}
+    """Worker events about forwarded requests (``Events``), for the scheduler."""
+    return {b"k": EVENTS, b"v": VERSION, b"m": p.encode_events(events)["m"]}
 
 
-def encode_note(kind: str, rid: str, **values: float | int | None) -> dict[bytes, bytes]:
-    """``first`` (its first token came), ``end`` (it ended where it was sent from; what it
-    took), ``cancel`` (its client left)."""
-    return {b"k": b"n", b"v": VERSION, b"m": orjson.dumps({"kind": kind, "rid": rid, **values})}
+def encode_note(note: Note) -> dict[bytes, bytes]:
+    return {b"k": NOTE, b"v": VERSION, b"m": orjson.dumps(dataclasses.asdict(note))}
 
 
-def encode_question(rid: str, ask: str, reply_to: str) -> dict[bytes, bytes]:
-    """Ask the scheduler for its ``explain`` of ``rid``; ``ask`` names the question in the answer."""
-    return {b"k": b"q", b"v": VERSION, b"m": orjson.dumps({"rid": rid, "ask": ask, "reply_to": reply_to})}
+def encode_question(question: Question) -> dict[bytes, bytes]:
+    return {b"k": QUESTION, b"v": VERSION, b"m": orjson.dumps(dataclasses.asdict(question))}
+
+
+def decode_entry(fields: dict[bytes, bytes]) -> Message | None:
+    """An arrivals-stream entry, typed by its kind; None: a kind this version does not know
+    (a newer gateway's: acknowledged and skipped). Raises ``p.ProtocolError`` when malformed."""
+    kind = fields.get(b"k")
+    if kind == ARRIVAL:
+        return decode_arrival(fields)
+    if kind == EVENTS:
+        return Events(tuple(p.decode_events(fields)))
+    if kind == NOTE:
+        return decode_note(fields)
+    if kind == QUESTION:
+        return decode_question(fields)
+    return None
 
 
 def encode_explained(ask: str, explain: dict[str, object] | None) -> bytes:
@@ -146,23 +214,30 @@ def decode_arrival(fields: dict[bytes, bytes]) -> Arrival:
     return Arrival(job.seqs[0], who, job.reply_to)
 
 
-def decode_note(fields: dict[bytes, bytes]) -> dict[str, Any]:
+def _doc(fields: dict[bytes, bytes], what: str) -> dict[str, Any]:
     try:
         doc = orjson.loads(fields[b"m"])
     except (KeyError, orjson.JSONDecodeError) as exc:
-        raise p.ProtocolError(f"malformed note: {exc!r}") from exc
+        raise p.ProtocolError(f"malformed {what}: {exc!r}") from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("rid"), str):
-        raise p.ProtocolError("a note names a request")
+        raise p.ProtocolError(f"a {what} names a request")
     return doc
 
 
-def decode_question(fields: dict[bytes, bytes]) -> tuple[str, str, str]:
-    """(rid, ask, reply_to) of a question (``encode_question``)."""
-    doc = decode_note(fields)
+def decode_note(fields: dict[bytes, bytes]) -> Note:
+    """A figure of the wrong type reads as not seen (None, or 0 tokens)."""
+    doc = _doc(fields, "note")
+    ttft, total, tokens = doc.get("ttft_s"), doc.get("total_s"), doc.get("tokens")
+    return Note(str(doc.get("kind")), doc["rid"], ttft if isinstance(ttft, float) else None,
+                total if isinstance(total, float) else None, tokens if isinstance(tokens, int) else 0)
+
+
+def decode_question(fields: dict[bytes, bytes]) -> Question:
+    doc = _doc(fields, "question")
     ask, reply_to = doc.get("ask"), doc.get("reply_to")
     if not (isinstance(ask, str) and isinstance(reply_to, str)):
         raise p.ProtocolError("a question names its answer's stream")
-    return doc["rid"], ask, reply_to
+    return Question(doc["rid"], ask, reply_to)
 
 
 def _known(cls: type, doc: dict[str, Any]) -> dict[str, Any]:

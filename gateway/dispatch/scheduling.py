@@ -11,14 +11,19 @@ import dataclasses
 from dataclasses import dataclass, replace
 from typing import Any
 
-import orjson
-
 from common import protocol as p
 from common.pools import POOLS
+from gateway.dispatch.fleet import (
+    capacity_share,
+    engines_identity,
+    measured_prior,
+    measured_trust,
+    path_identity,
+    running_by_pool,
+)
 from gateway.dispatch.placement import Placement
-from sched_core import BatchTimings, Contract, Dispatch, PathConfig, Reject, Request, SchedulerConfig
+from sched_core import BatchTimings, Contract, Dispatch, Reject, Request, SchedulerConfig
 from sched_core.contracts import Accuracy
-from sched_core.costmodel import COEFFICIENTS
 from sched_core.driver import Driver
 from sched_core.policies import make_policy
 
@@ -46,132 +51,8 @@ class Send:
     worker: str = ""  # the worker chosen to run it ('' : whichever worker of the pool reads it)
 
 
-def scheduler_config(priors_path: str | None, **fields: Any) -> SchedulerConfig:
-    """The scheduler's config: the given fields (the SLO it schedules for, its aging rate;
-    left out, the defaults), with per-path step-time priors from a JSON file if one is given.
-
-    The file is either a profile written by ``bench/cost_profile.py`` (its ``step_model`` object
-    seeds the path named by its ``pool``), or ``{"cpu": {...}, "gpu": {...}}`` with any subset
-    of the PathConfig fields (``decode_launch`` s, ``decode_seq`` s/sequence, ``kv_token``
-    s/KV token, ``prefill_launch`` s, ``prefill_token`` s/prompt token, ``max_batch``,
-    ``step_tokens``), at top level or under ``"priors"``; fields left out keep the packaged
-    defaults. Raises ValueError naming the file and the field."""
-    config = SchedulerConfig(**fields)
-    if priors_path is None:
-        return config
-    try:
-        with open(priors_path, "rb") as f:
-            doc = orjson.loads(f.read())
-    except (OSError, orjson.JSONDecodeError) as exc:
-        raise ValueError(f"cost priors {priors_path}: {exc}") from None
-    priors: object = doc.get("priors", doc) if isinstance(doc, dict) else None
-    if isinstance(doc, dict) and "step_model" in doc:
-        if doc.get("pool") not in POOLS:
-            raise ValueError(f"cost priors {priors_path}: a profile needs a pool among {', '.join(POOLS)}")
-        priors = {doc["pool"]: doc["step_model"]}
-    if not isinstance(priors, dict) or not set(priors) <= set(POOLS):
-        raise ValueError(f"cost priors {priors_path}: expected an object with keys among {', '.join(POOLS)}")
-    paths = {}
-    for pool, fields in priors.items():
-        known = {f.name for f in dataclasses.fields(PathConfig)}
-        unknown = set(fields) - known if isinstance(fields, dict) else {"(not an object)"}
-        if unknown:
-            raise ValueError(f"cost priors {priors_path}: {pool}: unknown {', '.join(sorted(unknown))}")
-        try:
-            paths[pool] = replace(getattr(config, pool), **fields)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"cost priors {priors_path}: {pool}: {exc}") from None
-    return replace(config, **paths)
-
-
-def capacity_share(workers: dict[str, p.Heartbeat]) -> dict[str, tuple[int, int]]:
-    """Live slots and workers per pool. A worker that says it is down counts for nothing."""
-    slots: dict[str, int] = {pool: 0 for pool in POOLS}
-    count: dict[str, int] = {pool: 0 for pool in POOLS}
-    for hb in workers.values():
-        if hb.down:  # alive, but its upstream does not answer: it takes no job
-            continue
-        slots[hb.pool] = slots.get(hb.pool, 0) + hb.slots
-        count[hb.pool] = count.get(hb.pool, 0) + 1
-    return {pool: (slots[pool], max(1, count[pool])) for pool in slots}
-
-
-def running_by_pool(workers: dict[str, p.Heartbeat]) -> dict[str, int]:
-    """Sequences the workers of each pool said they hold, at their last heartbeat."""
-    out = dict.fromkeys(POOLS, 0)
-    for hb in workers.values():
-        if hb.pool in out and not hb.down:
-            out[hb.pool] += hb.running
-    return out
-
-
-def worker_identity(hb: p.Heartbeat) -> str:
-    """What a worker's step times belong to: the measured profile it publishes (its id: the
-    machine's fingerprint and the fit, so a profile measured again is another), else its
-    engine, model, device and dtype (an upstream engine, a worker that measured nothing)."""
-    pid = hb.profile.get("id")
-    if isinstance(pid, str) and pid:
-        return pid
-    fingerprint = hb.profile.get("fingerprint")
-    if isinstance(fingerprint, str) and fingerprint:
-        return f"{fingerprint}@{hb.profile.get('measured_at', '?')}"
-    return f"{hb.engine}:{hb.model}:{hb.device}:{hb.dtype}"
-
-
-def path_identity(workers: dict[str, p.Heartbeat], pool: str) -> str | None:
-    """The identities of a pool's live workers (None: it has none): what a saved step-time
-    model and calibration of that path must have been made with to be restored."""
-    ids = sorted({worker_identity(hb) for hb in workers.values() if hb.pool == pool and not hb.down})
-    return " ".join(ids) if ids else None
-
-
-def engines_identity(workers: dict[str, p.Heartbeat]) -> str:
-    """The engines and models the live workers run: what saved output lengths belong to."""
-    return " ".join(sorted({f"{hb.engine}:{hb.model}" for hb in workers.values() if not hb.down}))
-
-
-def measured_trust(workers: dict[str, p.Heartbeat], pool: str) -> float:
-    """How firmly a pool's step model holds its measured prior: a profile measured while its
-    worker was starved of CPU (``starved``: the share of its threads' time spent waiting for
-    one) timed its neighbours as much as its engine, so it counts for (1 − starved)² of one
-    measured quietly, slot-weighted over the pool's workers, and live steps overrule it sooner."""
-    weights: list[tuple[int, float]] = []
-    for hb in workers.values():
-        if hb.pool == pool and not hb.down and isinstance(hb.profile.get("step_model"), dict):
-            starved = hb.profile.get("starved", 0.0)
-            share = min(max(float(starved), 0.0), 0.9) if isinstance(starved, int | float) else 0.0
-            weights.append((max(1, hb.slots), (1.0 - share) ** 2))
-    if not weights:
-        return 1.0
-    return sum(slots * trust for slots, trust in weights) / sum(slots for slots, _ in weights)
-
-
 #: The saved state's format: a state of another format (or none) is not restored.
 STATE_FORMAT = 2
-
-
-def measured_prior(workers: dict[str, p.Heartbeat], pool: str, base: PathConfig) -> tuple[str, PathConfig] | None:
-    """The prior of ``pool``'s step-time model from its live workers' measured profiles
-    (``workers/selfprofile.py``): each coefficient the slot-weighted mean over the workers (a
-    batch goes to whichever of them reads it first), with ``base``'s batch limit and step
-    budget. Returns a key naming the profiles it came from, or None if no worker of the pool
-    published one."""
-    found: list[tuple[str, int, dict[str, Any]]] = []
-    for wid, hb in sorted(workers.items()):
-        model = hb.profile.get("step_model") if hb.pool == pool and not hb.down else None
-        if isinstance(model, dict):
-            found.append((f"{wid}={hb.profile.get('fingerprint', '?')}", max(1, hb.slots), model))
-    if not found:
-        return None
-    total = sum(slots for _, slots, _ in found)
-    try:
-        names = (*COEFFICIENTS, "prefill_attention")
-        mean = [sum(slots * float(model.get(name, 0.0)) for _, slots, model in found) / total for name in names]
-        prior = replace(base, decode_launch=mean[0], decode_seq=mean[1], kv_token=mean[2], prefill_launch=mean[3],
-                        prefill_token=mean[4], prefill_attention=mean[5])
-        return " ".join(key for key, _, _ in found), prior
-    except (KeyError, TypeError, ValueError):  # a profile this gateway cannot read: keep the prior it has
-        return None
 
 
 class SchedulerShell:
@@ -213,16 +94,15 @@ class SchedulerShell:
 
     def explain(self, rid: str) -> dict[str, object] | None:
         """The core's explanation of a request it holds, with the contract it was given."""
-        explain = getattr(self.driver.policy, "explain", None)
-        found: dict[str, object] | None = explain(rid) if explain is not None else None
+        found: dict[str, object] | None = self.driver.explain(rid)
         promise = self.driver.promised(rid)
         if found is not None and promise is not None:
             found["contract"] = dataclasses.asdict(promise)
         return found
 
     def snapshot(self) -> dict[str, object]:
-        snapshot = getattr(self.driver.policy, "snapshot", None)
-        snap: dict[str, object] = snapshot() if snapshot is not None else {"queued": self.driver.queued}
+        pricing = self.driver.pricing
+        snap: dict[str, object] = pricing.snapshot() if pricing is not None else {"queued": self.driver.queued}
         policy = snap.get("policy")  # the core's: the SMDP table's name, state, action and visits
         snap["policy"] = {"spec": self.policy, **(policy if isinstance(policy, dict) else {})}
         if self.placement is not None:
@@ -242,24 +122,23 @@ class SchedulerShell:
         queue's length (``sched_core.report.thresholds``). So a pool with no worker shows the
         demand it would take (what scales it up from zero), while the pool that runs the work
         now shows it too. A baseline counts its queue for the pool it fills first."""
-        policy = self.driver.policy
         staffed = [pool for pool in POOLS if self.driver.free(pool) + self.driver.running(pool) > 0]
         out = dict.fromkeys(POOLS, (0, 0))
 
         def add(pool: str, requests: int, tokens: int) -> None:
             out[pool] = (out[pool][0] + requests, out[pool][1] + tokens)
 
-        backlog = getattr(policy, "backlog", None)
-        if backlog is not None:  # a baseline: its order of paths, no cost model
-            requests, tokens = backlog()
-            paths: tuple[str, ...] = policy.paths  # type: ignore[attr-defined]
+        queues = self.driver.queues
+        if queues is not None:  # a baseline: its order of paths, no cost model
+            requests, tokens = queues.backlog()
+            paths = queues.paths
             now = next((pool for pool in paths if pool in staffed), paths[0])
             add(now, requests, tokens)
             if paths[0] != now:
                 add(paths[0], requests, tokens)
             return out
-        snapshot = getattr(policy, "snapshot", None)
-        for b in snapshot()["buckets"] if snapshot is not None else ():
+        pricing = self.driver.pricing
+        for b in pricing.snapshot()["buckets"] if pricing is not None else ():
             n = b["queued"]
             if not n:
                 continue
@@ -327,10 +206,10 @@ class SchedulerShell:
         (paths with fitted steps only) and the contracts' calibration, each with what it was
         learnt on (the identities of the path's workers, the engines' for output lengths);
         None before it learnt anything. A saved state not yet matched with workers is kept."""
-        snapshot = getattr(self.driver.policy, "snapshot", None)
-        if snapshot is None:
+        pricing = self.driver.pricing
+        if pricing is None:
             return None
-        fitted = {pool: path["step_model"] for pool, path in snapshot()["paths"].items()
+        fitted = {pool: path["step_model"] for pool, path in pricing.snapshot()["paths"].items()
                   if path["fitted_steps"] > 0 and pool in self._identity}
         calibration = self.driver.contracts.state()
         calibration["ratios"] = [r for r in calibration["ratios"] if r[1] in self._identity]
@@ -360,7 +239,7 @@ class SchedulerShell:
         identity: dict[str, Any] = saved["identity"]
         found = saved.get("contracts")
         calibration: dict[str, Any] = found if isinstance(found, dict) else {}
-        config = getattr(self.driver.policy, "config", None)
+        config = self.driver.pricing.config if self.driver.pricing is not None else None
         for pool, now_id in self._identity.items():
             if pool in self.saved_state or pool not in identity:
                 continue
@@ -371,7 +250,7 @@ class SchedulerShell:
                              "profiles")
                 continue
             coef = saved.get("step_model", {}).get(pool)
-            if isinstance(config, SchedulerConfig) and isinstance(coef, dict):
+            if config is not None and isinstance(coef, dict):
                 with contextlib.suppress(TypeError, ValueError):
                     self.driver.prior(pool, replace(getattr(config, pool), **coef))
             self.driver.contracts.load({"ratios": [r for r in calibration.get("ratios", ())
@@ -555,12 +434,12 @@ class SchedulerShell:
             running = running_by_pool(workers)
             self._foreign = {pool: left for pool, n in self._foreign.items()
                              if (left := min(n, running[pool] - self.driver.running(pool))) > 0}
-        config = getattr(self.driver.policy, "config", None)
+        config = self.driver.pricing.config if self.driver.pricing is not None else None
         for pool in POOLS:
             slots, count = share[pool]
             slots = max(0, slots - self._foreign.get(pool, 0))
             self.driver.capacity(pool, slots, now, count, self._step_tokens.get(pool, 0))
-            if isinstance(config, SchedulerConfig):
+            if config is not None:
                 measured = measured_prior(workers, pool, getattr(config, pool))
                 if measured is None or self.priors.get(pool) == measured[0]:
                     continue
@@ -576,8 +455,7 @@ class SchedulerShell:
 
     def cancel(self, rid: str, now: float) -> bool:
         """True if the request was still queued here: it will never be dispatched."""
-        cancel = getattr(self.driver.policy, "cancel", None)
-        if cancel is not None and cancel(rid, now):
+        if self.driver.policy.cancel(rid, now):
             self._seqs.pop(rid, None)
             return True
         return False

@@ -32,7 +32,7 @@ from redis.exceptions import RedisError
 from common import protocol as p
 from common.retry import Retrier
 from gateway.api import openai_protocol as oai
-from gateway.api.shapes import contract_headers
+from gateway.api.headers import contract_headers
 from gateway.dispatch.dispatcher import BACKOFF, Pending
 from gateway.dispatch.meter import Meter
 from gateway.dispatch.prompts import LARGE_PROMPT_CHARS, PromptBuilder, PromptTooLong

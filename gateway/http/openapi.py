@@ -23,15 +23,15 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 
 from gateway.api import openai_protocol as oai
-from gateway.api.shapes import (
+from gateway.api.headers import (
     ADMITTED_HEADERS,
     DEADLINE_HEADER,
     DEADLINE_MS_MAX,
     HEADERS,
     OPTIONAL_ADMITTED_HEADERS,
-    RESPONSE_TYPES,
     SLO_HEADERS,
 )
+from gateway.api.shapes import RESPONSE_TYPES
 from gateway.http import admin
 from gateway.settings import GatewaySettings
 from gateway.tenancy import admin_protocol as ap

@@ -27,8 +27,11 @@ def test_decisions_read_back_whole_and_a_baseline_s_admission_carries_none() -> 
 
 
 def test_notes_name_their_request_and_unreadable_entries_are_protocol_errors() -> None:
-    note = election.decode_note(election.encode_note("end", "r", ttft_s=0.1, total_s=0.5, tokens=7))
-    assert note == {"kind": "end", "rid": "r", "ttft_s": 0.1, "total_s": 0.5, "tokens": 7}
+    note = election.Note(election.END, "r", ttft_s=0.1, total_s=0.5, tokens=7)
+    assert election.decode_entry(election.encode_note(note)) == note
+    first = election.Note(election.FIRST, "r", ttft_s=0.1)
+    assert election.decode_entry(election.encode_note(first)) == first
+    assert election.decode_entry({b"k": b"z", b"m": b"{}"}) is None  # a newer gateway's kind: skipped
     for bad in ({b"m": b"{"}, {b"m": b"[]"}, {}):
         with pytest.raises(p.ProtocolError):
             election.decode_note(bad)
@@ -39,9 +42,9 @@ def test_notes_name_their_request_and_unreadable_entries_are_protocol_errors() -
 
 
 def test_a_question_and_its_answer_read_back_and_a_question_names_where_to_answer() -> None:
-    fields = election.encode_question("r1", "a1", "tg:replies:g2")
-    assert fields[b"k"] == b"q"
-    assert election.decode_question(fields) == ("r1", "a1", "tg:replies:g2")
+    fields = election.encode_question(election.Question("r1", "a1", "tg:replies:g2"))
+    assert fields[b"k"] == election.QUESTION
+    assert election.decode_entry(fields) == election.Question("r1", "a1", "tg:replies:g2")
     explain = {"request_id": "r1", "state": "queued", "requests_ahead": 2}
     assert election.decode_explained(election.encode_explained("a1", explain)) == ("a1", explain)
     assert election.decode_explained(election.encode_explained("a1", None)) == ("a1", None)

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from common import protocol as p
-from gateway.dispatch.scheduling import Origin, SchedulerShell, capacity_share, scheduler_config
+from gateway.dispatch.fleet import capacity_share, scheduler_config
+from gateway.dispatch.scheduling import Origin, SchedulerShell
 from sched_core import Contract, Reject, SchedulerConfig
 from sched_core.contracts import CHECK_OUTCOMES
 from sched_core.types import DEFAULT_PROFILES
