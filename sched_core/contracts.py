@@ -367,13 +367,10 @@ class Contracts:
     def _add(self, component: str, pend: _Pending, ratio: float, moved: float = 1.0) -> None:
         """Learn a ratio, of a request that ran on a steady path (``_steady``), or provisionally
         one the step-time model re-anchored under while its path's window at its load level
-        holds fewer than ``MIN_POINT`` (within the path's first ``CHECK_OUTCOMES``): a fresh
-        start's first burst runs while the measured profile is first corrected, and windows
-        that waited for steadier outcomes would leave the start on the prior bound, with no
-        wait bound in force. A provisional ratio (taken against the re-anchored model) is held
-        like a restored one: the path's first outcomes check it, and at ``CHECK_OUTCOMES`` it
-        is dropped (learnt for good, one start's stalled requests set the first-token bound at
-        53-58x its prediction for hundreds of outcomes in ``bench.contract_chaos``)."""
+        holds fewer than ``MIN_POINT`` (a fresh start's first burst, which runs while the
+        measured profile is first corrected: without it no wait bound comes into force).
+        Provisional ratios are held like restored ones: checked, then dropped at
+        ``CHECK_OUTCOMES`` (docs/scheduling.md §14)."""
         path = pend.path
         provisional = not self._steady(pend, moved)
         if provisional and (pend.changed or len(self._ratios.get((component, path, pend.level, -1), ())) >= MIN_POINT
