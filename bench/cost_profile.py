@@ -17,14 +17,11 @@ It fits, by least squares on relative error with non-negative coefficients,
 
     prefill(B, L) = a + b·B·L + b2·B·L²        decode(n, K) = c + d·n + e·n·K
 
-and the scheduler's step-time model (``sched_core/costmodel.py``; a prefill point is a step of
-B·L prompt tokens, a decode point one of n sequences holding n·K KV tokens)
-
-    step = dl·[n > 0] + ds·n + kv·n·K + pl·[B·L > 0] + pt·B·L
-
-by the same method, and writes the raw points, both fits and the spread of the points around
-the first (``noise_cv``) to ``sched_core/profiles/<pool>-smollm2-135m.json``; the step model
-goes under ``step_model`` with the PathConfig field names, and seeds the scheduler.
+and maps it onto the scheduler's step-time model (``common.stepmodel``, the same fit and
+mapping as a worker's self-profile: attention's ``b2`` becomes ``prefill_attention``). It
+writes the raw points, the fit and the spread of the points around it (``noise_cv``) to
+``sched_core/profiles/<pool>-smollm2-135m.json``; the step model goes under ``step_model``
+with the PathConfig field names, and seeds the scheduler.
 ``--refit`` on a profile recomputes only its ``step_model`` (from its points, or for a derived
 profile from its formula) and leaves every other field as it is. The raw points are saved first to
 ``bench/out/profile-raw-<pool>.json``, so a failed fit never costs a second measurement.
@@ -40,11 +37,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from bench.harness import OUT, ROOT, table
+from common.stepmodel import fit, formula_points, step_model
 from workers import model_store
-from workers.selfprofile import cpu_model, fit, nn_relative_fit, synthetic_prompt
+from workers.selfprofile import cpu_model, synthetic_prompt
 
 PROFILES = ROOT / "sched_core" / "profiles"
 PREFILL_GRID = [(1, 32), (1, 128), (1, 512), (1, 1024), (1, 2048), (4, 32), (4, 128), (4, 512),
@@ -132,29 +128,9 @@ def measure(pool: str, reps: int) -> dict[str, Any]:
 
 
 def fit_step_model(points: dict[str, list[dict[str, float]]], pool: str) -> dict[str, Any]:
-    """The five step-model coefficients (PathConfig field names) fitted to the raw points.
-
-    Prefill and decode points have disjoint features, so this is two fits of relative error;
-    a slope that comes out 0 is raised to a tiny positive value (PathConfig wants slopes > 0)."""
-    pre, dec = points["prefill"], points["decode"]
-    xp = np.array([[1.0, p["batch"] * p["tokens"]] for p in pre])
-    (pl, pt), _ = nn_relative_fit(xp, np.array([p["seconds"] for p in pre]))
-    xd = np.array([[1.0, d["running"], d["running"] * d["kv_tokens"]] for d in dec])
-    (dl, ds, kv), _ = nn_relative_fit(xd, np.array([d["seconds"] for d in dec]))
-    tiny = 1e-12
-    return {"decode_launch": float(dl), "decode_seq": max(tiny, float(ds)), "kv_token": max(tiny, float(kv)),
-            "prefill_launch": float(pl), "prefill_token": max(tiny, float(pt)),
-            "max_batch": MAX_BATCH[pool], "step_tokens": STEP_TOKENS}
-
-
-def formula_points(fit_: dict[str, Any]) -> dict[str, list[dict[str, float]]]:
-    """Noiseless points of a profile's formula on the measuring grids, for a derived profile."""
-    p, d = fit_["prefill"], fit_["decode"]
-    prefill = [{"batch": b, "tokens": n, "seconds": p["a"] + p["b"] * b * n + p["b2"] * b * n * n}
-               for b, n in PREFILL_GRID]
-    decode = [{"running": n, "kv_tokens": k, "seconds": d["c"] + d["d"] * n + d["e"] * n * k}
-              for n, k in DECODE_GRID]
-    return {"prefill": prefill, "decode": decode}
+    """The scheduler's step-time prior (PathConfig field names) of the formulas fitted to the
+    raw points (``common.stepmodel``: the same fit and mapping as a worker's self-profile)."""
+    return step_model(fit(points), MAX_BATCH[pool], STEP_TOKENS)
 
 
 # -- deriving a GPU profile from published figures ---------------------------------------
@@ -218,7 +194,7 @@ def derive(gpu: str, model_dir: Path) -> dict[str, Any]:
                    "eager-mode launch costs are the stated assumptions"),
         "assumptions": ASSUME,
         "fit": fit_,
-        "step_model": fit_step_model(formula_points(fit_), "gpu"),
+        "step_model": fit_step_model(formula_points(fit_, PREFILL_GRID, DECODE_GRID), "gpu"),
         "points": None,
     }
 
@@ -260,7 +236,7 @@ def main() -> None:
         raw = json.loads(args.refit.read_text())
         if "fit" in raw:  # a profile: refresh its step model, keep everything else
             pool = raw.get("pool") or raw["name"].split("-", 1)[0]
-            points = raw["points"] or formula_points(raw["fit"])
+            points = raw["points"] or formula_points(raw["fit"], PREFILL_GRID, DECODE_GRID)
             write(raw | {"pool": pool, "step_model": fit_step_model(points, pool)}, args.out or args.refit)
             return
     else:

@@ -51,7 +51,6 @@ import numpy as np
 import orjson
 import redis
 
-from bench.cost_profile import nn_relative_fit
 from bench.harness import OUT, backend, gateway_server, pct, table
 from bench.traffic import (
     BUDGETS,
@@ -66,6 +65,7 @@ from bench.traffic import (
     scaled,
 )
 from common import protocol, wire
+from common.stepmodel import nn_relative_fit
 from sched_core.policies import make_policy
 from sched_core.simulate import experiment as ex
 from sched_core.simulate.cli import fleet_profiles
