@@ -14,11 +14,15 @@ the share is small again, waiting twice as long after each try that starved at o
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.protocol import STARVED_SHARE
+
+log = logging.getLogger("tokengate.worker")
 
 
 def cpu_times() -> tuple[float, float]:
@@ -129,3 +133,34 @@ class ThreadGovernor:
             self.threads += 1
             self.changed_at = self.raised_at = now
         return self.threads
+
+
+class EngineThreads:
+    """An engine's intra-op threads, governed between its steps: what they ran and waited for
+    a CPU since the last look goes to the ``governor`` (None: ``--threads`` fixes them) once
+    it is enough to judge, and the engine runs the threads it wants (``set_threads``). Judged
+    between steps rather than at a heartbeat: a starved step can take seconds, and each one
+    more is the neighbour's doing."""
+
+    def __init__(self, governor: ThreadGovernor | None, threads: int, set_threads: Callable[[int], None],
+                 clock: Callable[[], float]) -> None:
+        self.governor = governor
+        self.threads = threads  # the engine's now
+        self._set = set_threads
+        self._clock = clock
+        self._cpu = Starvation()  # the threads' time since the governor last looked
+        self._idle = Idle()  # and the machine's idle CPUs
+
+    def between_steps(self) -> None:
+        governor = self.governor
+        if governor is None:
+            return
+        ran, waited = self._cpu.since()
+        if ran + waited >= BUSY_S:
+            governor.observe(ran, waited, self._clock(), self._idle.cores())
+            self._cpu = Starvation()
+        if governor.threads != self.threads:
+            log.info("the CPUs are %s: running on %d of %d threads", "shared with a busy neighbour"
+                     if governor.threads < governor.maximum else "free again", governor.threads, governor.maximum)
+            self._set(governor.threads)
+            self.threads = governor.threads

@@ -36,9 +36,10 @@ import redis
 from common import protocol as p
 from common import wire
 from common.retry import Outage, Retrier, backoff_policy, is_nogroup
-from workers import selfprofile
+from workers import startup
 from workers.batches import Admission, Batch, account, handoff_write, report
-from workers.cpu import BUSY_S, Idle, Starvation
+from workers.cancels import Cancels
+from workers.cpu import EngineThreads
 from workers.engine import Engine, StepResult
 from workers.fencing import Fence, HandoffWrite, Publish
 from workers.presence import Presence
@@ -48,9 +49,6 @@ log = logging.getLogger("tokengate.worker")
 
 SUSPECT_TTL_S = 3600  # a suspect mark outlives any redelivery cycle of its entry
 HANDBACK_S = 0.5  # draining, the jobs delivered here but not started are handed back this often
-CANCEL_POLL_S = 0.1  # the cancel thread checks for a stop this often (the exit joins it)
-WARM_UP_PROMPT = tuple(range(100, 132))  # 32 token ids, valid in any vocabulary of a real model
-WARM_UP_TEXT = "Count from one to twenty in words: one, two, three,"  # the same, for an upstream engine
 
 class Worker:
     def __init__(
@@ -73,8 +71,6 @@ class Worker:
         self._batches: dict[str, Batch] = {}  # batch_id -> state
         self._batch_of: dict[str, str] = {}  # rid -> batch_id
         self._lock = threading.Lock()  # guards _batches for the heartbeat thread
-        self._cancels: deque[str] = deque()  # from the pub/sub thread
-        self._recent_cancels: dict[str, float] = {}
         self._signals = 0
         self._clock = clock
         self._sleep = sleep
@@ -94,10 +90,9 @@ class Worker:
         self.presence = Presence(settings, engine, client, self.fence, model, self._held, self._backoff,
                                  self._outage, clock)
         self._stop_threads = self.presence.stop
-        self._threads = engine.max_threads  # the engine's intra-op threads now
+        self.cancels = Cancels(client, self._backoff, self._outage, self._stop_threads)
+        self.threads = EngineThreads(self.presence.governor, engine.max_threads, engine.set_threads, clock)
         self._next_handback = 0.0  # draining: when the jobs not started are handed back next
-        self._cpu = Starvation()  # the threads' time since the governor last looked
-        self._idle = Idle()  # and the machine's idle CPUs
 
     def _held(self) -> list[Batch]:
         with self._lock:
@@ -113,60 +108,12 @@ class Worker:
         else:
             log.info("second signal: exiting now; unacked entries go to peers")
 
-    def warm_up(self) -> None:
-        """One short greedy sequence before the first heartbeat: the engine's first-call
-        costs are paid here, not by a client, and its steps go out as telemetry at once, so
-        that a gateway's first contracts price this machine as it runs now, not only the
-        packaged profile."""
-        tokens = self.settings.warm_up_tokens
-        if tokens <= 0:
-            return
-        params = p.SamplingParams(tokens, 0.0, ignore_eos=True)
-        self.engine.add(p.SeqJob("warm-up", WARM_UP_PROMPT, params, text=WARM_UP_TEXT))
-        while self.engine.busy:
-            self._govern_threads()  # a neighbour busy already: the profile measures the engine as it will run
-            self.presence.record(self.engine.step().records())
-        self.engine.reset()
-        self.presence.publish_telemetry()
-
-    def _govern_threads(self) -> None:
-        """Between steps: what the engine's threads ran and waited for a CPU since the last
-        look goes to the governor (``workers.cpu``) once it is enough to judge, and the engine
-        runs the threads it wants. Judged here, between steps, rather than at a heartbeat: a
-        starved step can take seconds, and each one more is the neighbour's doing."""
-        governor = self.presence.governor
-        if governor is None:
-            return
-        ran, waited = self._cpu.since()
-        if ran + waited >= BUSY_S:
-            governor.observe(ran, waited, self._clock(), self._idle.cores())
-            self._cpu = Starvation()
-        if governor.threads != self._threads:
-            log.info("the CPUs are %s: running on %d of %d threads", "shared with a busy neighbour"
-                     if governor.threads < governor.maximum else "free again", governor.threads, governor.maximum)
-            self.engine.set_threads(governor.threads)
-            self._threads = governor.threads
-
-    def measure_engine(self) -> None:
-        """The engine's step-time profile, measured (or a stored one re-checked) before the
-        first heartbeat, which publishes it (``workers/selfprofile.py``). An upstream
-        server's steps are not this worker's to time: gateways fit those online only."""
-        if self.engine.name == "upstream":
-            return
-        s = self.settings
-        setup = {"model": self.model, "slots": self.engine.slots, "step_tokens": self.engine.step_tokens,
-                 "echo_step_s": s.echo_step_s if self.engine.name == "echo" else 0.0,
-                 "echo_prefill_s": s.echo_prefill_s if self.engine.name == "echo" else 0.0}
-        self.presence.profile = selfprofile.obtain(
-            self.engine, pool=s.pool, model=self.model, setup=setup, budget_s=s.profile_s,
-            slots=self.engine.slots, directory=s.profile_dir) or {}
-
     def run(self) -> None:
-        self.warm_up()
-        self.measure_engine()
+        startup.warm_up(self.engine, self.settings.warm_up_tokens, self.threads.between_steps, self.presence)
+        self.presence.profile = startup.measure(self.engine, self.settings, self.model)
         threads = [
             threading.Thread(target=self.presence.loop, name="heartbeat", daemon=True),
-            threading.Thread(target=self._cancel_loop, name="cancels", daemon=True),
+            threading.Thread(target=self.cancels.loop, name="cancels", daemon=True),
         ]
         for t in threads:
             t.start()
@@ -203,9 +150,9 @@ class Worker:
                 self._hand_back_unstarted()
                 if not self.engine.busy:
                     return False
-            self._apply_cancels()
+            self.cancels.apply(lambda rid: rid in self._batch_of and self.engine.cancel(rid))
             if self.engine.busy:
-                self._govern_threads()
+                self.threads.between_steps()
                 self._step()
             self.presence.publish_telemetry()
         except redis.RedisError as exc:
@@ -381,7 +328,7 @@ class Worker:
             return
         kv = {s.rid: self._load_kv(s) for a in admissions for s in a.job.seqs if s.kv_key is not None}
         for a in admissions:
-            self._accept(a, {s.rid for s in a.job.seqs if s.rid in self._recent_cancels}, kv)
+            self._accept(a, {s.rid for s in a.job.seqs if self.cancels.recent(s.rid)}, kv)
         pipe = self.client.pipeline(transaction=False)
         rings, self._rings = self._rings, []
         if rings:
@@ -434,39 +381,6 @@ class Worker:
         from safetensors.torch import load
 
         return dict(load(blob))
-
-    # -- cancellation ---------------------------------------------------------------------
-
-    def _cancel_loop(self) -> None:
-        """Subscribed until stopped; a lost connection is subscribed again after a backoff.
-        Cancels published meanwhile are not lost: their keys are checked when a job is
-        admitted and at every publish (``check_cancel``)."""
-        retry = Retrier(self._backoff, self._outage, self._stop_threads.wait)
-        while not self._stop_threads.is_set():
-            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-            try:
-                pubsub.subscribe(wire.CANCEL_CHANNEL)
-                while not self._stop_threads.is_set():
-                    msg = pubsub.get_message(timeout=CANCEL_POLL_S)
-                    retry.reset()  # subscribed; whether Redis answers, the other loops tell
-                    if msg is not None:
-                        self._cancels.append(wire.text(msg["data"]))
-            except redis.RedisError as exc:
-                log.debug("cancel subscription lost (%s): subscribing again after a backoff", exc)
-                retry.failed(exc)
-            finally:
-                pubsub.close()
-
-    def _apply_cancels(self) -> None:
-        now = time.monotonic()
-        while self._cancels:
-            rid = self._cancels.popleft()
-            self._recent_cancels[rid] = now
-            if rid in self._batch_of and self.engine.cancel(rid):
-                log.info("cancelled %s", rid)
-        if len(self._recent_cancels) > 10_000:
-            horizon = now - 600
-            self._recent_cancels = {r: t for r, t in self._recent_cancels.items() if t > horizon}
 
     # -- stepping and replies -------------------------------------------------------------
 

@@ -193,7 +193,7 @@ def test_one_read_takes_as_many_jobs_as_free_slots(redis_client: redis.Redis, re
 def test_a_worker_warms_up_at_start_and_publishes_the_steps_as_telemetry(
     redis_client: redis.Redis, redis_url: str
 ) -> None:
-    from workers.worker import WARM_UP_PROMPT
+    from workers.startup import WARM_UP_PROMPT
 
     with running_worker(redis_url, EchoEngine(slots=8, step_s=0.01), worker_id="w-warm", warm_up_tokens=5):
         _wait_for(lambda: redis_client.xlen(wire.TELEMETRY_STREAM) > 0, what="the warm-up's telemetry")
