@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -32,13 +31,15 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError
 
 from common import protocol as p
 from common import wire
-from common.retry import Outage, Retrier, backoff_policy
+from common.retry import Outage, Retrier
 from gateway import keyspace
 from gateway.dispatch import election
+from gateway.dispatch.forwarding import DECIDE_S, Forwarding, flat
+from gateway.dispatch.leading import BACKOFF, READ_BLOCK_MS, Leading
 from gateway.dispatch.liveness import Liveness
 from gateway.dispatch.scheduling import Origin, SchedulerShell, Send
 from gateway.redis_batch import AutoPipeline
@@ -52,11 +53,6 @@ CANCEL_TTL_S = 600
 WATCH_S = 0.5  # how often workers and peers are re-read (and slot leases checked)
 MODEL_SAVE_S = 10.0  # how often the fitted model and calibration are saved for the next start
 TELEMETRY_BACKLOG = 16  # telemetry entries a starting gateway observes (the workers' warm-ups)
-ASK_S = 1.0  # a follower waits this long for the scheduler's answer to a question (``explain_anywhere``)
-READ_BLOCK_MS = 1000  # the reply loop's blocking read returns at least this often
-BACKOFF = backoff_policy(base_s=0.05, cap_s=2.0)  # after the n-th Redis failure in a row of one loop
-DECIDE_S = 5.0  # a follower waits this long for the scheduler's decision (a failover takes ~1 s)
-RECLAIM_S = 1.0  # the scheduler takes over arrivals left pending this long by another consumer
 
 
 @dataclass(slots=True)
@@ -85,16 +81,10 @@ class Dispatcher:
         self._reads = AutoPipeline(client, timeout_s=settings.redis_timeout_s + READ_BLOCK_MS / 1000)
         self.replies = wire.replies_stream(settings.gateway_id)
         self._config = config
-        self.shell = self._new_shell()
+        self.shell = self.new_shell()
         # one gateway schedules for all (``election``): this one, or the one it forwards to
-        self.leader = False
-        self._leading = asyncio.Event()
-        self._hold = client.register_script(election.HOLD)
-        self._release = client.register_script(election.RELEASE)
-        self._arrivals = AutoPipeline(client, timeout_s=settings.redis_timeout_s + READ_BLOCK_MS / 1000)
-        self._decisions: dict[str, asyncio.Future[Contract | Reject | None]] = {}  # forwarded, undecided
-        self._remote: set[str] = set()  # requests this gateway forwarded, until they end here
-        self._asked: dict[str, asyncio.Future[dict[str, object] | None]] = {}  # questions to the scheduler
+        self.leading = Leading(self)
+        self.forwarding = Forwarding(self)  # a follower's: what it forwarded to the scheduler
         self.liveness = Liveness(client, settings)
         self.pending: dict[str, Pending] = {}
         self.workers: dict[str, p.Heartbeat] = {}
@@ -102,16 +92,16 @@ class Dispatcher:
         self.failed: str | None = None  # why a loop stopped; the gateway is then not ready
         self.on_fatal = on_fatal
         self._on_workers = on_workers
-        self._on_accuracy = on_accuracy  # how the promise to a forwarded request fared (the scheduler's metrics)
-        self._wake = asyncio.Event()
-        self._closing = False  # loops end at their next turn (a cancel can be swallowed, see close)
+        self.on_accuracy = on_accuracy  # how the promise to a forwarded request fared (the scheduler's metrics)
+        self.wake = asyncio.Event()
+        self.closing = False  # loops end at their next turn (a cancel can be swallowed, see close)
         self.outage = Outage()  # shared by the loops: one warning when Redis fails, one line when it is back
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    def _new_shell(self) -> SchedulerShell:
+    def new_shell(self) -> SchedulerShell:
         s = self.settings
         return SchedulerShell(s.gateway_id, self.replies, self._config, s.handoff_min_prompt,
                               lease_s=s.request_timeout_s + 30.0, policy=s.policy, routing=s.routing)
@@ -121,15 +111,15 @@ class Dispatcher:
             await keyspace.migrate(self.client)  # a deployment's names from before the hash tag
             await self._load_model()
             await self.refresh_workers()
-            await self._elect()
+            await self.leading.elect()
         except RedisError as exc:  # not ready until Redis answers; the watch loop retries
             log.warning("Redis is not reachable at start-up: %s", exc)
         self._tasks = [
             asyncio.create_task(self._supervised("send", self._send_loop), name="send"),
             asyncio.create_task(self._supervised("replies", self._reply_loop), name="replies"),
             asyncio.create_task(self._supervised("workers", self._watch_loop), name="workers"),
-            asyncio.create_task(self._supervised("election", self._election_loop), name="election"),
-            asyncio.create_task(self._supervised("arrivals", self._arrivals_loop), name="arrivals"),
+            asyncio.create_task(self._supervised("election", self.leading.election_loop), name="election"),
+            asyncio.create_task(self._supervised("arrivals", self.leading.arrivals_loop), name="arrivals"),
         ]
 
     async def _load_model(self) -> None:
@@ -171,10 +161,10 @@ class Dispatcher:
     async def close(self) -> None:
         """Stop the loops. Cancelling alone is not enough: a cancel that lands as a Redis
         call's own timeout fires is reported as that timeout (``asyncio.timeout`` in 3.11),
-        which the loop retries; so the loops also check ``_closing`` every turn, and the
+        which the loop retries; so the loops also check ``closing`` every turn, and the
         wait here is bounded."""
-        self._closing = True
-        self._wake.set()
+        self.closing = True
+        self.wake.set()
         for task in self._tasks:
             task.cancel()
         if self._tasks:
@@ -183,10 +173,8 @@ class Dispatcher:
                 log.error("the %s loop did not stop within 5 s", task.get_name())
         self.fail_all("shutdown", "The gateway is shutting down; retry on another replica.")
         await self._reads.close()
-        await self._arrivals.close()
+        await self.leading.close()
         with contextlib.suppress(RedisError):
-            if self.leader:  # the next scheduler takes over now, not a lease later
-                await self._release(keys=[wire.SCHEDULER_LEASE], args=[self.settings.gateway_id])
             await self._save_model()
             await self.liveness.leave(self.replies)
 
@@ -205,23 +193,18 @@ class Dispatcher:
         events), or the rejection to answer at once. The scheduler is this gateway's own
         core, or the elected one's, through ``wire.ARRIVALS_STREAM`` (``election``)."""
         now = time.monotonic()
-        if self.leader:
+        if self.leading.leader:
             decision = self.shell.arrive(seq, who, now)
             if isinstance(decision, Reject):
                 return decision
             pending = Pending(seq, now, decision)
             self.pending[seq.rid] = pending
-            self._wake.set()
+            self.wake.set()
             return pending
         pending = Pending(seq, now, None)
         self.pending[seq.rid] = pending  # the workers' events may come before the decision: both wait here
-        decided = self._decisions[seq.rid] = asyncio.get_running_loop().create_future()
-        self._remote.add(seq.rid)
         try:
-            await self.batch.call("XADD", wire.ARRIVALS_STREAM, "*",
-                                  *_flat(election.encode_arrival(seq, who, self.replies)))
-            async with asyncio.timeout(DECIDE_S):
-                remote = await decided
+            decision = await self.forwarding.forward(seq, who)
         except TimeoutError:
             self.cancel(seq.rid)  # should a scheduler take it up later, it never runs
             self._unforward(seq.rid)
@@ -230,12 +213,10 @@ class Dispatcher:
             self.cancel(seq.rid)
             self._unforward(seq.rid)
             raise
-        finally:
-            self._decisions.pop(seq.rid, None)
-        if isinstance(remote, Reject):
+        if isinstance(decision, Reject):
             self._unforward(seq.rid)
-            return remote
-        pending.contract = remote
+            return decision
+        pending.contract = decision
         return pending
 
     def explain(self, rid: str) -> dict[str, object] | None:
@@ -245,24 +226,14 @@ class Dispatcher:
         """The scheduler's ``explain`` of ``rid`` from whichever gateway schedules: a follower
         asks it over the arrivals stream and waits up to ``ASK_S``. None when the scheduler
         holds no such request (it has not arrived, or it has ended) or did not answer."""
-        if self.leader:
+        if self.leading.leader:
             return self.explain(rid)
-        ask = os.urandom(8).hex()
-        answer = self._asked[ask] = asyncio.get_running_loop().create_future()
-        try:
-            await self._xadd_arrivals(election.encode_question(election.Question(rid, ask, self.replies)))
-            async with asyncio.timeout(ASK_S):
-                return await answer
-        except TimeoutError:
-            log.info("the scheduler did not explain %s within %g s", rid, ASK_S)
-            return None
-        finally:
-            self._asked.pop(ask, None)
+        return await self.forwarding.ask(rid)
 
     def snapshot(self) -> dict[str, object]:
         snap = self.shell.snapshot()
         snap["gateway"] = self.settings.gateway_id
-        snap["role"] = "scheduler" if self.leader else "follower"  # a follower's queue is the scheduler's
+        snap["role"] = "scheduler" if self.leading.leader else "follower"  # a follower's queue is the scheduler's
         snap["gateways"] = self.gateways
         snap["batches_in_flight"] = self.shell.leases
         snap["backlog"] = self.backlog()
@@ -281,12 +252,12 @@ class Dispatcher:
     def _unforward(self, rid: str) -> None:
         """A forwarded request that was never admitted: nothing to tell the scheduler later."""
         self.pending.pop(rid, None)
-        self._remote.discard(rid)
+        self.forwarding.drop(rid)
 
     def first_token(self, rid: str, ttft_s: float) -> None:
         """A streamed request's first token came ``ttft_s`` after it arrived."""
-        if rid in self._remote:
-            self._tell(election.Note(election.FIRST, rid, ttft_s=ttft_s))
+        if rid in self.forwarding:
+            self.forwarding.tell(election.Note(election.FIRST, rid, ttft_s=ttft_s))
         else:
             self.shell.driver.first_token(rid, ttft_s, time.monotonic())
 
@@ -294,28 +265,20 @@ class Dispatcher:
         """What the request took (seconds from arrival; None: not seen): it calibrates the
         contracts (the scheduler's, for a forwarded request); how its promise fared (None
         for a forwarded one: the scheduler keeps the calibration)."""
-        if rid in self._remote:
-            self._remote.discard(rid)
-            self._tell(election.Note(election.END, rid, ttft_s, total_s, tokens))
+        if self.forwarding.drop(rid):
+            self.forwarding.tell(election.Note(election.END, rid, ttft_s, total_s, tokens))
             return None
         return self.shell.outcome(rid, ttft_s, total_s, tokens, time.monotonic())
 
-    def _tell(self, note: election.Note) -> None:
-        """Tell the scheduler about a request this gateway forwarded."""
-        self._spawn(self._xadd_arrivals(election.encode_note(note)))
-
-    async def _xadd_arrivals(self, fields: dict[bytes, bytes]) -> None:
-        await self._xadd_or_warn(wire.ARRIVALS_STREAM, fields)  # if lost: the slot comes back with the report
-
-    async def _xadd_or_warn(self, stream: str, fields: dict[bytes, bytes]) -> None:
+    async def xadd_or_warn(self, stream: str, fields: dict[bytes, bytes]) -> None:
         """One entry sent between gateways, in this turn's round trip; a failure is logged (each
         caller says what makes up for it)."""
         try:
-            await self.batch.call("XADD", stream, "*", *_flat(fields))
+            await self.batch.call("XADD", stream, "*", *flat(fields))
         except RedisError as exc:
             log.warning("could not write to %s: %s", stream, exc)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -330,12 +293,12 @@ class Dispatcher:
         dispatched. Otherwise its worker is told (a TTL'd key for workers that have not
         read it yet, a pub/sub message for the one running it) and stops it within one
         decode step; its final event still arrives here. Harmless if repeated."""
-        if rid in self._remote:  # the scheduler drops it if still queued, and says so with a final event
-            self._tell(election.Note(election.CANCEL, rid))
+        if rid in self.forwarding:  # the scheduler drops it if still queued, and says so with a final event
+            self.forwarding.tell(election.Note(election.CANCEL, rid))
         elif self.shell.cancel(rid, time.monotonic()):
             self.pending.pop(rid, None)
             return True
-        self._spawn(self._send_cancel(rid))
+        self.spawn(self._send_cancel(rid))
         return False
 
     async def _send_cancel(self, rid: str) -> None:
@@ -352,30 +315,30 @@ class Dispatcher:
     async def _send_loop(self) -> None:
         """Tick on every wake (an arrival, a slot back, capacity) and whenever the driver
         asks for one (``Driver.next_tick``: while requests wait and a slot is free)."""
-        while not self._closing:
+        while not self.closing:
             due = self.shell.next_tick(time.monotonic())
             if due < math.inf:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(max(0.0, due - time.monotonic())):
-                        await self._wake.wait()
+                        await self.wake.wait()
             else:
-                await self._wake.wait()
-            self._wake.clear()
+                await self.wake.wait()
+            self.wake.clear()
             sends, rejects = self.shell.tick(time.monotonic())
             for r in rejects:
-                self._refuse_queued(r.request_id, r.reason, r.message)
+                self.refuse_queued(r.request_id, r.reason, r.message)
             if sends:
                 await self._send(sends)
 
-    def _refuse_queued(self, rid: str, code: str, message: str) -> None:
+    def refuse_queued(self, rid: str, code: str, message: str) -> None:
         """A queued request will not run: its final event, here or at the gateway that forwarded it."""
         origin = self.shell.take_origin(rid)
         if origin is None:
-            self._route_event(p.Failed(rid, code, message))
+            self.route_event(p.Failed(rid, code, message))
             return
         reply_to, entry = origin
         events = p.encode_events([p.Failed(rid, code, message)])["m"]
-        self._spawn(self._settle_quietly([(reply_to, b"m", events)], [entry]))
+        self.spawn(self.settle_quietly([(reply_to, b"m", events)], [entry]))
 
     async def _settle_arrivals(self, writes: list[tuple[str, bytes, bytes]], entries: list[str],
                                worker: str = "") -> bool:
@@ -389,11 +352,11 @@ class Dispatcher:
         except NoScriptError:  # a fresh (or flushed) Redis: the script's text, which it keeps
             done = await self.batch.call("EVAL", election.DISPATCH, len(keys), *keys, *args)
         if done == -1:
-            self._step_down("another gateway schedules now")
+            self.leading.step_down("another gateway schedules now")
             return False
         return True
 
-    async def _settle_quietly(self, writes: list[tuple[str, bytes, bytes]], entries: list[str]) -> None:
+    async def settle_quietly(self, writes: list[tuple[str, bytes, bytes]], entries: list[str]) -> None:
         try:
             await self._settle_arrivals(writes, entries)
         except RedisError as exc:  # not acknowledged: taken up again after RECLAIM_S, and decided anew
@@ -416,7 +379,7 @@ class Dispatcher:
             if send.acks or send.worker:  # to its worker, and forwarded requests' arrivals acknowledged
                 replies.append(self._settle_arrivals([(stream, b"m", fields["m"])], list(send.acks), send.worker))
             else:  # to whichever worker of the pool reads it first
-                replies.append(self.batch.call("XADD", stream, "*", *_flat(fields)))
+                replies.append(self.batch.call("XADD", stream, "*", *flat(fields)))
             queued.append(send)
         if not queued:
             return
@@ -431,8 +394,8 @@ class Dispatcher:
     def _lost(self, send: Send, code: str, message: str) -> None:
         self.shell.abort(send.batch, time.monotonic())
         for seq in send.job.seqs:
-            self._route_event(p.Failed(seq.rid, code, message))
-        self._wake.set()  # slots came back
+            self.route_event(p.Failed(seq.rid, code, message))
+        self.wake.set()  # slots came back
 
     # -- replies --------------------------------------------------------------------------
 
@@ -444,7 +407,7 @@ class Dispatcher:
         last = {self.replies: b"0-0", wire.TELEMETRY_STREAM: await self._telemetry_start()}
         retry = Retrier(BACKOFF, self.outage)
         trimmed = time.monotonic()
-        while not self._closing:
+        while not self.closing:
             started = time.monotonic()
             try:
                 reply: list[tuple[bytes, list[tuple[bytes, list[bytes]]]]] | None = await self._reads.call(
@@ -456,8 +419,8 @@ class Dispatcher:
             retry.succeeded(started)
             for stream, entries in reply or []:
                 telemetry = wire.text(stream) == wire.TELEMETRY_STREAM
-                for entry_id, flat in entries:
-                    fields = dict(zip(flat[::2], flat[1::2], strict=True))
+                for entry_id, items in entries:
+                    fields = dict(zip(items[::2], items[1::2], strict=True))
                     if telemetry:
                         last[wire.TELEMETRY_STREAM] = entry_id
                         self._observe(fields)
@@ -491,69 +454,33 @@ class Dispatcher:
             log.warning("dropping unreadable worker telemetry: %s", exc)
 
     def _route(self, fields: dict[bytes, bytes]) -> None:
-        if election.DECISION in fields:
-            self._decided(fields[election.DECISION])
-            return
-        if election.EXPLAINED in fields:
-            self._explained(fields[election.EXPLAINED])
+        if self.forwarding.answered(fields):
             return
         try:
             events = p.decode_events(fields)
         except p.ProtocolError as exc:
             log.error("dropping unreadable reply: %s", exc)
             return
-        if not self.leader:  # what the scheduler must learn: slots back, batches ended
-            mine = f"{self.settings.gateway_id}:"
-            news: list[p.Event] = [
-                ev for ev in events
-                if (isinstance(ev, p.BatchReport) and not ev.batch_id.startswith(mine))
-                or (isinstance(ev, p.Finished | p.Failed) and ev.rid in self._remote)
-            ]
-            if news:
-                self._spawn(self._xadd_arrivals(election.encode_events(news)))
-        self._handle(events)
+        if not self.leading.leader:  # what the scheduler must learn: slots back, batches ended
+            self.forwarding.pass_on(events)
+        self.handle(events)
 
-    def _decided(self, raw: bytes) -> None:
-        """The scheduler's answer to a forwarded request. A second answer (a new scheduler
-        took the request up again) counts only if it refuses what was promised: the request
-        then ends with that refusal."""
-        try:
-            rid, decision = election.decode_decision(raw)
-        except p.ProtocolError as exc:
-            log.error("dropping an unreadable decision: %s", exc)
-            return
-        waiting = self._decisions.pop(rid, None)
-        if waiting is not None and not waiting.done():
-            waiting.set_result(decision)
-        elif isinstance(decision, Reject):
-            self._route_event(p.Failed(rid, decision.reason, decision.message))
-
-    def _explained(self, raw: bytes) -> None:
-        try:
-            ask, explain = election.decode_explained(raw)
-        except p.ProtocolError as exc:
-            log.error("dropping an unreadable answer: %s", exc)
-            return
-        waiting = self._asked.get(ask)
-        if waiting is not None and not waiting.done():
-            waiting.set_result(explain)
-
-    def _handle(self, events: list[p.Event]) -> None:
+    def handle(self, events: list[p.Event]) -> None:
         for ev in events:
             try:
                 if isinstance(ev, p.BatchReport):
                     self.shell.completed(ev, time.monotonic())
-                    self._wake.set()  # slots came back
+                    self.wake.set()  # slots came back
                     continue
                 if isinstance(ev, p.Finished | p.Failed):
                     tokens = ev.completion_tokens if isinstance(ev, p.Finished) else -1
                     if self.shell.finished(ev.rid, tokens, time.monotonic()):
-                        self._wake.set()  # its slot came back
-                self._route_event(ev)
+                        self.wake.set()  # its slot came back
+                self.route_event(ev)
             except Exception:  # noqa: BLE001 - one bad event must not stop the loop
                 log.exception("dropping a reply event that could not be handled: %r", ev)
 
-    def _route_event(self, ev: p.Delta | p.Finished | p.Failed) -> None:
+    def route_event(self, ev: p.Delta | p.Finished | p.Failed) -> None:
         pending = self.pending.get(ev.rid)
         if pending is not None:
             pending.events.put_nowait(ev)
@@ -572,12 +499,12 @@ class Dispatcher:
             if lost:
                 log.error("Redis no longer knows this gateway: %d requests in flight are lost", len(lost))
             for rid in lost:
-                self._route_event(p.Failed(rid, "redis", "The request was lost by Redis; retry it."))
+                self.route_event(p.Failed(rid, "redis", "The request was lost by Redis; retry it."))
         for gateway_id in view.dead:
             swept = await self.liveness.sweep(gateway_id)
             if swept >= 0:
                 log.warning("gateway %s is gone: settled %d of its requests", gateway_id, swept)
-            if self.leader:  # its queued requests leave the queue, the jobs sent to it their slots
+            if self.leading.leader:  # its queued requests leave the queue, the jobs sent to it their slots
                 dropped = self.shell.origin_gone(wire.replies_stream(gateway_id), time.monotonic())
                 if dropped:
                     await self.client.xack(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, *dropped)
@@ -585,12 +512,12 @@ class Dispatcher:
         workers = await self.liveness.workers()
         self.workers = workers
         self.gateways = max(1, view.alive)
-        self._capacity(workers)
-        self._wake.set()
+        self.capacity(workers)
+        self.wake.set()
         if self._on_workers is not None:
             self._on_workers(workers)
 
-    def _capacity(self, workers: dict[str, p.Heartbeat]) -> None:
+    def capacity(self, workers: dict[str, p.Heartbeat]) -> None:
         for note in self.shell.capacity(workers, time.monotonic()):
             log.info("%s", note)
 
@@ -600,188 +527,17 @@ class Dispatcher:
         doc = {"at": time.time(), **self.backlog()}
         await self.batch.call("HSET", wire.BACKLOG_HASH, self.settings.gateway_id, orjson.dumps(doc))
 
-    # -- the one scheduler (``election``) ---------------------------------------------------
-
-    async def _elect(self) -> None:
-        """Hold the lease, or seek it: this gateway takes over scheduling when it gets it,
-        and steps down when another holds it."""
-        held = await self._hold(keys=[wire.SCHEDULER_LEASE], args=[self.settings.gateway_id, election.LEASE_MS])
-        if held and not self.leader:
-            await self._take_over()
-        elif not held and self.leader:
-            self._step_down("another gateway holds the scheduling lease")
-
-    async def _take_over(self) -> None:
-        """Schedule for every gateway from now on: the workers' running sequences are the
-        previous scheduler's until they end, and the arrivals it left are taken up."""
-        await self._arrivals_group()
-        self.workers = await self.liveness.workers()
-        self.shell.take_over(self.workers)
-        self._capacity(self.workers)
-        self.leader = True
-        self._leading.set()
-        log.info("this gateway schedules for all gateways now")
-        await self._reclaim(0)
-        self._wake.set()
-
-    async def _arrivals_group(self) -> None:
-        with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists
-            await self.client.xgroup_create(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, id="$", mkstream=True)
-
-    def _step_down(self, why: str) -> None:
-        """Another gateway schedules now. This one's queued requests go: its own clients'
-        fail (retry), the forwarded ones stay pending for the new scheduler; what was
-        dispatched runs on, its events still come here."""
-        if not self.leader:
-            return
-        log.warning("this gateway stops scheduling: %s", why)
-        self.leader = False
-        self._leading.clear()
-        state = self.shell.model_state()
-        for rid in self.shell.queued_ids():
-            if self.shell.take_origin(rid) is None:
-                self._route_event(p.Failed(rid, "gateway_error", "The gateway stopped scheduling; retry the request."))
-        self.shell = self._new_shell()
-        if state is not None:
-            self.shell.load_model_state(state)
-
-    async def _reclaim(self, idle_ms: int) -> None:
-        """Take up the arrivals pending ``idle_ms`` or longer with any consumer (a previous
-        scheduler's; this one's own queued ones come back too, and are recognised)."""
-        cursor = "0-0"
-        while True:
-            cursor_raw, entries, *_ = await self.client.xautoclaim(
-                wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, self.settings.gateway_id, idle_ms, cursor, count=1000
-            )
-            self._take_arrivals(entries)
-            cursor = wire.text(cursor_raw)
-            if cursor == "0-0":
-                return
-
-    async def _trim_arrivals(self) -> None:
-        """Drop the arrivals already settled: everything before the oldest entry still
-        pending, or before the next one to deliver when none is."""
-        groups = await self.client.xinfo_groups(wire.ARRIVALS_STREAM)
-        group = next((g for g in groups if wire.text(g["name"]) == wire.ARRIVALS_GROUP), None)
-        if group is None:
-            return
-        pending = await self.client.xpending(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP)
-        oldest = pending["min"] if pending["pending"] else None
-        if oldest is None:  # MINID keeps the entry given: the last delivered one stays, a few bytes
-            oldest = group["last-delivered-id"]
-        await self.client.xtrim(wire.ARRIVALS_STREAM, minid=wire.text(oldest), approximate=False)
-
-    async def _election_loop(self) -> None:
-        retry = Retrier(BACKOFF, self.outage)
-        reclaimed = renewed = time.monotonic()
-        while not self._closing:
-            await asyncio.sleep(election.RENEW_S)
-            started = time.monotonic()
-            try:
-                await self._elect()
-                renewed = started
-                if self.leader and started - reclaimed >= RECLAIM_S:
-                    reclaimed = started
-                    await self._reclaim(int(RECLAIM_S * 1000))
-                    await self._trim_arrivals()
-            except RedisError as exc:
-                if self.leader and time.monotonic() - renewed > election.LEASE_MS / 1000:
-                    self._step_down(f"the lease could not be renewed: {exc}")
-                await asyncio.sleep(retry.count(exc))
-                continue
-            retry.succeeded(started)
-
-    async def _arrivals_loop(self) -> None:
-        """The scheduler's read of what the other gateways send (``election``)."""
-        retry = Retrier(BACKOFF, self.outage)
-        while not self._closing:
-            if not self.leader:
-                await self._leading.wait()
-                continue
-            started = time.monotonic()
-            try:
-                reply = await self._arrivals.call(
-                    "XREADGROUP", "GROUP", wire.ARRIVALS_GROUP, self.settings.gateway_id, "COUNT", 1000,
-                    "BLOCK", READ_BLOCK_MS, "STREAMS", wire.ARRIVALS_STREAM, ">",
-                )
-            except RedisError as exc:
-                if "NOGROUP" in str(exc) and self.leader:  # the stream was deleted (Redis restarted)
-                    with contextlib.suppress(RedisError):
-                        await self._arrivals_group()
-                await asyncio.sleep(retry.count(exc))
-                continue
-            retry.succeeded(started)
-            for _stream, entries in reply or []:
-                self._take_arrivals(entries)
-
-    def _take_arrivals(self, entries: list[tuple[bytes, dict[bytes, bytes] | list[bytes] | None]]) -> None:
-        """Admissions go to the scheduler (answered on their gateway's reply stream); the
-        rest (workers' events, notes) are applied and acknowledged at once."""
-        done: list[bytes] = []
-        now = time.monotonic()
-        for entry_id, raw in entries:
-            if raw is None:  # deleted while pending
-                done.append(entry_id)
-                continue
-            fields = raw if isinstance(raw, dict) else dict(zip(raw[::2], raw[1::2], strict=True))
-            try:
-                msg = election.decode_entry(fields)
-                if isinstance(msg, election.Arrival):
-                    self._admit(wire.text(entry_id), msg, now)
-                    continue
-                done.append(entry_id)
-                if isinstance(msg, election.Events):
-                    self._handle(list(msg.events))
-                elif isinstance(msg, election.Note):
-                    self._apply_note(msg, now)
-                elif isinstance(msg, election.Question):
-                    answer = election.encode_explained(msg.ask, self.explain(msg.rid))
-                    self._spawn(self._xadd_or_warn(msg.reply_to, {b"v": election.VERSION, election.EXPLAINED: answer}))
-            except p.ProtocolError as exc:
-                log.error("dropping an unreadable arrival: %s", exc)
-                done.append(entry_id)
-        if done:
-            self._spawn(self._ack(done))
-        self._wake.set()
-
-    async def _ack(self, entries: list[bytes]) -> None:
-        with contextlib.suppress(RedisError):  # taken up again later, and recognised
-            await self.batch.call("XACK", wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, *entries)
-
-    def _admit(self, entry: str, arrival: election.Arrival, now: float) -> None:
-        seq = arrival.seq
-        if self.shell.knows(seq.rid):  # taken up again while still queued or running here
-            return
-        decision = self.shell.arrive(seq, arrival.who, now, forwarded=(arrival.reply_to, entry))
-        answer = election.encode_decision(seq.rid, decision)
-        if isinstance(decision, Reject):  # answered and acknowledged together
-            self._spawn(self._settle_quietly([(arrival.reply_to, election.DECISION, answer)], [entry]))
-        else:  # the arrival stays pending until its job leaves; if lost, the follower gives up after DECIDE_S
-            self._spawn(self._xadd_or_warn(arrival.reply_to, {b"v": election.VERSION, election.DECISION: answer}))
-
-    def _apply_note(self, note: election.Note, now: float) -> None:
-        rid = note.rid
-        if note.kind == election.FIRST and note.ttft_s is not None:
-            self.shell.driver.first_token(rid, note.ttft_s, now)
-        elif note.kind == election.END:
-            self.shell.request_ended(rid, now)
-            accuracy = self.shell.outcome(rid, note.ttft_s, note.total_s, note.tokens, now)
-            if self._on_accuracy is not None:
-                self._on_accuracy(accuracy)
-        elif note.kind == election.CANCEL and self.shell.cancel(rid, now):
-            self._refuse_queued(rid, "cancelled", "The client went away.")
-
     async def _watch_loop(self) -> None:
         retry = Retrier(BACKOFF, self.outage)
         wait = WATCH_S
         saved = time.monotonic()
-        while not self._closing:
+        while not self.closing:
             await asyncio.sleep(wait)
             expired = self.shell.expire(time.monotonic())
             for rid in expired:
-                self._route_event(p.Failed(rid, "lost", "The request's batch was lost; retry it."))
+                self.route_event(p.Failed(rid, "lost", "The request's batch was lost; retry it."))
             if expired:
-                self._wake.set()
+                self.wake.set()
             started = time.monotonic()
             try:
                 await self.refresh_workers()
@@ -794,6 +550,3 @@ class Dispatcher:
             wait = WATCH_S
             retry.succeeded(started)
 
-
-def _flat(fields: dict[bytes, bytes] | dict[str, bytes]) -> list[bytes | str]:
-    return [x for item in fields.items() for x in item]

@@ -78,7 +78,7 @@ async def test_a_follower_gets_its_contract_from_the_scheduler_and_its_result_fr
 ) -> None:
     async with make_harness(redis_url, prompts, model_spec.name) as lead, \
             follower(redis_url, prompts, model_spec.name) as other:
-        assert lead.gw.dispatcher.leader and not other.gw.dispatcher.leader
+        assert lead.gw.dispatcher.leading.leader and not other.gw.dispatcher.leading.leader
         assert (await other.admin("GET", "/scheduler")).json()["role"] == "follower"
         _, key = await lead.tenant("acme", rate=10**6, burst=10**8)
         responses = await asyncio.gather(*(other.complete(key) for _ in range(12)), lead.complete(key))
@@ -102,7 +102,7 @@ async def test_a_follower_gets_its_contract_from_the_scheduler_and_its_result_fr
         client = lead.gw.dispatcher.client
         assert await client.xlen(wire.ARRIVALS_STREAM) >= 12  # the admissions at least
         group = (await client.xinfo_groups(wire.ARRIVALS_STREAM))[0]
-        await lead.gw.dispatcher._trim_arrivals()  # what was settled leaves the stream
+        await lead.gw.dispatcher.leading.trim_arrivals()  # what was settled leaves the stream
         left = [entry_id for entry_id, _ in await client.xrange(wire.ARRIVALS_STREAM)]
         assert all(_id(e) >= _id(group["last-delivered-id"]) for e in left), (left, group)
 
@@ -130,20 +130,20 @@ async def test_when_the_scheduler_goes_silent_the_follower_takes_over_and_loses_
     engine = EchoEngine(tokens=8, step_s=0.05)  # slow enough that a queue builds
     async with make_harness(redis_url, prompts, model_spec.name, engine=engine) as lead, \
             follower(redis_url, prompts, model_spec.name) as other:
-        assert lead.gw.dispatcher.leader and not other.gw.dispatcher.leader
+        assert lead.gw.dispatcher.leading.leader and not other.gw.dispatcher.leading.leader
         _, key = await lead.tenant("acme", rate=10**6, burst=10**8)
         calls = [asyncio.create_task(other.complete(key)) for _ in range(40)]
         await _until(lambda: lead.gw.dispatcher.shell.driver.queued > 0, "a queue at the scheduler")
         # the scheduler dies: no release, no more dispatches. Its loops also stop at their next
-        # turn (``_closing``, as ``close`` does): a cancel that lands as a Redis call's own time-out
+        # turn (``closing``, as ``close`` does): a cancel that lands as a Redis call's own time-out
         # fires reads as that time-out, which a loop retries; its election loop would then renew
         # the lease it still holds and take over again, and the follower would never get it
-        lead.gw.dispatcher._closing = True
+        lead.gw.dispatcher.closing = True
         for task in lead.gw.dispatcher._tasks:
             task.cancel()
-        lead.gw.dispatcher.leader = False
+        lead.gw.dispatcher.leading.leader = False
         try:
-            took = await _until(lambda: other.gw.dispatcher.leader, "the follower took over", timeout_s=3.0)
+            took = await _until(lambda: other.gw.dispatcher.leading.leader, "the follower took over", timeout_s=3.0)
         except AssertionError:  # say who holds the lease, and whether a loop of the follower stopped
             holder = await other.gw.client.get(wire.SCHEDULER_LEASE)
             lead_alive = [t.get_name() for t in lead.gw.dispatcher._tasks if not t.done()]
