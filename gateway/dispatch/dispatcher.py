@@ -37,9 +37,10 @@ from common import protocol as p
 from common import wire
 from common.retry import Outage, Retrier
 from gateway import keyspace
-from gateway.dispatch import election
+from gateway.dispatch import election, saved_model
 from gateway.dispatch.forwarding import DECIDE_S, Forwarding, flat
-from gateway.dispatch.leading import BACKOFF, READ_BLOCK_MS, Leading
+from gateway.dispatch.inbox import Inbox
+from gateway.dispatch.leading import BACKOFF, Leading
 from gateway.dispatch.liveness import Liveness
 from gateway.dispatch.scheduling import Origin, SchedulerShell, Send
 from gateway.redis_batch import AutoPipeline
@@ -52,7 +53,6 @@ log = logging.getLogger("tokengate.dispatch")
 CANCEL_TTL_S = 600
 WATCH_S = 0.5  # how often workers and peers are re-read (and slot leases checked)
 MODEL_SAVE_S = 10.0  # how often the fitted model and calibration are saved for the next start
-TELEMETRY_BACKLOG = 16  # telemetry entries a starting gateway observes (the workers' warm-ups)
 
 
 @dataclass(slots=True)
@@ -77,14 +77,13 @@ class Dispatcher:
         self.settings = settings
         self.client = client
         self.batch = batch or AutoPipeline(client)
-        # the blocking read of replies and telemetry has a connection of its own
-        self._reads = AutoPipeline(client, timeout_s=settings.redis_timeout_s + READ_BLOCK_MS / 1000)
         self.replies = wire.replies_stream(settings.gateway_id)
         self._config = config
         self.shell = self.new_shell()
         # one gateway schedules for all (``election``): this one, or the one it forwards to
         self.leading = Leading(self)
         self.forwarding = Forwarding(self)  # a follower's: what it forwarded to the scheduler
+        self.inbox = Inbox(self, settings.redis_timeout_s)  # replies and telemetry, on a connection of their own
         self.liveness = Liveness(client, settings)
         self.pending: dict[str, Pending] = {}
         self.workers: dict[str, p.Heartbeat] = {}
@@ -109,41 +108,18 @@ class Dispatcher:
     async def start(self) -> None:
         try:
             await keyspace.migrate(self.client)  # a deployment's names from before the hash tag
-            await self._load_model()
+            await saved_model.load(self.client, self.settings.model_name, self.shell)
             await self.refresh_workers()
             await self.leading.elect()
         except RedisError as exc:  # not ready until Redis answers; the watch loop retries
             log.warning("Redis is not reachable at start-up: %s", exc)
         self._tasks = [
             asyncio.create_task(self._supervised("send", self._send_loop), name="send"),
-            asyncio.create_task(self._supervised("replies", self._reply_loop), name="replies"),
+            asyncio.create_task(self._supervised("replies", self.inbox.loop), name="replies"),
             asyncio.create_task(self._supervised("workers", self._watch_loop), name="workers"),
             asyncio.create_task(self._supervised("election", self.leading.election_loop), name="election"),
             asyncio.create_task(self._supervised("arrivals", self.leading.arrivals_loop), name="arrivals"),
         ]
-
-    async def _load_model(self) -> None:
-        """Start warm: the fitted model and calibration a gateway serving this model saved."""
-        raw = await self.client.get(wire.model_key(self.settings.model_name))
-        if raw is None:
-            return
-        try:
-            state = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            log.warning("ignoring an unreadable saved model at %s", wire.model_key(self.settings.model_name))
-            return
-        if isinstance(state, dict):
-            self.shell.load_model_state(state)  # path by path, once that path's workers show
-
-    async def _save_model(self) -> None:
-        try:
-            state = self.shell.model_state()
-            blob = orjson.dumps(state) if state is not None else None
-        except Exception:  # noqa: BLE001 - a state that cannot be saved must not stop the watch loop
-            log.exception("the fitted model could not be saved")
-            return
-        if blob is not None:
-            await self.client.set(wire.model_key(self.settings.model_name), blob)
 
     async def _supervised(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
         try:
@@ -172,10 +148,10 @@ class Dispatcher:
             for task in stuck:
                 log.error("the %s loop did not stop within 5 s", task.get_name())
         self.fail_all("shutdown", "The gateway is shutting down; retry on another replica.")
-        await self._reads.close()
+        await self.inbox.close()
         await self.leading.close()
         with contextlib.suppress(RedisError):
-            await self._save_model()
+            await saved_model.save(self.client, self.settings.model_name, self.shell)
             await self.liveness.leave(self.replies)
 
     # -- requests -------------------------------------------------------------------------
@@ -219,15 +195,12 @@ class Dispatcher:
         pending.contract = decision
         return pending
 
-    def explain(self, rid: str) -> dict[str, object] | None:
-        return self.shell.explain(rid)
-
     async def explain_anywhere(self, rid: str) -> dict[str, object] | None:
         """The scheduler's ``explain`` of ``rid`` from whichever gateway schedules: a follower
         asks it over the arrivals stream and waits up to ``ASK_S``. None when the scheduler
         holds no such request (it has not arrived, or it has ended) or did not answer."""
         if self.leading.leader:
-            return self.explain(rid)
+            return self.shell.explain(rid)
         return await self.forwarding.ask(rid)
 
     def snapshot(self) -> dict[str, object]:
@@ -298,17 +271,8 @@ class Dispatcher:
         elif self.shell.cancel(rid, time.monotonic()):
             self.pending.pop(rid, None)
             return True
-        self.spawn(self._send_cancel(rid))
+        self.spawn(send_cancel(self.client, rid))
         return False
-
-    async def _send_cancel(self, rid: str) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        pipe.set(wire.cancel_key(rid), 1, ex=CANCEL_TTL_S)
-        pipe.publish(wire.CANCEL_CHANNEL, rid)
-        try:
-            await pipe.execute()
-        except RedisError as exc:
-            log.warning("could not cancel %s: %s", rid, exc)
 
     # -- jobs out ---------------------------------------------------------------------------
 
@@ -397,73 +361,7 @@ class Dispatcher:
             self.route_event(p.Failed(seq.rid, code, message))
         self.wake.set()  # slots came back
 
-    # -- replies --------------------------------------------------------------------------
-
-    async def _reply_loop(self) -> None:
-        """This gateway's replies and every worker's step telemetry, in one blocking read.
-        Telemetry is read from the stream's last entry at start: a concrete id, since ``$``
-        re-read every turn would miss whatever arrived while the replies kept the read from
-        blocking."""
-        last = {self.replies: b"0-0", wire.TELEMETRY_STREAM: await self._telemetry_start()}
-        retry = Retrier(BACKOFF, self.outage)
-        trimmed = time.monotonic()
-        while not self.closing:
-            started = time.monotonic()
-            try:
-                reply: list[tuple[bytes, list[tuple[bytes, list[bytes]]]]] | None = await self._reads.call(
-                    "XREAD", "COUNT", 1000, "BLOCK", READ_BLOCK_MS, "STREAMS", *last, *last.values()
-                )
-            except RedisError as exc:
-                await asyncio.sleep(retry.count(exc))
-                continue
-            retry.succeeded(started)
-            for stream, entries in reply or []:
-                telemetry = wire.text(stream) == wire.TELEMETRY_STREAM
-                for entry_id, items in entries:
-                    fields = dict(zip(items[::2], items[1::2], strict=True))
-                    if telemetry:
-                        last[wire.TELEMETRY_STREAM] = entry_id
-                        self._observe(fields)
-                    else:
-                        last[self.replies] = entry_id
-                        self._route(fields)
-            if time.monotonic() - trimmed > 1.0:  # entries already routed; drop them once a second
-                trimmed = time.monotonic()
-                with contextlib.suppress(RedisError):
-                    await self.client.xtrim(self.replies, minid=last[self.replies], approximate=True)
-
-    async def _telemetry_start(self) -> bytes:
-        """Where the telemetry read starts: after the newest entry, once the latest
-        ``TELEMETRY_BACKLOG`` entries are observed (oldest first), so that a worker's warm-up
-        steps, published before this gateway started, shape its first contracts."""
-        try:
-            recent: list[tuple[bytes, dict[bytes, bytes]]] = await self.client.xrevrange(  # type: ignore[assignment]
-                wire.TELEMETRY_STREAM, count=TELEMETRY_BACKLOG
-            )
-        except RedisError:
-            return b"0-0"  # Redis is not there yet: read what the stream holds (at most its cap)
-        for _entry_id, fields in reversed(recent):
-            self._observe(fields)
-        entry_id = recent[0][0] if recent else None
-        return entry_id if isinstance(entry_id, bytes) else b"0-0"
-
-    def _observe(self, fields: dict[bytes, bytes]) -> None:
-        try:
-            self.shell.telemetry(p.decode_telemetry(fields), time.monotonic())
-        except p.ProtocolError as exc:
-            log.warning("dropping unreadable worker telemetry: %s", exc)
-
-    def _route(self, fields: dict[bytes, bytes]) -> None:
-        if self.forwarding.answered(fields):
-            return
-        try:
-            events = p.decode_events(fields)
-        except p.ProtocolError as exc:
-            log.error("dropping unreadable reply: %s", exc)
-            return
-        if not self.leading.leader:  # what the scheduler must learn: slots back, batches ended
-            self.forwarding.pass_on(events)
-        self.handle(events)
+    # -- replies -------------------------------------------------------------------------
 
     def handle(self, events: list[p.Event]) -> None:
         for ev in events:
@@ -508,7 +406,10 @@ class Dispatcher:
                 dropped = self.shell.origin_gone(wire.replies_stream(gateway_id), time.monotonic())
                 if dropped:
                     await self.client.xack(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, *dropped)
-        await self._publish_backlog()
+        # this gateway's queued work per pool, for whatever scales the workers on it (the time
+        # lets a reader skip a stale entry)
+        backlog = orjson.dumps({"at": time.time(), **self.backlog()})
+        await self.batch.call("HSET", wire.BACKLOG_HASH, self.settings.gateway_id, backlog)
         workers = await self.liveness.workers()
         self.workers = workers
         self.gateways = max(1, view.alive)
@@ -520,12 +421,6 @@ class Dispatcher:
     def capacity(self, workers: dict[str, p.Heartbeat]) -> None:
         for note in self.shell.capacity(workers, time.monotonic()):
             log.info("%s", note)
-
-    async def _publish_backlog(self) -> None:
-        """This gateway's queued work per pool into ``wire.BACKLOG_HASH`` (every ``WATCH_S``),
-        for whatever scales the workers on it; the time lets a reader skip a stale entry."""
-        doc = {"at": time.time(), **self.backlog()}
-        await self.batch.call("HSET", wire.BACKLOG_HASH, self.settings.gateway_id, orjson.dumps(doc))
 
     async def _watch_loop(self) -> None:
         retry = Retrier(BACKOFF, self.outage)
@@ -543,10 +438,21 @@ class Dispatcher:
                 await self.refresh_workers()
                 if started - saved >= MODEL_SAVE_S:
                     saved = started
-                    await self._save_model()
+                    await saved_model.save(self.client, self.settings.model_name, self.shell)
             except RedisError as exc:
                 wait = retry.count(exc)
                 continue
             wait = WATCH_S
             retry.succeeded(started)
 
+
+async def send_cancel(client: aioredis.Redis, rid: str) -> None:
+    """Tell the workers ``rid`` is cancelled: a TTL'd key for those that have not read it yet, a
+    message for the one running it."""
+    pipe = client.pipeline(transaction=False)
+    pipe.set(wire.cancel_key(rid), 1, ex=CANCEL_TTL_S)
+    pipe.publish(wire.CANCEL_CHANNEL, rid)
+    try:
+        await pipe.execute()
+    except RedisError as exc:
+        log.warning("could not cancel %s: %s", rid, exc)

@@ -66,8 +66,6 @@ class Host(Protocol):
 
     async def xadd_or_warn(self, stream: str, fields: dict[bytes, bytes]) -> None: ...
 
-    def explain(self, rid: str) -> dict[str, object] | None: ...
-
 
 class Leading:
     """Whether this gateway schedules for all (``leader``), and what it does while it does."""
@@ -222,7 +220,7 @@ class Leading:
                     self._apply_note(msg, now)
                 elif isinstance(msg, election.Question):
                     answer = {b"v": election.VERSION,
-                              election.EXPLAINED: election.encode_explained(msg.ask, self.d.explain(msg.rid))}
+                              election.EXPLAINED: election.encode_explained(msg.ask, self.d.shell.explain(msg.rid))}
                     self.d.spawn(self.d.xadd_or_warn(msg.reply_to, answer))
             except p.ProtocolError as exc:
                 log.error("dropping an unreadable arrival: %s", exc)

@@ -249,7 +249,7 @@ async def get_request(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     tenant = await gw.auth.tenant(request.headers)
     doc = await records.read(gw.client, request.path_params["rid"], tenant.id)
-    schedule = gw.dispatcher.explain(doc["id"])  # only the gateway that admitted it knows
+    schedule = gw.dispatcher.shell.explain(doc["id"])  # only the gateway that admitted it knows
     if schedule is not None:
         doc["schedule"] = schedule
     return ORJSONResponse(doc)

@@ -142,11 +142,6 @@ MAX_METHODS = 30
 #: lockstep, one method for each of the core's) and its declaration tables.
 EXEMPT = {"sched_core/_core.pyx", "sched_core/reference.py", "sched_core/_core.pyi", "sched_core/_fast.pxd",
           "sched_core/_heap.pxd", "sched_core/_idtable.pxd"}
-#: Not split yet (issue 37: the dispatcher by role): its size
-#: now, which it may not pass; a module that shrinks under the limit leaves this table.
-NOT_YET_SPLIT = {"gateway/dispatch/dispatcher.py": 552}
-NOT_YET_SPLIT_CLASSES = {"gateway/dispatch/dispatcher.py:Dispatcher": 39}
-
 
 def _product_files() -> list[Path]:
     return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*")
@@ -158,11 +153,9 @@ def test_no_product_module_is_longer_than_the_limit() -> None:
     for path in _product_files():
         name = str(path.relative_to(ROOT))
         lines = len(path.read_text().splitlines())
-        if name not in EXEMPT and lines > NOT_YET_SPLIT.get(name, MAX_LINES):
+        if name not in EXEMPT and lines > MAX_LINES:
             over[name] = lines
     assert not over, over
-    for name in NOT_YET_SPLIT:
-        assert len((ROOT / name).read_text().splitlines()) > MAX_LINES, f"{name} is split: drop it from the table"
 
 
 def test_no_class_has_more_methods_than_the_limit() -> None:
@@ -174,6 +167,6 @@ def test_no_class_has_more_methods_than_the_limit() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 methods = sum(isinstance(x, ast.FunctionDef | ast.AsyncFunctionDef) for x in node.body)
-                if methods > NOT_YET_SPLIT_CLASSES.get(f"{name}:{node.name}", MAX_METHODS):
+                if methods > MAX_METHODS:
                     over[f"{name}:{node.name}"] = methods
     assert not over, over

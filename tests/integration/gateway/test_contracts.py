@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common import wire
+from gateway.dispatch import saved_model
 from gateway.dispatch.dispatcher import Dispatcher
 from gateway.settings import GatewaySettings
 from tests.integration.gateway.conftest import Harness
@@ -235,14 +236,14 @@ async def test_the_model_and_calibration_are_saved_and_a_new_dispatcher_starts_f
         await asyncio.sleep(0.05)
     learnt = dispatcher.shell.driver.contracts.state()
     assert learnt["ratios"] and learnt["outputs"]  # the streamed requests' outcomes
-    await dispatcher._save_model()
+    await saved_model.save(dispatcher.client, dispatcher.settings.model_name, dispatcher.shell)
     raw = await dispatcher.client.get(wire.model_key(harness.model))
     assert raw is not None
     saved = orjson.loads(raw)
     assert saved["contracts"] == learnt
     fresh = Dispatcher(GatewaySettings(redis_url=redis_url, model_name=harness.model), dispatcher.client)
     assert fresh.shell.driver.contracts.state() == {"ratios": [], "outputs": []}
-    await fresh._load_model()
+    await saved_model.load(fresh.client, fresh.settings.model_name, fresh.shell)
     assert fresh.shell.driver.contracts.state() == {"ratios": [], "outputs": []}  # not before its workers show
     await fresh.refresh_workers()  # the same worker, the same profile: restored
     assert fresh.shell.snapshot()["saved_state"] == {"cpu": "restored", "outputs": "restored"}

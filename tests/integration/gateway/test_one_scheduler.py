@@ -204,7 +204,7 @@ async def test_a_follower_s_console_shows_the_cluster_and_explains_what_the_sche
         rid = shell.queued_ids()[-1]
         doc = (await other.admin("GET", f"/requests/{rid}")).json()  # asked of the scheduler, answered by it
         assert doc["id"] == rid and doc["schedule"]["state"] == "queued", doc
-        there = lead.gw.dispatcher.explain(rid)
+        there = lead.gw.dispatcher.shell.explain(rid)
         assert there is not None and set(doc["schedule"]) == set(there)
         assert all(doc["schedule"][k] == there[k] for k in ("request_id", "tenant", "bucket", "max_prompt"))
         assert [r.status_code for r in await asyncio.gather(*sent)] == [200] * 3
