@@ -190,7 +190,6 @@ class Driver:
         #: a baseline's queue, for the backlog (None: the scheduler, whose snapshot says it per bucket)
         self.queues: Queues | None = policy if isinstance(policy, Queues) else None
         self.tick_s = tick_s
-        self._promises = self.pricing is not None
         config = self.pricing.config if self.pricing is not None else SchedulerConfig()
         self.contracts = Contracts(config.bucket_bounds, config.default_output_tokens)
         self.shares = Shares(config.rate_window_s)
@@ -206,7 +205,7 @@ class Driver:
 
     def arrive(self, req: Request, now: float) -> Contract | Reject | None:
         """The policy's decision; a contract comes back calibrated, or as an ``slo`` refusal."""
-        if not self._promises:
+        if self.pricing is None:  # a baseline promises nothing
             return self.policy.arrive(req, now)
         cal = self.contracts
         out, out_hi = cal.output(req)
@@ -330,7 +329,7 @@ class Driver:
 
     def promised(self, request_id: str) -> Contract | None:
         """The contract a request was given (None: none, or its outcome is in)."""
-        return self.contracts.promised(request_id) if self._promises else None
+        return self.contracts.promised(request_id) if self.pricing is not None else None
 
     def first_token(self, request_id: str, ttft_s: float, now: float) -> None:
         """A promised request's first token came ``ttft_s`` seconds after its arrival."""
