@@ -203,8 +203,10 @@ class Driver:
     def queued(self) -> int:
         return self.policy.queued
 
-    def arrive(self, req: Request, now: float) -> Contract | Reject | None:
-        """The policy's decision; a contract comes back calibrated, or as an ``slo`` refusal."""
+    def arrive(self, req: Request, now: float, promised: bool = False) -> Contract | Reject | None:
+        """The policy's decision; a contract comes back calibrated, or as an ``slo`` or ``wait``
+        refusal. ``promised``: its client already holds a contract (another scheduler gave it,
+        then stepped down), so neither refusal applies."""
         if self.pricing is None:  # a baseline promises nothing
             return self.policy.arrive(req, now)
         cal = self.contracts
@@ -218,11 +220,11 @@ class Driver:
         path = decision.path
         load = (self._used[path] + self.policy.queued) / max(self._cap[path], 1)
         c = cal.promise(decision, req, out_hi, load, now, self._speed(path))
-        if req.slo_ttft_s is not None or req.slo_tpot_s is not None:
+        if not promised and (req.slo_ttft_s is not None or req.slo_tpot_s is not None):
             refusal = self._refusal(req, c, decision, load, now)
             if refusal is not None:
                 return refusal
-        if req.slo_ttft_s is None and req.max_wait_s is not None:
+        if not promised and req.slo_ttft_s is None and req.max_wait_s is not None:
             refusal = self._wait_refusal(req, c, load, now)
             if refusal is not None:
                 return refusal

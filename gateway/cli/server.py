@@ -366,6 +366,44 @@ def _banner(settings: GatewaySettings, pools: list[str], key: str, key_file: Pat
     )
 
 
+def _supervise_gateways(settings: GatewaySettings, supervisor: Supervisor,
+                        ready: Callable[[dict[str, p.Heartbeat]], None]) -> None:
+    """`serve --gateways N` (N > 1): this process serves no request; it keeps the gateway
+    processes, the workers and Redis alive, and prints the banner once a gateway is ready,
+    until a stop signal (``Interrupted``) or every worker exits before the first is ready."""
+    import httpx
+
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    probe = f"http://{host}:{settings.port}/readyz"
+    shown = False
+    try:
+        while True:  # no event loop: a stop signal raised inside one can leave it running
+            supervisor.check()
+            if not shown:
+                if supervisor.workers_exited():
+                    log.error("every worker exited before becoming ready; stopping")
+                    return
+                with contextlib.suppress(httpx.HTTPError):
+                    shown = httpx.get(probe, timeout=1.0).status_code == 200
+                if shown:
+                    with processes.signals_deferred():
+                        ready(uvloop.run(_live_workers(settings)))
+            time.sleep(POLL_S)
+    except Interrupted as exc:
+        log.info("%s: stopping", exc)
+
+
+async def _live_workers(settings: GatewaySettings) -> dict[str, p.Heartbeat]:
+    from gateway.dispatch.liveness import Liveness
+    from gateway.http.services import redis_client
+
+    client = redis_client(settings)
+    try:
+        return await Liveness(client, settings).workers()
+    finally:
+        await client.aclose()
+
+
 def serve(args: argparse.Namespace) -> None:
     from gateway.http.protocol import raise_nofile_limit
 
@@ -396,8 +434,11 @@ def serve(args: argparse.Namespace) -> None:
                 worker_child(pool, _worker_argv(pool, redis_url, args, spec.path, spec.name, args.log_level))
                 for pool in pools
             ]
+            # one gateway runs in this process; several are all children, so that a kill -9 of any
+            # of them (the elected scheduler included) is a failover, not the supervisor's end
+            own = args.gateways == 1
             gateways = [gateway_child(i, gateway_argv(args, redis_url, str(spec.path), spec.name), gateway_env(args))
-                        for i in range(1, args.gateways)]  # this process is the first
+                        for i in range(0 if not own else 1, args.gateways)]
             supervisor = Supervisor(workers, embedded, gateways=gateways)
             supervisor.start()
             saved = serve_state.read_secret(key_file)
@@ -411,12 +452,15 @@ def serve(args: argparse.Namespace) -> None:
             def banner(workers: dict[str, p.Heartbeat]) -> None:
                 print(_banner(settings, pools, key, key_file, token_from, workers), flush=True)
 
-            uvloop.run(_run_gateway(settings, spec.path, signals, ready=banner, supervisor=supervisor,
-                                    reuse_port=args.gateways > 1))
+            if own:
+                uvloop.run(_run_gateway(settings, spec.path, signals, ready=banner, supervisor=supervisor))
+            else:
+                _supervise_gateways(settings, supervisor, banner)
     finally:
-        exit_within(FORCED_EXIT_S if signals.forced else CHILD_STOP_S + SHUTDOWN_SLACK_S)
+        stop_s = CHILD_STOP_S + (0.0 if args.gateways == 1 else args.shutdown_grace_s)  # children drain too
+        exit_within(FORCED_EXIT_S if signals.forced else stop_s + SHUTDOWN_SLACK_S)
         if supervisor is not None:
-            supervisor.stop(CHILD_STOP_S, hurry=lambda: signals.forced)
+            supervisor.stop(stop_s, hurry=lambda: signals.forced)
         elif embedded is not None:
             embedded.stop()
         faulthandler.cancel_dump_traceback_later()

@@ -116,22 +116,28 @@ def _add(into: dict[str, Any], more: dict[str, Any]) -> None:
             into[k] = into.get(k, 0) + v
 
 
-def cluster(me: str, parts: list[dict[str, Any]], workers: list[dict[str, Any]], now: float) -> dict[str, Any]:
+def cluster(me: str, parts: list[dict[str, Any]], workers: list[dict[str, Any]], now: float,
+            holder: str | None = None) -> dict[str, Any]:
     """The cluster view from the gateways' live parts: every gateway with its role and its
     own totals, stamped with the time it took them (``at``: rates come from one gateway's
     successive parts, never from parts read at different moments), the counters summed, the
-    scheduler's queues and policy (None while no gateway schedules)."""
+    scheduler's queues and policy (None while no gateway schedules). The scheduler is the
+    lease's ``holder`` ('' none; None: not read): a part published before its gateway lost
+    the lease (paused, cut off) says scheduler for up to ``STALE_S`` more, and is read as a
+    follower's."""
     total: dict[str, Any] = {"admitted": 0, "responses": {}, "budget_waits": 0, "tokens": {}, "contracts": {}}
     gateways = []
     scheduler = None
     for doc in sorted(parts, key=lambda d: str(d.get("gateway"))):
         own = doc.get("counters") or {}
         _add(total, own)
-        gateways.append({"gateway": doc.get("gateway"), "role": doc.get("role"), "at": doc["at"],
+        schedules = doc.get("role") == "scheduler" and (holder is None or doc.get("gateway") == holder)
+        role = "scheduler" if schedules else "follower"
+        gateways.append({"gateway": doc.get("gateway"), "role": role, "at": doc["at"],
                          "age_s": max(0.0, now - doc["at"]), "in_flight": doc.get("in_flight", 0),
                          "started": doc.get("started"), "admitted": own.get("admitted", 0),
                          "refused": refused(own.get("responses", {})), "budget_waits": own.get("budget_waits", 0)})
-        if doc.get("scheduler") is not None:
+        if schedules and doc.get("scheduler") is not None:
             scheduler = {"gateway": doc.get("gateway"), **doc["scheduler"]}
     return {
         "object": "cluster", "at": now, "gateway": me, "gateways": gateways, "scheduler": scheduler,

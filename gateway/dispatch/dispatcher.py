@@ -58,6 +58,7 @@ MODEL_SAVE_S = 10.0  # how often the fitted model and calibration are saved for 
 @dataclass(slots=True)
 class Pending:
     seq: p.SeqJob
+    who: Origin
     created: float
     contract: Contract | None  # None under a baseline policy (fcfs, fixed), which promises nothing
     events: asyncio.Queue[p.Event] = field(default_factory=asyncio.Queue)
@@ -169,15 +170,15 @@ class Dispatcher:
         events), or the rejection to answer at once. The scheduler is this gateway's own
         core, or the elected one's, through ``wire.ARRIVALS_STREAM`` (``election``)."""
         now = time.monotonic()
-        if self.leading.leader:
+        if self.leading.lead():
             decision = self.shell.arrive(seq, who, now)
             if isinstance(decision, Reject):
                 return decision
-            pending = Pending(seq, now, decision)
+            pending = Pending(seq, who, now, decision)
             self.pending[seq.rid] = pending
             self.wake.set()
             return pending
-        pending = Pending(seq, now, None)
+        pending = Pending(seq, who, now, None)
         self.pending[seq.rid] = pending  # the workers' events may come before the decision: both wait here
         try:
             decision = await self.forwarding.forward(seq, who)
@@ -199,14 +200,14 @@ class Dispatcher:
         """The scheduler's ``explain`` of ``rid`` from whichever gateway schedules: a follower
         asks it over the arrivals stream and waits up to ``ASK_S``. None when the scheduler
         holds no such request (it has not arrived, or it has ended) or did not answer."""
-        if self.leading.leader:
+        if self.leading.lead():
             return self.shell.explain(rid)
         return await self.forwarding.ask(rid)
 
     def snapshot(self) -> dict[str, object]:
         snap = self.shell.snapshot()
         snap["gateway"] = self.settings.gateway_id
-        snap["role"] = "scheduler" if self.leading.leader else "follower"  # a follower's queue is the scheduler's
+        snap["role"] = "scheduler" if self.leading.lead() else "follower"  # a follower's queue is the scheduler's
         snap["gateways"] = self.gateways
         snap["batches_in_flight"] = self.shell.leases
         snap["backlog"] = self.backlog()
@@ -216,11 +217,31 @@ class Dispatcher:
         """This gateway's queued requests and tokens per pool (``SchedulerShell.backlog``)."""
         return {pool: {"requests": n, "tokens": t} for pool, (n, t) in self.shell.backlog().items()}
 
-    def forget(self, rid: str) -> None:
-        """The request is over here: stop routing its events; its batch's lease learns it (a
-        forwarded one's scheduler learns it from ``outcome``, which follows)."""
+    def end(self, rid: str, ttft_s: float | None, total_s: float | None, tokens: int) -> Accuracy | None:
+        """The request is over here, whichever way it ended (the one call at its end): its
+        events stop being routed, its batch's lease learns it, and what it took (seconds from
+        arrival; None: not seen) calibrates the contracts (the scheduler's, for a forwarded
+        request, told in a note). How its promise fared (None for a forwarded one: the
+        scheduler keeps the calibration)."""
+        now = time.monotonic()
         self.pending.pop(rid, None)
-        self.shell.request_ended(rid, time.monotonic())
+        self.shell.request_ended(rid, now)
+        if self.forwarding.drop(rid):
+            self.forwarding.tell(election.Note(election.END, rid, ttft_s, total_s, tokens))
+            return None
+        return self.shell.outcome(rid, ttft_s, total_s, tokens, now)
+
+    def hand_over(self, rids: list[str]) -> None:
+        """This gateway's own requests it had queued as the scheduler go to the next one
+        (``Leading.step_down``), forwarded as promised (their clients hold contracts); a
+        deadline counts from the request's arrival still."""
+        now = time.monotonic()
+        for rid in rids:
+            pending = self.pending.get(rid)
+            if pending is not None and rid not in self.forwarding:  # one forwarded already stays pending there
+                self.forwarding.hand_on(pending.seq, pending.who.waited(now - pending.created))
+        if rids:
+            log.info("handed %d queued requests to the next scheduler", len(rids))
 
     def _unforward(self, rid: str) -> None:
         """A forwarded request that was never admitted: nothing to tell the scheduler later."""
@@ -233,15 +254,6 @@ class Dispatcher:
             self.forwarding.tell(election.Note(election.FIRST, rid, ttft_s=ttft_s))
         else:
             self.shell.driver.first_token(rid, ttft_s, time.monotonic())
-
-    def outcome(self, rid: str, ttft_s: float | None, total_s: float | None, tokens: int) -> Accuracy | None:
-        """What the request took (seconds from arrival; None: not seen): it calibrates the
-        contracts (the scheduler's, for a forwarded request); how its promise fared (None
-        for a forwarded one: the scheduler keeps the calibration)."""
-        if self.forwarding.drop(rid):
-            self.forwarding.tell(election.Note(election.END, rid, ttft_s, total_s, tokens))
-            return None
-        return self.shell.outcome(rid, ttft_s, total_s, tokens, time.monotonic())
 
     async def xadd_or_warn(self, stream: str, fields: dict[bytes, bytes]) -> None:
         """One entry sent between gateways, in this turn's round trip; a failure is logged (each
@@ -288,6 +300,7 @@ class Dispatcher:
             else:
                 await self.wake.wait()
             self.wake.clear()
+            self.leading.lead()  # a lapsed lease steps down before anything is dispatched
             sends, rejects = self.shell.tick(time.monotonic())
             for r in rejects:
                 self.refuse_queued(r.request_id, r.reason, r.message)
@@ -352,8 +365,8 @@ class Dispatcher:
             if isinstance(result, Exception):
                 log.warning("queueing batch %s failed: %s", send.job.batch_id, result)
                 self._lost(send, "redis", f"Could not queue the request: {result}")
-            elif result is False:  # not sent: the next scheduler takes its forwarded requests up
-                self._lost(send, "gateway_error", "The gateway stopped scheduling; retry the request.")
+            elif result is False:  # not sent: the next scheduler takes its forwarded requests up, and gets ours
+                self.hand_over([seq.rid for seq in send.job.seqs])
 
     def _lost(self, send: Send, code: str, message: str) -> None:
         self.shell.abort(send.batch, time.monotonic())

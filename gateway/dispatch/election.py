@@ -115,11 +115,14 @@ VERSION = str(p.VERSION).encode()  # every entry's b"v", as on the workers' stre
 
 @dataclass(frozen=True, slots=True)
 class Arrival:
-    """An admission a follower forwarded: the request, who sent it, where to answer."""
+    """An admission a follower forwarded: the request, who sent it, where to answer;
+    ``promised``: its client already holds a contract (a scheduler that stepped down handed
+    it on), so the scheduler takes it without a refusal."""
 
     seq: p.SeqJob
     who: Origin
     reply_to: str
+    promised: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,9 +158,12 @@ class Question:
 Message = Arrival | Events | Note | Question
 
 
-def encode_arrival(seq: p.SeqJob, who: Origin, reply_to: str) -> dict[bytes, bytes]:
+def encode_arrival(seq: p.SeqJob, who: Origin, reply_to: str, promised: bool = False) -> dict[bytes, bytes]:
     job = p.encode_job(p.BatchJob("arrival", reply_to, 0, (seq,)))
-    return {b"k": ARRIVAL, b"v": VERSION, b"m": job["m"], b"o": orjson.dumps(dataclasses.asdict(who))}
+    fields = {b"k": ARRIVAL, b"v": VERSION, b"m": job["m"], b"o": orjson.dumps(dataclasses.asdict(who))}
+    if promised:
+        fields[b"p"] = b"1"
+    return fields
 
 
 def encode_events(events: list[p.Event]) -> dict[bytes, bytes]:
@@ -211,7 +217,7 @@ def decode_arrival(fields: dict[bytes, bytes]) -> Arrival:
         raise p.ProtocolError(f"malformed arrival: {exc!r}") from exc
     if len(job.seqs) != 1:
         raise p.ProtocolError("an arrival carries one request")
-    return Arrival(job.seqs[0], who, job.reply_to)
+    return Arrival(job.seqs[0], who, job.reply_to, fields.get(b"p") == b"1")
 
 
 def _doc(fields: dict[bytes, bytes], what: str) -> dict[str, Any]:

@@ -14,6 +14,8 @@ import os
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
+from redis.exceptions import RedisError
+
 from common import protocol as p
 from common import wire
 from gateway.dispatch import election
@@ -67,6 +69,21 @@ class Forwarding:
                 return await decided
         finally:
             self._decisions.pop(seq.rid, None)
+
+    def hand_on(self, seq: p.SeqJob, who: Origin) -> None:
+        """Forward a request this gateway had admitted as the scheduler, to the next one:
+        promised (``election.Arrival``), no decision awaited (a refusal still ends it,
+        ``_decided``)."""
+        self._remote.add(seq.rid)
+        self.d.spawn(self._hand_on(seq, who))
+
+    async def _hand_on(self, seq: p.SeqJob, who: Origin) -> None:
+        fields = election.encode_arrival(seq, who, self.d.replies, promised=True)
+        try:
+            await self.d.batch.call("XADD", wire.ARRIVALS_STREAM, "*", *flat(fields))
+        except RedisError as exc:
+            self._remote.discard(seq.rid)
+            self.d.route_event(p.Failed(seq.rid, "redis", f"The request could not reach the new scheduler: {exc}"))
 
     def drop(self, rid: str) -> bool:
         """The request ended here (or was never admitted): nothing more to tell the

@@ -58,6 +58,8 @@ class Host(Protocol):
 
     def refuse_queued(self, rid: str, code: str, message: str) -> None: ...
 
+    def hand_over(self, rids: list[str]) -> None: ...
+
     def route_event(self, ev: p.Delta | p.Finished | p.Failed) -> None: ...
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
@@ -73,6 +75,7 @@ class Leading:
     def __init__(self, d: Host) -> None:
         self.d = d
         self.leader = False
+        self.renewed = 0.0  # when the lease was last renewed (sent), by this gateway's clock
         self.leading = asyncio.Event()
         self._hold = d.client.register_script(election.HOLD)
         self._release = d.client.register_script(election.RELEASE)
@@ -86,10 +89,23 @@ class Leading:
             with contextlib.suppress(RedisError):
                 await self._release(keys=[wire.SCHEDULER_LEASE], args=[self.d.settings.gateway_id])
 
+    def lead(self) -> bool:
+        """Whether this gateway schedules now. A lease it has not renewed within the lease's
+        time by its own clock (the process was paused, or Redis did not answer) has lapsed:
+        another gateway may hold it already, so this one steps down before it dispatches or
+        answers as the scheduler again."""
+        if self.leader and time.monotonic() - self.renewed >= election.LEASE_MS / 1000:
+            self.step_down(f"its lease was not renewed within {election.LEASE_MS} ms")
+        return self.leader
+
     async def elect(self) -> None:
         """Hold the lease, or seek it: this gateway takes over scheduling when it gets it,
         and steps down when another holds it."""
+        self.lead()  # a lapsed lease got again is a new term: another may have scheduled between
+        sent = time.monotonic()  # Redis counts the lease's time from later: this end lapses first
         held = await self._hold(keys=[wire.SCHEDULER_LEASE], args=[self.d.settings.gateway_id, election.LEASE_MS])
+        if held:
+            self.renewed = sent
         if held and not self.leader:
             await self.take_over()
         elif not held and self.leader:
@@ -113,21 +129,21 @@ class Leading:
             await self.d.client.xgroup_create(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, id="$", mkstream=True)
 
     def step_down(self, why: str) -> None:
-        """Another gateway schedules now. This one's queued requests go: its own clients'
-        fail (retry), the forwarded ones stay pending for the new scheduler; what was
-        dispatched runs on, its events still come here."""
+        """Another gateway schedules now. Nothing queued here fails: this gateway's own
+        requests are handed to the next scheduler (forwarded, their contracts kept), the
+        forwarded ones stay pending for it to take up; what was dispatched runs on, its
+        events still come here."""
         if not self.leader:
             return
         log.warning("this gateway stops scheduling: %s", why)
         self.leader = False
         self.leading.clear()
         state = self.d.shell.model_state()
-        for rid in self.d.shell.queued_ids():
-            if self.d.shell.take_origin(rid) is None:
-                self.d.route_event(p.Failed(rid, "gateway_error", "The gateway stopped scheduling; retry the request."))
+        own = [rid for rid in self.d.shell.queued_ids() if self.d.shell.take_origin(rid) is None]
         self.d.shell = self.d.new_shell()
         if state is not None:
             self.d.shell.load_model_state(state)
+        self.d.hand_over(own)
 
     async def reclaim(self, idle_ms: int) -> None:
         """Take up the arrivals pending ``idle_ms`` or longer with any consumer (a previous
@@ -137,7 +153,7 @@ class Leading:
             cursor_raw, entries, *_ = await self.d.client.xautoclaim(
                 wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, self.d.settings.gateway_id, idle_ms, cursor, count=1000
             )
-            self.take_arrivals(entries)
+            self.take_arrivals(entries, reclaimed=True)
             cursor = wire.text(cursor_raw)
             if cursor == "0-0":
                 return
@@ -157,20 +173,18 @@ class Leading:
 
     async def election_loop(self) -> None:
         retry = Retrier(BACKOFF, self.d.outage)
-        reclaimed = renewed = time.monotonic()
+        reclaimed = time.monotonic()
         while not self.d.closing:
             await asyncio.sleep(election.RENEW_S)
             started = time.monotonic()
             try:
                 await self.elect()
-                renewed = started
                 if self.leader and started - reclaimed >= RECLAIM_S:
                     reclaimed = started
                     await self.reclaim(int(RECLAIM_S * 1000))
                     await self.trim_arrivals()
             except RedisError as exc:
-                if self.leader and time.monotonic() - renewed > election.LEASE_MS / 1000:
-                    self.step_down(f"the lease could not be renewed: {exc}")
+                self.lead()  # steps down once the lease has lapsed
                 await asyncio.sleep(retry.count(exc))
                 continue
             retry.succeeded(started)
@@ -198,9 +212,14 @@ class Leading:
             for _stream, entries in reply or []:
                 self.take_arrivals(entries)
 
-    def take_arrivals(self, entries: list[tuple[bytes, dict[bytes, bytes] | list[bytes] | None]]) -> None:
+    def take_arrivals(self, entries: list[tuple[bytes, dict[bytes, bytes] | list[bytes] | None]],
+                      reclaimed: bool = False) -> None:
         """Admissions go to the scheduler (answered on their gateway's reply stream); the
-        rest (workers' events, notes) are applied and acknowledged at once."""
+        rest (workers' events, notes) are applied and acknowledged at once. ``reclaimed``:
+        taken up from another scheduler, which may have promised them already: admitted
+        without a refusal (``Driver.arrive``), never failed after their 200."""
+        if not self.lead():  # read just before a pause, or a lost lease: they stay pending for the scheduler
+            return
         done: list[bytes] = []
         now = time.monotonic()
         for entry_id, raw in entries:
@@ -211,7 +230,7 @@ class Leading:
             try:
                 msg = election.decode_entry(fields)
                 if isinstance(msg, election.Arrival):
-                    self._admit(wire.text(entry_id), msg, now)
+                    self._admit(wire.text(entry_id), msg, now, reclaimed or msg.promised)
                     continue
                 done.append(entry_id)
                 if isinstance(msg, election.Events):
@@ -233,11 +252,11 @@ class Leading:
         with contextlib.suppress(RedisError):  # taken up again later, and recognised
             await self.d.batch.call("XACK", wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, *entries)
 
-    def _admit(self, entry: str, arrival: election.Arrival, now: float) -> None:
+    def _admit(self, entry: str, arrival: election.Arrival, now: float, promised: bool) -> None:
         seq = arrival.seq
         if self.d.shell.knows(seq.rid):  # taken up again while still queued or running here
             return
-        decision = self.d.shell.arrive(seq, arrival.who, now, forwarded=(arrival.reply_to, entry))
+        decision = self.d.shell.arrive(seq, arrival.who, now, forwarded=(arrival.reply_to, entry), promised=promised)
         answer = election.encode_decision(seq.rid, decision)
         if isinstance(decision, Reject):  # answered and acknowledged together
             self.d.spawn(self.d.settle_quietly([(arrival.reply_to, election.DECISION, answer)], [entry]))

@@ -41,6 +41,14 @@ class Origin:
     slo_tpot_s: float | None = None
     max_wait_s: float | None = None  # without a first-token SLO: the longest predicted wait (None: no bound)
 
+    def waited(self, seconds: float) -> Origin:
+        """The same request ``seconds`` after its arrival: what is left of its deadline and
+        its first-token SLO (handed to another scheduler, ``Dispatcher.hand_over``)."""
+        def left(s: float | None) -> float | None:
+            return None if s is None else max(0.0, s - seconds)
+
+        return replace(self, deadline_s=left(self.deadline_s), slo_ttft_s=left(self.slo_ttft_s))
+
 
 @dataclass(frozen=True, slots=True)
 class Send:
@@ -152,9 +160,12 @@ class SchedulerShell:
         return out
 
     def arrive(self, seq: p.SeqJob, who: Origin, now: float,
-               forwarded: tuple[str, str] | None = None) -> Contract | Reject | None:
+               forwarded: tuple[str, str] | None = None, promised: bool = False) -> Contract | Reject | None:
         """The scheduler's decision on a request; ``forwarded``: another gateway sent it
-        (its reply stream, the request's arrival entry)."""
+        (its reply stream, the request's arrival entry); ``promised``: its client already
+        holds a contract (``Driver.arrive``: no refusal). Just after a take-over, while
+        sequences the previous scheduler sent still hold slots this one cannot see end, its
+        view of the wait is not whole: nothing is refused for it either."""
         req = Request(
             id=seq.rid,
             tenant=who.tenant,
@@ -170,7 +181,7 @@ class SchedulerShell:
             slo_tpot_s=who.slo_tpot_s,
             max_wait_s=who.max_wait_s,
         )
-        decision = self.driver.arrive(req, now)
+        decision = self.driver.arrive(req, now, promised or bool(self._foreign))
         if not isinstance(decision, Reject):
             self._seqs[seq.rid] = seq
             if forwarded is not None:

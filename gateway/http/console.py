@@ -87,16 +87,17 @@ async def publish_loop(gw: Gateway) -> None:
 
 
 async def read(gw: Gateway) -> dict[str, Any]:
-    """The cluster view now: the live gateways' parts, the workers with their heartbeat ages
-    (two round trips: the ids and ages, then the parts; the heartbeats themselves are the
-    dispatcher's, re-read every 0.5 s)."""
+    """The cluster view now: the live gateways' parts, the workers with their heartbeat ages,
+    the scheduling lease's holder (two round trips: the ids, ages and holder, then the parts;
+    the heartbeats themselves are the dispatcher's, re-read every 0.5 s)."""
     pipe = gw.client.pipeline(transaction=False)
     pipe.zrange(wire.GATEWAYS_ZSET, 0, -1)
     pipe.zrange(wire.WORKERS_ZSET, 0, -1, withscores=True)
-    ids, beats = await pipe.execute()
+    pipe.get(wire.SCHEDULER_LEASE)
+    ids, beats, holder = await pipe.execute()
     raws = await gw.client.mget([wire.console_key(wire.text(i)) for i in ids]) if ids else []
     parts = [orjson.loads(raw) for raw in raws if raw is not None]
     now = time.time()
     beat = {wire.text(w): float(score) for w, score in beats}
     workers = [status.worker_view(hb, beat.get(wid), now) for wid, hb in gw.dispatcher.workers.items()]
-    return status.cluster(gw.settings.gateway_id, parts, workers, now)
+    return status.cluster(gw.settings.gateway_id, parts, workers, now, wire.text(holder) if holder else "")

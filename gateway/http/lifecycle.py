@@ -320,12 +320,9 @@ class RequestLife:
         if self.admission is None:
             return  # nothing reserved, nothing to settle
         if self.pending is None or over:
-            if self.pending is not None:
-                gw.dispatcher.forget(self.rid)
             self.settled()
         elif gw.dispatcher.cancel(self.rid):  # still queued: it will never run and costs nothing
             self.meter.started = False
-            gw.dispatcher.forget(self.rid)
             self.settled()
         else:
             gw.tasks.spawn(self._drain_then_settle())
@@ -348,7 +345,6 @@ class RequestLife:
         except TimeoutError:
             pass
         finally:
-            self.gw.dispatcher.forget(self.rid)
             await self.settled()
 
     def _settle_orphan(self, admit: asyncio.Future[Admission]) -> None:
@@ -370,8 +366,8 @@ class RequestLife:
                                 self.slo_ttft_s, self.slo_tpot_s)
 
         async def settle() -> bool:
-            gw.metrics.observe_contract(gw.dispatcher.outcome(admission.rid, record.get("ttft_s"),
-                                                              record.get("total_s"), completion))
+            gw.metrics.observe_contract(gw.dispatcher.end(admission.rid, record.get("ttft_s"),
+                                                          record.get("total_s"), completion))
             return await until_settled(gw, admission.rid,
                                        lambda: gw.budget.settle(admission, state, prompt, completion, record, slo))
 

@@ -53,7 +53,7 @@ async def test_a_job_that_cannot_be_encoded_fails_alone_and_gives_its_slot_back(
     assert not isinstance(pending, type(None))
     ev = await asyncio.wait_for(pending.events.get(), 5)  # type: ignore[union-attr]
     assert isinstance(ev, p.Failed) and ev.code == "unencodable"
-    harness.gw.dispatcher.forget("bad-seed")
+    harness.gw.dispatcher.end("bad-seed", None, None, 0)
     r = await harness.complete(key)
     assert r.status_code == 200
     assert _used_slots(harness) == 0

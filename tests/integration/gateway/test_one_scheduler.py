@@ -158,6 +158,31 @@ async def test_when_the_scheduler_goes_silent_the_follower_takes_over_and_loses_
         assert len(set(ids)) == 40
 
 
+async def test_a_scheduler_whose_lease_lapses_steps_down_and_hands_its_queue_on_with_nothing_failed(
+    redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec
+) -> None:
+    """The scheduler's lease is not renewed (its election loop stops, as when the process is
+    paused or cut off from Redis) while its own clients' requests and forwarded ones wait in
+    its queue: it steps down by its own clock once the lease has lapsed, before it dispatches
+    again; the follower takes over; its own queued requests are handed on with their
+    contracts, and every request is answered 200, once."""
+    engine = EchoEngine(tokens=8, step_s=0.05)  # slow enough that a queue builds
+    async with make_harness(redis_url, prompts, model_spec.name, engine=engine) as lead, \
+            follower(redis_url, prompts, model_spec.name) as other:
+        _, key = await lead.tenant("acme", rate=10**6, burst=10**8)
+        calls = [asyncio.create_task((lead if i % 2 else other).complete(key)) for i in range(40)]
+        await _until(lambda: lead.gw.dispatcher.shell.driver.queued > 4, "a queue at the scheduler")
+        election_loop = next(t for t in lead.gw.dispatcher._tasks if t.get_name() == "election")
+        election_loop.cancel()
+        await _until(lambda: not lead.gw.dispatcher.leading.leader, "the scheduler stepped down", timeout_s=3.0)
+        await _until(lambda: other.gw.dispatcher.leading.leader, "the follower took over", timeout_s=3.0)
+        assert (await other.gw.client.get(wire.SCHEDULER_LEASE)) == other.gw.settings.gateway_id.encode()
+        responses = await asyncio.gather(*calls)
+        assert [r.status_code for r in responses] == [200] * 40, [r.text for r in responses if r.status_code != 200]
+        assert len({r.json()["id"] for r in responses}) == 40
+        assert {r.json()["choices"][0]["text"] for r in responses} == {responses[0].json()["choices"][0]["text"]}
+
+
 async def test_each_job_goes_to_a_worker_with_a_free_slot_and_no_worker_runs_more_than_its_slots(
     redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec
 ) -> None:

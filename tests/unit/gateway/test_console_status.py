@@ -64,6 +64,17 @@ def test_the_cluster_sums_every_gateway_and_shows_the_scheduler_s_queues() -> No
     assert status.cluster("g2", [parts[0]], [], now=100.0)["scheduler"] is None  # none schedules now
 
 
+def test_only_the_lease_holder_shows_as_the_scheduler() -> None:
+    """A gateway paused past its lease published "scheduler" before it stopped; its part lives
+    on for a while beside the new scheduler's: the view names one scheduler, the holder."""
+    parts = [_part("g1", "scheduler", 99.0, {}, {"queued": 7}), _part("g2", "scheduler", 99.8, {}, {"queued": 1})]
+    view = status.cluster("g3", parts, [], now=100.0, holder="g2")
+    assert [g["role"] for g in view["gateways"]] == ["follower", "scheduler"]
+    assert view["scheduler"] == {"gateway": "g2", "queued": 1}
+    nobody = status.cluster("g3", parts, [], now=100.0, holder="")  # the lease lapsed, none took it yet
+    assert [g["role"] for g in nobody["gateways"]] == ["follower", "follower"] and nobody["scheduler"] is None
+
+
 def test_the_scheduler_view_leaves_out_what_grows_with_the_tenants() -> None:
     snap = {"queued": 1, "buckets": [], "fairness": {"tenants": {"a": {}, "b": {}}, "min_counter": 0.0},
             "paths": {"cpu": {"capacity": 4, "in_flight": 1, "step_model": {"decode_seq": 1.0}}},

@@ -172,6 +172,21 @@ def test_a_request_without_an_slo_predicted_to_wait_past_its_bound_is_refused(ma
     assert isinstance(d.arrive(req("loose", max_wait_s=600.0), 0.0), Contract)
 
 
+def test_a_request_another_scheduler_promised_is_taken_without_a_refusal(make: Factory) -> None:
+    """Taken up after a failover, its client already holds a 200: it is queued, never refused."""
+    d = calibrated(driver(make, cpu=1))
+    d.arrive(req("running", prompt=1000, max_tokens=400, out=400), 0.0)
+    d.tick(0.0)
+    for i in range(20):
+        d.arrive(req(f"q{i}", prompt=1000, max_tokens=400, out=400), 0.0)
+    assert isinstance(d.arrive(req("bounded", max_wait_s=1.0), 0.0), Reject)
+    assert isinstance(d.arrive(req("slo", slo_ttft_s=0.001), 0.0), Reject)
+    queued = d.queued
+    assert isinstance(d.arrive(req("bounded-again", max_wait_s=1.0), 0.0, promised=True), Contract)
+    assert isinstance(d.arrive(req("slo-again", slo_ttft_s=0.001), 0.0, promised=True), Contract)
+    assert d.queued == queued + 2
+
+
 def test_the_wait_bound_leaves_out_the_requests_own_prompt(make: Factory) -> None:
     d = calibrated(driver(make, cpu=1))
     alone = d.policy.prefill_alone_s("cpu", 8000)  # type: ignore[attr-defined]
