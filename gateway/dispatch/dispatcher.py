@@ -42,6 +42,7 @@ from gateway.dispatch.forwarding import DECIDE_S, Forwarding, flat
 from gateway.dispatch.inbox import Inbox
 from gateway.dispatch.leading import BACKOFF, Leading
 from gateway.dispatch.liveness import Liveness
+from gateway.dispatch.role import Role
 from gateway.dispatch.scheduling import Origin, SchedulerShell, Send
 from gateway.redis_batch import AutoPipeline
 from gateway.settings import GatewaySettings
@@ -60,7 +61,8 @@ class Pending:
     seq: p.SeqJob
     who: Origin
     created: float
-    contract: Contract | None  # None under a baseline policy (fcfs, fixed), which promises nothing
+    role: Role  # the scheduler that admitted it (this gateway's core, or the elected one's)
+    contract: Contract | None = None  # None under a baseline policy (fcfs, fixed), which promises nothing
     events: asyncio.Queue[p.Event] = field(default_factory=asyncio.Queue)
 
 
@@ -165,44 +167,38 @@ class Dispatcher:
         """Why the workers that are alive but take no job say they are down."""
         return sorted({hb.down for hb in self.workers.values() if hb.down})
 
+    def role(self) -> Role:
+        """The scheduler this gateway's requests go to now: its own core while it holds the
+        lease, the elected one's through ``wire.ARRIVALS_STREAM`` otherwise (``election``)."""
+        return self.leading if self.leading.lead() else self.forwarding
+
     async def submit(self, seq: p.SeqJob, who: Origin) -> Pending | Reject:
         """Hand a request to the scheduler: its contract (and a place to wait for its
-        events), or the rejection to answer at once. The scheduler is this gateway's own
-        core, or the elected one's, through ``wire.ARRIVALS_STREAM`` (``election``)."""
+        events), or the rejection to answer at once."""
         now = time.monotonic()
-        if self.leading.lead():
-            decision = self.shell.arrive(seq, who, now)
-            if isinstance(decision, Reject):
-                return decision
-            pending = Pending(seq, who, now, decision)
-            self.pending[seq.rid] = pending
-            self.wake.set()
-            return pending
-        pending = Pending(seq, who, now, None)
-        self.pending[seq.rid] = pending  # the workers' events may come before the decision: both wait here
+        role = self.role()
+        pending = self.pending[seq.rid] = Pending(seq, who, now, role)  # a forwarded one's events may come first
         try:
-            decision = await self.forwarding.forward(seq, who)
+            decision = await role.submit(seq, who, now)
         except TimeoutError:
             self.cancel(seq.rid)  # should a scheduler take it up later, it never runs
-            self._unforward(seq.rid)
-            return Reject(seq.rid, "no_scheduler", f"no scheduler answered within {DECIDE_S:g} s", 1.0, 0.0)
+            decision = Reject(seq.rid, "no_scheduler", f"no scheduler answered within {DECIDE_S:g} s", 1.0, 0.0)
         except BaseException:
             self.cancel(seq.rid)
-            self._unforward(seq.rid)
+            self.pending.pop(seq.rid, None)
             raise
         if isinstance(decision, Reject):
-            self._unforward(seq.rid)
+            self.pending.pop(seq.rid, None)
             return decision
         pending.contract = decision
+        self.wake.set()
         return pending
 
     async def explain_anywhere(self, rid: str) -> dict[str, object] | None:
         """The scheduler's ``explain`` of ``rid`` from whichever gateway schedules: a follower
         asks it over the arrivals stream and waits up to ``ASK_S``. None when the scheduler
         holds no such request (it has not arrived, or it has ended) or did not answer."""
-        if self.leading.lead():
-            return self.shell.explain(rid)
-        return await self.forwarding.ask(rid)
+        return await self.role().explain(rid)
 
     def snapshot(self) -> dict[str, object]:
         snap = self.shell.snapshot()
@@ -223,13 +219,9 @@ class Dispatcher:
         arrival; None: not seen) calibrates the contracts (the scheduler's, for a forwarded
         request, told in a note). How its promise fared (None for a forwarded one: the
         scheduler keeps the calibration)."""
-        now = time.monotonic()
-        self.pending.pop(rid, None)
-        self.shell.request_ended(rid, now)
-        if self.forwarding.drop(rid):
-            self.forwarding.tell(election.Note(election.END, rid, ttft_s, total_s, tokens))
-            return None
-        return self.shell.outcome(rid, ttft_s, total_s, tokens, now)
+        pending = self.pending.pop(rid, None)
+        role = pending.role if pending is not None else self.leading  # (refused: only its promise goes)
+        return role.ended(rid, ttft_s, total_s, tokens, time.monotonic())
 
     def hand_over(self, rids: list[str]) -> None:
         """This gateway's own requests it had queued as the scheduler go to the next one
@@ -240,20 +232,15 @@ class Dispatcher:
             pending = self.pending.get(rid)
             if pending is not None and rid not in self.forwarding:  # one forwarded already stays pending there
                 self.forwarding.hand_on(pending.seq, pending.who.waited(now - pending.created))
+                pending.role = self.forwarding
         if rids:
             log.info("handed %d queued requests to the next scheduler", len(rids))
 
-    def _unforward(self, rid: str) -> None:
-        """A forwarded request that was never admitted: nothing to tell the scheduler later."""
-        self.pending.pop(rid, None)
-        self.forwarding.drop(rid)
-
     def first_token(self, rid: str, ttft_s: float) -> None:
         """A streamed request's first token came ``ttft_s`` after it arrived."""
-        if rid in self.forwarding:
-            self.forwarding.tell(election.Note(election.FIRST, rid, ttft_s=ttft_s))
-        else:
-            self.shell.driver.first_token(rid, ttft_s, time.monotonic())
+        pending = self.pending.get(rid)
+        if pending is not None:
+            pending.role.first_token(rid, ttft_s, time.monotonic())
 
     async def xadd_or_warn(self, stream: str, fields: dict[bytes, bytes]) -> None:
         """One entry sent between gateways, in this turn's round trip; a failure is logged (each
@@ -278,9 +265,8 @@ class Dispatcher:
         dispatched. Otherwise its worker is told (a TTL'd key for workers that have not
         read it yet, a pub/sub message for the one running it) and stops it within one
         decode step; its final event still arrives here. Harmless if repeated."""
-        if rid in self.forwarding:  # the scheduler drops it if still queued, and says so with a final event
-            self.forwarding.tell(election.Note(election.CANCEL, rid))
-        elif self.shell.cancel(rid, time.monotonic()):
+        pending = self.pending.get(rid)
+        if pending is not None and pending.role.cancel(rid, time.monotonic()):
             self.pending.pop(rid, None)
             return True
         self.spawn(send_cancel(self.client, rid))

@@ -1,5 +1,6 @@
-"""A follower's side of a gateway (``election``; docs/scheduling.md §15): its requests go to
-the elected scheduler over ``wire.ARRIVALS_STREAM`` and wait for its decision; what the
+"""A follower's side of a gateway (``election``; docs/scheduling.md §15), the remote
+``role.Role``: its requests go to the elected scheduler over ``wire.ARRIVALS_STREAM`` and
+wait for its decision; what the
 follower learns of them afterwards (the workers' final events and batch reports, a first
 token, an end, a cancel) goes the same way; questions (``explain``) wait for an answer. The
 answers come on this gateway's reply stream, which the dispatcher reads and hands here.
@@ -23,6 +24,7 @@ from gateway.dispatch.scheduling import Origin
 from gateway.redis_batch import AutoPipeline
 from gateway.settings import GatewaySettings
 from sched_core import Contract, Reject
+from sched_core.contracts import Accuracy
 
 log = logging.getLogger("tokengate.dispatch")
 
@@ -57,18 +59,55 @@ class Forwarding:
     def __contains__(self, rid: str) -> bool:
         return rid in self._remote
 
-    async def forward(self, seq: p.SeqJob, who: Origin) -> Contract | Reject | None:
+    async def submit(self, seq: p.SeqJob, who: Origin, now: float) -> Contract | Reject | None:
         """The scheduler's decision on ``seq``: its contract, its refusal, or None (a baseline
         policy admits without one). TimeoutError when none came within ``DECIDE_S``."""
         decided = self._decisions[seq.rid] = asyncio.get_running_loop().create_future()
         self._remote.add(seq.rid)
+        admitted = False
         try:
             await self.d.batch.call("XADD", wire.ARRIVALS_STREAM, "*",
                                     *flat(election.encode_arrival(seq, who, self.d.replies)))
             async with asyncio.timeout(DECIDE_S):
-                return await decided
+                decision = await decided
+            admitted = not isinstance(decision, Reject)
+            return decision
         finally:
             self._decisions.pop(seq.rid, None)
+            if not admitted:  # nothing to tell the scheduler about it later
+                self._remote.discard(seq.rid)
+
+    def first_token(self, rid: str, ttft_s: float, now: float) -> None:
+        self._tell(election.Note(election.FIRST, rid, ttft_s=ttft_s))
+
+    def ended(self, rid: str, ttft_s: float | None, total_s: float | None, tokens: int,
+              now: float) -> Accuracy | None:
+        """The scheduler learns it in a note, and keeps the calibration (None here)."""
+        if rid in self._remote:
+            self._remote.discard(rid)
+            self._tell(election.Note(election.END, rid, ttft_s, total_s, tokens))
+        return None
+
+    def cancel(self, rid: str, now: float) -> bool:
+        """The scheduler drops it if still queued, and says so with a final event (False:
+        not known here to be queued)."""
+        self._tell(election.Note(election.CANCEL, rid))
+        return False
+
+    async def explain(self, rid: str) -> dict[str, object] | None:
+        """The scheduler's ``explain`` of ``rid``, waited for up to ``ASK_S`` (None: it holds
+        no such request, or did not answer)."""
+        ask = os.urandom(8).hex()
+        answer = self._asked[ask] = asyncio.get_running_loop().create_future()
+        try:
+            await self._send(election.encode_question(election.Question(rid, ask, self.d.replies)))
+            async with asyncio.timeout(ASK_S):
+                return await answer
+        except TimeoutError:
+            log.info("the scheduler did not explain %s within %g s", rid, ASK_S)
+            return None
+        finally:
+            self._asked.pop(ask, None)
 
     def hand_on(self, seq: p.SeqJob, who: Origin) -> None:
         """Forward a request this gateway had admitted as the scheduler, to the next one:
@@ -85,15 +124,7 @@ class Forwarding:
             self._remote.discard(seq.rid)
             self.d.route_event(p.Failed(seq.rid, "redis", f"The request could not reach the new scheduler: {exc}"))
 
-    def drop(self, rid: str) -> bool:
-        """The request ended here (or was never admitted): nothing more to tell the
-        scheduler. Whether it was a forwarded one."""
-        if rid not in self._remote:
-            return False
-        self._remote.discard(rid)
-        return True
-
-    def tell(self, note: election.Note) -> None:
+    def _tell(self, note: election.Note) -> None:
         """Tell the scheduler about a request this gateway forwarded."""
         self.d.spawn(self._send(election.encode_note(note)))
 
@@ -108,21 +139,6 @@ class Forwarding:
         ]
         if news:
             self.d.spawn(self._send(election.encode_events(news)))
-
-    async def ask(self, rid: str) -> dict[str, object] | None:
-        """The scheduler's ``explain`` of ``rid``, waited for up to ``ASK_S`` (None: it holds
-        no such request, or did not answer)."""
-        ask = os.urandom(8).hex()
-        answer = self._asked[ask] = asyncio.get_running_loop().create_future()
-        try:
-            await self._send(election.encode_question(election.Question(rid, ask, self.d.replies)))
-            async with asyncio.timeout(ASK_S):
-                return await answer
-        except TimeoutError:
-            log.info("the scheduler did not explain %s within %g s", rid, ASK_S)
-            return None
-        finally:
-            self._asked.pop(ask, None)
 
     def answered(self, fields: dict[bytes, bytes]) -> bool:
         """A reply-stream entry that answers this gateway's forwarded requests or questions is

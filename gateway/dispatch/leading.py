@@ -1,7 +1,8 @@
 """The elected scheduler's side of a gateway (``election``; docs/scheduling.md §15): the lease,
-held or sought every ``RENEW_S``; while held, the arrivals other gateways forward (admitted
-here and answered on their reply streams), the notes and worker events about them, the
-questions; and the hand-over when the lease moves (``take_over``, ``step_down``).
+held or sought every ``RENEW_S``; while held, this gateway's own requests (``role.Role``,
+on its own core) and the arrivals other gateways forward (admitted here and answered on
+their reply streams), the notes and worker events about them, the questions; and the
+hand-over when the lease moves (``take_over``, ``step_down``).
 
 It acts through its host, the gateway's dispatcher (``Host``: jobs out, replies in, the
 workers watched), which it never imports."""
@@ -23,10 +24,10 @@ from common import wire
 from common.retry import Outage, Retrier, backoff_policy
 from gateway.dispatch import election
 from gateway.dispatch.liveness import Liveness
-from gateway.dispatch.scheduling import SchedulerShell
+from gateway.dispatch.scheduling import Origin, SchedulerShell
 from gateway.redis_batch import AutoPipeline
 from gateway.settings import GatewaySettings
-from sched_core import Reject
+from sched_core import Contract, Reject
 from sched_core.contracts import Accuracy
 
 log = logging.getLogger("tokengate.dispatch")
@@ -80,6 +81,27 @@ class Leading:
         self._hold = d.client.register_script(election.HOLD)
         self._release = d.client.register_script(election.RELEASE)
         self._arrivals = AutoPipeline(d.client, timeout_s=d.settings.redis_timeout_s + READ_BLOCK_MS / 1000)
+
+    # -- the local role (``role.Role``): this gateway's own requests on its own core ----------
+
+    async def submit(self, seq: p.SeqJob, who: Origin, now: float) -> Contract | Reject | None:
+        return self.d.shell.arrive(seq, who, now)
+
+    def first_token(self, rid: str, ttft_s: float, now: float) -> None:
+        self.d.shell.driver.first_token(rid, ttft_s, now)
+
+    def ended(self, rid: str, ttft_s: float | None, total_s: float | None, tokens: int,
+              now: float) -> Accuracy | None:
+        self.d.shell.request_ended(rid, now)
+        return self.d.shell.outcome(rid, ttft_s, total_s, tokens, now)
+
+    def cancel(self, rid: str, now: float) -> bool:
+        return self.d.shell.cancel(rid, now)
+
+    async def explain(self, rid: str) -> dict[str, object] | None:
+        return self.d.shell.explain(rid)
+
+    # -- the lease ----------------------------------------------------------------------------
 
     async def close(self) -> None:
         """Stop reading arrivals; a scheduler that exits cleanly hands the lease on at once,
@@ -266,11 +288,10 @@ class Leading:
     def _apply_note(self, note: election.Note, now: float) -> None:
         rid = note.rid
         if note.kind == election.FIRST and note.ttft_s is not None:
-            self.d.shell.driver.first_token(rid, note.ttft_s, now)
+            self.first_token(rid, note.ttft_s, now)
         elif note.kind == election.END:
-            self.d.shell.request_ended(rid, now)
-            accuracy = self.d.shell.outcome(rid, note.ttft_s, note.total_s, note.tokens, now)
+            accuracy = self.ended(rid, note.ttft_s, note.total_s, note.tokens, now)
             if self.d.on_accuracy is not None:
                 self.d.on_accuracy(accuracy)
-        elif note.kind == election.CANCEL and self.d.shell.cancel(rid, now):
+        elif note.kind == election.CANCEL and self.cancel(rid, now):
             self.d.refuse_queued(rid, "cancelled", "The client went away.")
