@@ -7,8 +7,9 @@ step of n sequences holding K KV tokens each take
 (``b2`` is attention's quadratic term). A fit is ``{"prefill": {a, b, b2}, "decode": {c, d,
 e}, "noise_cv": ...}``; ``step_model`` maps it onto the scheduler's ``PathConfig`` fields term
 for term, attention as ``prefill_attention``. The worker's self-profile
-(``workers/selfprofile.py``) and the simulator's measured profiles (``bench/cost_profile.py``)
-both fit and map through here."""
+(``workers/selfprofile.py``) and the simulator's measured profiles (``bench/cost_profile.py``,
+``CostProfile.path_config``) both fit and map through here, and what a worker publishes in
+its heartbeat is read back through ``published``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from typing import Any
 import numpy as np
 
 TINY = 1e-12  # the scheduler wants positive slopes
+#: ``step_model``'s coefficients, as ``PathConfig`` names them (the online fit's five, then attention)
+TERMS = ("decode_launch", "decode_seq", "kv_token", "prefill_launch", "prefill_token", "prefill_attention")
 
 
 def nn_relative_fit(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
@@ -86,6 +89,19 @@ def step_model(fit_: dict[str, Any], max_batch: int, step_tokens: int) -> dict[s
             "kv_token": max(TINY, float(d["e"])), "prefill_launch": float(p["a"]),
             "prefill_token": max(TINY, float(p["b"])), "prefill_attention": float(p["b2"]),
             "max_batch": max_batch, "step_tokens": step_tokens}  # 0: whole prompts, as the engine runs
+
+
+def published(profile: dict[str, Any]) -> dict[str, float] | None:
+    """The step model a worker published (its heartbeat's ``profile["step_model"]``, made by
+    ``step_model``): every term of ``TERMS`` as a float, a missing attention term as 0; None
+    when it published none, or one this version cannot read."""
+    model = profile.get("step_model")
+    if not isinstance(model, dict):
+        return None
+    try:
+        return {name: float(model.get(name, 0.0)) for name in TERMS}
+    except (TypeError, ValueError):
+        return None
 
 
 def mixed_error(model: dict[str, Any], mixed: list[list[float]]) -> float | None:

@@ -12,9 +12,9 @@ from typing import Any
 import orjson
 
 from common import protocol as p
+from common import stepmodel
 from common.pools import POOLS
 from sched_core import PathConfig, SchedulerConfig
-from sched_core.costmodel import COEFFICIENTS
 
 
 def scheduler_config(priors_path: str | None, **fields: Any) -> SchedulerConfig:
@@ -108,7 +108,7 @@ def measured_trust(workers: dict[str, p.Heartbeat], pool: str) -> float:
     measured quietly, slot-weighted over the pool's workers, and live steps overrule it sooner."""
     weights: list[tuple[int, float]] = []
     for hb in workers.values():
-        if hb.pool == pool and not hb.down and isinstance(hb.profile.get("step_model"), dict):
+        if hb.pool == pool and not hb.down and stepmodel.published(hb.profile) is not None:
             starved = hb.profile.get("starved", 0.0)
             share = min(max(float(starved), 0.0), 0.9) if isinstance(starved, int | float) else 0.0
             weights.append((max(1, hb.slots), (1.0 - share) ** 2))
@@ -123,19 +123,13 @@ def measured_prior(workers: dict[str, p.Heartbeat], pool: str, base: PathConfig)
     batch goes to whichever of them reads it first), with ``base``'s batch limit and step
     budget. Returns a key naming the profiles it came from, or None if no worker of the pool
     published one."""
-    found: list[tuple[str, int, dict[str, Any]]] = []
+    found: list[tuple[str, int, dict[str, float]]] = []
     for wid, hb in sorted(workers.items()):
-        model = hb.profile.get("step_model") if hb.pool == pool and not hb.down else None
-        if isinstance(model, dict):
+        model = stepmodel.published(hb.profile) if hb.pool == pool and not hb.down else None
+        if model is not None:  # (one this gateway cannot read: it keeps the prior it has)
             found.append((f"{wid}={hb.profile.get('fingerprint', '?')}", max(1, hb.slots), model))
     if not found:
         return None
     total = sum(slots for _, slots, _ in found)
-    try:
-        names = (*COEFFICIENTS, "prefill_attention")
-        mean = [sum(slots * float(model.get(name, 0.0)) for _, slots, model in found) / total for name in names]
-        prior = replace(base, decode_launch=mean[0], decode_seq=mean[1], kv_token=mean[2], prefill_launch=mean[3],
-                        prefill_token=mean[4], prefill_attention=mean[5])
-        return " ".join(key for key, _, _ in found), prior
-    except (KeyError, TypeError, ValueError):  # a profile this gateway cannot read: keep the prior it has
-        return None
+    mean = {name: sum(slots * model[name] for _, slots, model in found) / total for name in stepmodel.TERMS}
+    return " ".join(key for key, _, _ in found), replace(base, **mean)  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common import protocol as p
+from common import stepmodel
 
 PREFIX_TOKENS = 32  # the prompt tokens a prefix hint compares
 TOKEN_S = 1e-4  # seconds per prompt token assumed for a worker that published no profile
@@ -50,13 +51,8 @@ class Placement:
         for wid, hb in heartbeats.items():
             if hb.down:
                 continue
-            model = hb.profile.get("step_model") if isinstance(hb.profile, dict) else None
-            launch, token = 0.0, TOKEN_S
-            if isinstance(model, dict):
-                try:
-                    launch, token = float(model.get("prefill_launch", 0.0)), float(model.get("prefill_token", TOKEN_S))
-                except (TypeError, ValueError):
-                    pass
+            model = stepmodel.published(hb.profile)
+            launch, token = (model["prefill_launch"], model["prefill_token"]) if model is not None else (0.0, TOKEN_S)
             w = self._workers.get(wid)
             if w is None:
                 w = _Worker(hb.pool, hb.slots, launch, token)

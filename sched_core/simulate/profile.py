@@ -6,9 +6,9 @@ measures it and writes the JSON; this module only reads the parsed data):
     prefill of B sequences padded to L tokens:       P(B, L) = a + b·B·L + b2·B·L²
     one decode step, n running, KV padded to K:       D(n, K) = c + d·n + e·n·K
 
-``b2`` is attention's quadratic term, which the scheduler's own step-time model
-(``sched_core.costmodel``, linear in prompt tokens) leaves out: the simulator's workers are
-richer than the scheduler's beliefs, as real workers are.
+``b2`` is attention's quadratic term. The formulas and the scheduler's prior made of them are
+``common.stepmodel``'s, as for a worker's own profile (the prior still folds ``b2`` into the
+per-token term at a typical prompt length: ``path_config``).
 
 ``noise_cv`` is the relative spread of measured times around the fit; the simulator draws
 each step's time from a lognormal with that spread. A ``derived`` profile was not measured:
@@ -19,9 +19,10 @@ says so.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from common import stepmodel
 from sched_core.types import PathConfig
 
 
@@ -40,6 +41,7 @@ class CostProfile:
     decode_e: float
     noise_cv: float = 0.0
     step_tokens: int = 0  # the step budget its step_model names (0: none)
+    _fit: dict[str, Any] = field(init=False, repr=False, compare=False)  # ``fit_dict``, for the formulas
 
     def __post_init__(self) -> None:
         coefficients = (self.prefill_a, self.prefill_b, self.prefill_b2, self.decode_c,
@@ -48,6 +50,7 @@ class CostProfile:
             raise ValueError(f"profile {self.name!r}: coefficients must be finite and >= 0")
         if self.prefill_a + self.prefill_b + self.prefill_b2 <= 0.0 or self.decode_c + self.decode_d <= 0.0:
             raise ValueError(f"profile {self.name!r}: prefill and decode must take time")
+        object.__setattr__(self, "_fit", self.fit_dict())
 
     @property
     def label(self) -> str:
@@ -55,25 +58,21 @@ class CostProfile:
         return f"{self.name} (derived: {self.source})" if self.derived else self.name
 
     def prefill_s(self, batch: int, padded_tokens: int) -> float:
-        tokens = batch * padded_tokens
-        return self.prefill_a + self.prefill_b * tokens + self.prefill_b2 * tokens * padded_tokens
+        return stepmodel.prefill_s(self._fit, batch, padded_tokens)
 
     def decode_step_s(self, running: int, kv_tokens: int) -> float:
-        return self.decode_c + self.decode_d * running + self.decode_e * running * kv_tokens
+        return stepmodel.decode_s(self._fit, running, kv_tokens)
 
     def path_config(self, max_batch: int, prompt_tokens: float) -> PathConfig:
-        """The scheduler's step-time prior for this worker: the decode step maps term for term
-        (``kv_tokens = n·K``); the prefill's quadratic term is linearized at a typical prompt
-        length (the scheduler refits all five online)."""
-        tiny = 1e-12  # the scheduler wants positive slopes
-        return PathConfig(
-            decode_launch=self.decode_c,
-            decode_seq=max(tiny, self.decode_d),
-            kv_token=max(tiny, self.decode_e),
-            prefill_launch=self.prefill_a,
-            prefill_token=max(tiny, self.prefill_b + self.prefill_b2 * prompt_tokens),
-            max_batch=max_batch,
-        )
+        """The scheduler's step-time prior for this worker: ``common.stepmodel.step_model``'s
+        mapping, except that attention's term is still linearized into ``prefill_token`` at a
+        typical prompt length, as the packaged SMDP table was solved with (mapping it term for
+        term as a worker's own profile does changes what the simulator's policies do: left to
+        the policy's re-tuning, docs/scheduling.md §13.2)."""
+        terms = stepmodel.step_model(self._fit, max_batch, 0)
+        del terms["step_tokens"]  # (the scheduler's own step budget)
+        terms["prefill_token"] += terms.pop("prefill_attention") * prompt_tokens
+        return PathConfig(**terms)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CostProfile:
