@@ -24,7 +24,7 @@ The rules, in one place:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -198,6 +198,8 @@ class Driver:
         self.lease_s = lease_s
         self._open: dict[int, _Batch] = {}
         self._batch_of: dict[str, int] = {}  # request -> its batch, until the batch ends
+        # the one ledger of slots is this driver's: whoever places requests on workers follows it
+        self.on_free: Callable[[str], None] | None = None  # called with each request whose slot comes back
 
     @property
     def queued(self) -> int:
@@ -366,6 +368,8 @@ class Driver:
             return False
         batch.running.discard(request_id)
         self._used[batch.path] -= 1
+        if self.on_free is not None:
+            self.on_free(request_id)
         self.policy.finished(request_id, output_tokens, now)
         return True
 
@@ -387,6 +391,9 @@ class Driver:
         for rid in batch.requests:
             del self._batch_of[rid]
         self._used[batch.path] -= len(batch.running)
+        if self.on_free is not None:
+            for rid in batch.running:
+                self.on_free(rid)
         self.policy.completed(timings, now)
         return True
 
@@ -403,11 +410,6 @@ class Driver:
     def expired(self, now: float) -> list[int]:
         """The batches whose lease ran out."""
         return [b for b, batch in self._open.items() if batch.expires <= now]
-
-    def requests(self, batch_id: int) -> tuple[str, ...]:
-        """An open batch's requests (empty: not open)."""
-        batch = self._open.get(batch_id)
-        return batch.requests if batch is not None else ()
 
     def batch_of(self, request_id: str) -> int | None:
         """The open batch a dispatched request runs in (None: not dispatched, or its batch ended)."""

@@ -4,8 +4,9 @@ The core decides what leaves and for which pool; this picks, request by request,
 of that pool whose first token comes earliest: its measured prefill (the profile it
 published at start, ``workers/selfprofile.py``) over the prompt tokens it has not prefilled
 yet (its last telemetry, plus what was sent to it since) and this prompt. Only a worker with
-a free slot is a candidate; its slots are counted here, request by request, from dispatch
-until the request ends. With no worker free (a heartbeat not yet seen, a previous
+a free slot is a candidate; which requests each worker holds is kept here, from dispatch
+until the scheduler's one ledger of slots (``Driver``) gives the request's slot back
+(``Driver.on_free`` calls ``release``). With no worker free (a heartbeat not yet seen, a previous
 scheduler's sequences), a request goes to the pool's stream for whichever worker reads it.
 A tie goes to the worker holding fewer requests, then to the one that ran the same tenant's
 prompt with the same first tokens last (``PREFIX_TOKENS``): an engine that caches prefixes

@@ -95,6 +95,8 @@ class SchedulerShell:
         # per pool: sequences a previous scheduler left on the workers (from their heartbeats), until they end
         self._foreign: dict[str, int] = {}
         self.placement = Placement() if routing == "worker" else None  # None: jobs go to the pool's stream
+        if self.placement is not None:  # it follows the driver's ledger: a slot back is a place freed
+            self.driver.on_free = self.placement.release
         self._tenants: dict[str, str] = {}  # a queued request's tenant, for the placement's prefix hint
 
     def __len__(self) -> int:
@@ -332,7 +334,6 @@ class SchedulerShell:
             self._part_ended(int(batch), local, report.output_tokens, now)
             if int(batch) in self._parts:  # another part still runs
                 return
-        self._release(int(batch))
         self.driver.completed(
             BatchTimings(
                 batch_id=int(batch),
@@ -354,8 +355,6 @@ class SchedulerShell:
         _reply_to, rids = parts.pop(local, ("", ()))
         for i, rid in enumerate(rids):
             self.driver.finished(rid, outputs[i] if len(outputs) == len(rids) else -1, now)
-            if self.placement is not None:
-                self.placement.release(rid)
         if not parts:
             del self._parts[batch]
 
@@ -380,14 +379,7 @@ class SchedulerShell:
         """The batch will never report (its job could not be sent, or is lost): its slots come
         back now, nothing is fitted. Returns the requests still waiting on it here."""
         self._parts.pop(batch, None)
-        self._release(batch)
         return self.driver.abort(batch, now)
-
-    def _release(self, batch: int) -> None:
-        """The batch ends: its requests' places on their workers are free."""
-        if self.placement is not None:
-            for rid in self.driver.requests(batch):
-                self.placement.release(rid)
 
     def abort_all(self, now: float) -> list[str]:
         """Every dispatched batch is lost (Redis lost its data): abort them all."""
@@ -396,8 +388,6 @@ class SchedulerShell:
     def finished(self, rid: str, output_tokens: int, now: float) -> bool:
         """A worker finished (or failed, ``output_tokens`` < 0) one request: its slot comes
         back now. True if that freed a slot."""
-        if self.placement is not None:
-            self.placement.release(rid)
         return self.driver.finished(rid, output_tokens, now)
 
     def telemetry(self, t: p.Telemetry, now: float) -> None:
