@@ -266,7 +266,7 @@ def step_check(steps: list[protocol.StepRecord], prof: CostProfile) -> StepCheck
 
 def _profile_step(prof: CostProfile, s: protocol.StepRecord) -> float:
     """A step as the simulator times it; its decode with ``n·K`` = the record's total KV."""
-    decode = prof.decode_c + prof.decode_d * s.decode_seqs + prof.decode_e * s.kv_tokens if s.decode_seqs else 0.0
+    decode = prof.decode_step_s(s.decode_seqs, s.kv_tokens / s.decode_seqs) if s.decode_seqs else 0.0
     return decode + (prof.prefill_s(1, s.prefill_tokens) if s.prefill_tokens else 0.0)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from common import stepmodel
 from workers import selfprofile as sp
 from workers.cli import setting_default
 
@@ -43,10 +44,8 @@ def _engine(pool: str, dtype: str, model: Path | None, slots: int, step_tokens: 
 
 def promised_s(model: dict[str, float], prompt: int, out: int) -> float:
     """An idle worker's time for ``prompt`` tokens in and ``out`` out, by the step model."""
-    total = model["prefill_launch"] + model["prefill_token"] * prompt + model["prefill_attention"] * prompt * prompt
-    for i in range(1, out):
-        total += model["decode_launch"] + model["decode_seq"] + model["kv_token"] * (prompt + i)
-    return total
+    fit = stepmodel.as_fit(model)
+    return stepmodel.prefill_s(fit, 1, prompt) + sum(stepmodel.decode_s(fit, 1, prompt + i) for i in range(1, out))
 
 
 def took_s(engine: Any, prompt: int, out: int) -> float:

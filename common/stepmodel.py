@@ -91,6 +91,13 @@ def step_model(fit_: dict[str, Any], max_batch: int, step_tokens: int) -> dict[s
             "max_batch": max_batch, "step_tokens": step_tokens}  # 0: whole prompts, as the engine runs
 
 
+def as_fit(model: dict[str, float]) -> dict[str, Any]:
+    """``step_model``'s terms read back as a fit, for the formulas."""
+    return {"prefill": {"a": model["prefill_launch"], "b": model["prefill_token"],
+                        "b2": model.get("prefill_attention", 0.0)},
+            "decode": {"c": model["decode_launch"], "d": model["decode_seq"], "e": model["kv_token"]}}
+
+
 def published(profile: dict[str, Any]) -> dict[str, float] | None:
     """The step model a worker published (its heartbeat's ``profile["step_model"]``, made by
     ``step_model``): every term of ``TERMS`` as a float, a missing attention term as 0; None

@@ -60,7 +60,7 @@ class CostProfile:
     def prefill_s(self, batch: int, padded_tokens: int) -> float:
         return stepmodel.prefill_s(self._fit, batch, padded_tokens)
 
-    def decode_step_s(self, running: int, kv_tokens: int) -> float:
+    def decode_step_s(self, running: int, kv_tokens: float) -> float:
         return stepmodel.decode_s(self._fit, running, kv_tokens)
 
     def path_config(self, max_batch: int, prompt_tokens: float) -> PathConfig:
