@@ -66,7 +66,9 @@ class EmbeddedRedis:
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.binary = redis_server_binary()
-        self.data_dir = data_dir
+        # absolute: redis-server changes into --dir before it opens --logfile, so a relative
+        # directory would name another log file than the one read here at a failed start
+        self.data_dir = data_dir.expanduser().resolve() if data_dir is not None else None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._lock: IO[bytes] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -129,8 +131,10 @@ class EmbeddedRedis:
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:
                 log = self._dir() / "redis.log"
-                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-                raise RuntimeError(f"redis-server exited at start-up:\n{tail}")
+                tail = log.read_text(errors="replace")[-2000:].strip() if log.exists() else ""
+                code = self._proc.returncode if self._proc is not None else None
+                raise RuntimeError(f"redis-server exited at start-up (status {code}):\n"
+                                   + (tail or f"(it wrote nothing to {log})"))
             if self.answers():
                 return
             time.sleep(0.02)

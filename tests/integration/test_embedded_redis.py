@@ -56,3 +56,17 @@ def test_with_a_data_dir_writes_survive_a_kill_and_a_new_server(tmp_path: Path, 
         assert redis.Redis.from_url(again.url).get("tenant") == b"acme"
     assert (data / "appendonlydir").is_dir()
     assert not list(private_tmp.iterdir())
+
+
+def test_a_relative_data_dir_works_and_a_failed_start_says_why(tmp_path: Path, private_tmp: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    server = EmbeddedRedis(data_dir=Path("data")).start()  # as `serve --data-dir data` passes it
+    try:
+        assert redis.Redis.from_url(server.url).set("k", "v")
+        assert (tmp_path / "data" / "redis.log").exists()
+        clash = EmbeddedRedis(port=server.port, data_dir=Path("other"))  # its port is taken: it cannot start
+        with pytest.raises(RuntimeError, match=r"(?s)exited at start-up \(status \d+\):\n.*[Aa]ddress already in use"):
+            clash.start()
+    finally:
+        server.stop()
