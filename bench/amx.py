@@ -81,13 +81,15 @@ def prefill_tokens_per_s(model: Any, length: int, reps: int) -> float:
 def decode_step_ms(model: Any, batch: int, reps: int) -> float:
     from transformers import DynamicCache
 
+    from workers.hf_engine import cache_keyword
+
     ids = torch.randint(100, 30000, (batch, KV))
-    cache = DynamicCache()
-    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    kv = {cache_keyword(model): DynamicCache()}
+    model(input_ids=ids, use_cache=True, **kv)
     token = torch.randint(100, 30000, (batch, 1))
 
     def step() -> None:  # the cache grows by one token a step: 128 to 128 + reps + 1
-        model(input_ids=token, past_key_values=cache, use_cache=True)
+        model(input_ids=token, use_cache=True, **kv)
 
     return _median_s(step, reps) * 1000
 

@@ -17,6 +17,7 @@ Without a budget (``step_tokens=0``) prompts are prefilled whole.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections import deque
@@ -86,6 +87,7 @@ class HFEngine:
 
             model = ipex.optimize(model, dtype=_DTYPES[choice.dtype])
         self.model = model
+        self._kv = cache_keyword(model)
         self.max_len = int(getattr(model.config, "max_position_embeddings", 8192))
         eos = model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -262,7 +264,7 @@ class HFEngine:
         positions = torch.arange(start, end, dtype=torch.long, device=self.device).unsqueeze(0)
         kwargs: dict[str, Any] = dict(
             input_ids=ids, attention_mask=mask, position_ids=positions,
-            past_key_values=seq.cache if seq.cache is not None else DynamicCache(), use_cache=True,
+            use_cache=True, **{self._kv: seq.cache if seq.cache is not None else DynamicCache()},
         )
         t0 = time.perf_counter()
         # an inner chunk needs no logits: the base model skips the LM head altogether
@@ -273,7 +275,7 @@ class HFEngine:
             self._chunking, seq.cache, seq.finished = None, None, True
             result.failed.append(seq.job.rid)
             return
-        seq.cache, seq.prefilled = out.past_key_values, end
+        seq.cache, seq.prefilled = getattr(out, self._kv), end
         result.prefills.append(Prefill((seq.job.rid,), end, time.perf_counter() - t0))
         result.prefill_tokens += end - start
         if not last:
@@ -299,11 +301,11 @@ class HFEngine:
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{self._kv: cache},
         )
-        return out.logits[:, -1, :], out.past_key_values, mask
+        return out.logits[:, -1, :], getattr(out, self._kv), mask
 
     def _hand_off(self, seqs: list[_Seq], cache: DynamicCache, mask: torch.Tensor, result: StepResult) -> None:
         """Prefill-only sequences leave with their KV rows (left padding stripped)."""
@@ -341,10 +343,10 @@ class HFEngine:
             input_ids=last.to(self.device),
             attention_mask=self._mask,
             position_ids=positions,
-            past_key_values=self._cache,
             use_cache=True,
+            **{self._kv: self._cache},
         )
-        self._cache = out.past_key_values
+        self._cache = getattr(out, self._kv)
         return out.logits[:, -1, :]
 
     def _merge(self, seqs: list[_Seq], cache: DynamicCache, mask: torch.Tensor) -> None:
@@ -450,6 +452,13 @@ class HFEngine:
                 probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
             out.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
         return out
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword a model's forward takes its KV cache by, and its output returns it under:
+    ``cache`` from transformers 5.2x (where ``past_key_values`` still works but warns at every
+    start), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _kv(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:

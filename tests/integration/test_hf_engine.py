@@ -156,3 +156,22 @@ def test_a_long_prompt_joining_running_sequences_keeps_each_step_within_budget(e
     finally:
         engine.reset()
         engine.step_tokens = 0
+
+
+def test_the_engine_uses_the_cache_keyword_of_its_transformers_without_a_deprecation(
+        engine: HFEngine, caplog: pytest.LogCaptureFixture) -> None:
+    """transformers 5.2x renamed ``past_key_values`` to ``cache`` and warns (once a process) on
+    the old name: a worker printed that warning at every start."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.warning_once.cache_clear()  # a warning given earlier in this process would not show again
+    hf_logging.enable_propagation()
+    caplog.set_level("WARNING")
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    try:
+        _run(engine, {0: [SeqJob("kw-0", _ids(engine, PROMPTS[0]), params)],
+                      1: [SeqJob("kw-1", _ids(engine, PROMPTS[1]), params)]})
+    finally:
+        hf_logging.disable_propagation()
+    deprecated = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert not deprecated, deprecated
