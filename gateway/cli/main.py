@@ -24,15 +24,19 @@ def _processes(text: str) -> int:
     return n
 
 
+ENVIRONMENT = ("Every flag can also come from the environment as TOKENGATE_<FLAG> (upper case, dashes as "
+               "underscores: TOKENGATE_REDIS_URL, TOKENGATE_MAX_QUEUE_WAIT_MS); a flag given on the command line wins.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     helpful = HelpFormatter  # every flag's --help shows its default
     parser = argparse.ArgumentParser(prog="tokengate", description="Multi-tenant token-budget LLM gateway",
-                                     formatter_class=helpful)
+                                     formatter_class=helpful, epilog=ENVIRONMENT)
     parser.add_argument("--log-level", default=env_default("log_level", "INFO"), help="DEBUG, INFO, WARNING or ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="the whole product on one machine: Redis, gateway, workers",
-                           formatter_class=helpful)
+                           formatter_class=helpful, epilog=ENVIRONMENT)
     add_redis_url(serve, private="use this Redis instead of starting a private redis-server (default: start one)")
     serve.add_argument("--pools", default=env_default("pools", "auto"),
                        help="worker pools to start: auto (cpu, plus gpu when CUDA is present) or e.g. cpu,gpu")
@@ -49,18 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
     worker_cli.add_model_args(serve)
     worker_cli.add_worker_args(serve)
 
-    gateway = sub.add_parser("gateway", help="the HTTP gateway alone, against a shared Redis", formatter_class=helpful)
+    gateway = sub.add_parser("gateway", help="the HTTP gateway alone, against a shared Redis", formatter_class=helpful,
+                             epilog=ENVIRONMENT)
     add_redis_url(gateway)
     add_gateway_args(gateway)
-    gateway.add_argument("--workers", type=_processes, default=env_default("workers", 1),
+    gateway.add_argument("--processes", "--workers", dest="workers", type=_processes,
+                         default=env_default("processes", env_default("workers", 1)),
                          help="gateway processes sharing the port (SO_REUSEPORT), one per core you give it; "
-                         "this process supervises them (docs/operations.md)")
+                         "this process supervises them (docs/operations.md). --workers is its older name: "
+                         "these are gateway processes, not model workers (`serve --gateways`)")
     gateway.add_argument("--reuse-port", action="store_true",
                          help="bind with SO_REUSEPORT, so that other gateway processes can share the port")
     worker_cli.add_model_args(gateway)
 
     worker = sub.add_parser("worker", help="one pool worker, against a shared Redis (any host)",
-                            formatter_class=helpful)
+                            formatter_class=helpful, epilog=ENVIRONMENT)
     add_redis_url(worker)
     worker_cli.add_model_args(worker)
     worker_cli.add_worker_args(worker)

@@ -130,9 +130,15 @@ def admin_error(headers: Headers, token: str | None) -> Unauthorized | None:
             code="admin_disabled",
         )
     given = bearer(headers)
-    if given is None or not hmac.compare_digest(given.encode(), token.encode()):
+    if given is None:
         return Unauthorized(
             "The admin API needs 'Authorization: Bearer <admin token>'.", code="invalid_admin_token"
+        )
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        return Unauthorized(
+            "That is not the admin token: use the one given with --admin-token (TOKENGATE_ADMIN_TOKEN), "
+            "or the one `tokengate serve` printed at start and keeps in its data directory.",
+            code="invalid_admin_token",
         )
     return None
 

@@ -43,6 +43,8 @@ async def test_every_admin_route_needs_the_admin_token(
         r = await harness.admin(method, path, {"name": "x", "rate": 1}, token=token)
         assert r.status_code == 401, (token, r.text)
         assert r.json()["error"]["code"] in ("invalid_admin_token",)
+        message = r.json()["error"]["message"]  # a missing token and a wrong one are told apart
+        assert ("Bearer <admin token>" in message) if token is None else ("not the admin token" in message)
     assert (await harness.admin("GET", "/tenants/acme")).json()["name"] == "acme"  # unchanged
 
 

@@ -100,3 +100,18 @@ def test_connection_options_come_after_the_command() -> None:
 def test_a_bad_limit_is_a_usage_error() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["tenants", "update", "a", "--max-concurrent", "lots"])
+
+
+def test_usage_prints_a_table_of_utc_minutes_with_a_total() -> None:
+    from gateway.cli.admin import usage_table
+
+    rows = [{"minute": 1_800_000_000, "requests": 3, "rate_limited": 1, "prompt_tokens": 30, "completion_tokens": 12,
+             "slo_met": 2, "slo_missed": 1, "total_tokens": 42},
+            {"minute": 1_800_000_060, "requests": 1, "rate_limited": 0, "prompt_tokens": 10, "completion_tokens": 4,
+             "slo_met": 1, "slo_missed": 0, "total_tokens": 14}]
+    text = usage_table("acme", rows)
+    assert "2027-01-15 08:00" in text and "2027-01-15 08:01" in text  # UTC minutes, not unix seconds
+    assert "1800000000" not in text
+    total = next(line for line in text.splitlines() if "total" in line and "56" in line)
+    assert "40" in total and "16" in total and "56" in total  # prompt, completion and all tokens summed
+    assert usage_table("acme", []) == "tenant acme: no traffic in that window"
