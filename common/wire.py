@@ -44,6 +44,7 @@ REPLIES_TTL_MS = 60_000  # every write renews it: a dead gateway's reply stream 
 # -- the one scheduler (gateway.dispatch.election) ------------------------------------------
 
 SCHEDULER_LEASE = f"{NS}scheduler"  # the id of the gateway that schedules for all, with a TTL
+SCHEDULER_TERM = f"{NS}scheduler:term"  # counts the lease's takings: a holder knows whether another held it between
 ARRIVALS_STREAM = f"{NS}arrivals"  # what other gateways send the scheduler: admissions and their ends
 ARRIVALS_GROUP = "scheduler"  # its consumer group: an admission stays pending until dispatched or refused
 

@@ -135,7 +135,7 @@ def add_commands(sub: Any) -> None:
     usage.add_argument("tenant")
     usage.add_argument("--since", help="unix seconds (default: an hour ago)")
     usage.add_argument("--until", help="unix seconds (default: now)")
-    usage.add_argument("--json", action="store_true", help="the API's JSON (minutes as unix seconds) instead of a table")
+    usage.add_argument("--json", action="store_true", help="the API's JSON (minutes in unix seconds), not a table")
 
     api_keys = sub.add_parser("keys", help="issue, list, revoke API keys")
     ksub = api_keys.add_subparsers(dest="action", required=True)

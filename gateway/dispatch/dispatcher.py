@@ -170,7 +170,7 @@ class Dispatcher:
     def role(self) -> Role:
         """The scheduler this gateway's requests go to now: its own core while it holds the
         lease, the elected one's through ``wire.ARRIVALS_STREAM`` otherwise (``election``)."""
-        return self.leading if self.leading.lead() else self.forwarding
+        return self.leading if self.leading.leader else self.forwarding  # (queued here while it renews, ``lead``)
 
     async def submit(self, seq: p.SeqJob, who: Origin) -> Pending | Reject:
         """Hand a request to the scheduler: its contract (and a place to wait for its
@@ -286,7 +286,10 @@ class Dispatcher:
             else:
                 await self.wake.wait()
             self.wake.clear()
-            self.leading.lead()  # a lapsed lease steps down before anything is dispatched
+            if self.leading.leader and not self.leading.lead():  # nothing leaves until the lease is settled
+                await asyncio.sleep(election.RENEW_S / 5)
+                self.wake.set()
+                continue
             sends, rejects = self.shell.tick(time.monotonic())
             for r in rejects:
                 self.refuse_queued(r.request_id, r.reason, r.message)

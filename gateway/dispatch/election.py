@@ -36,18 +36,19 @@ from sched_core import Contract, Reject
 LEASE_MS = 1000  # a scheduler silent this long has lost the lease
 RENEW_S = 0.25  # how often the lease is renewed, or sought
 
-# KEYS: the lease; ARGV: this gateway's id, TTL ms. 1: this gateway holds it now; 0: another does
+# KEYS: the lease, its term; ARGV: this gateway's id, TTL ms. The term this gateway holds the
+# lease in now (>= 1; a free lease taken is a new term), or 0: another gateway holds it
 HOLD = """
 local holder = redis.call('GET', KEYS[1])
 if holder == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
+  return tonumber(redis.call('GET', KEYS[2]) or redis.call('INCR', KEYS[2]))
 end
 if holder then
   return 0
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
+return redis.call('INCR', KEYS[2])
 """
 
 # KEYS: the lease; ARGV: this gateway's id. A clean exit hands the lease on at once.

@@ -76,6 +76,7 @@ class Leading:
     def __init__(self, d: Host) -> None:
         self.d = d
         self.leader = False
+        self.term = 0  # the lease's term this gateway schedules in (``election.HOLD``)
         self.renewed = 0.0  # when the lease was last renewed (sent), by this gateway's clock
         self.leading = asyncio.Event()
         self._hold = d.client.register_script(election.HOLD)
@@ -112,26 +113,28 @@ class Leading:
                 await self._release(keys=[wire.SCHEDULER_LEASE], args=[self.d.settings.gateway_id])
 
     def lead(self) -> bool:
-        """Whether this gateway schedules now. A lease it has not renewed within the lease's
-        time by its own clock (the process was paused, or Redis did not answer) has lapsed:
-        another gateway may hold it already, so this one steps down before it dispatches or
-        answers as the scheduler again."""
-        if self.leader and time.monotonic() - self.renewed >= election.LEASE_MS / 1000:
-            self.step_down(f"its lease was not renewed within {election.LEASE_MS} ms")
-        return self.leader
+        """Whether this gateway may act as the scheduler now: dispatch, take up arrivals, say
+        it schedules. Not while its lease has gone unrenewed for the lease's time by its own
+        clock (the process was paused or starved, or Redis did not answer): another gateway
+        may hold it already. The next renewal settles it (``elect``): the lease still its own
+        in the same term, it goes on; another's, or taken again after another's term, it
+        steps down."""
+        return self.leader and time.monotonic() - self.renewed < election.LEASE_MS / 1000
 
     async def elect(self) -> None:
         """Hold the lease, or seek it: this gateway takes over scheduling when it gets it,
-        and steps down when another holds it."""
-        self.lead()  # a lapsed lease got again is a new term: another may have scheduled between
+        goes on when it kept it, and steps down when another holds or held it."""
         sent = time.monotonic()  # Redis counts the lease's time from later: this end lapses first
-        held = await self._hold(keys=[wire.SCHEDULER_LEASE], args=[self.d.settings.gateway_id, election.LEASE_MS])
-        if held:
-            self.renewed = sent
-        if held and not self.leader:
-            await self.take_over()
-        elif not held and self.leader:
+        term = await self._hold(keys=[wire.SCHEDULER_LEASE, wire.SCHEDULER_TERM],
+                                args=[self.d.settings.gateway_id, election.LEASE_MS])
+        if not term:
             self.step_down("another gateway holds the scheduling lease")
+            return
+        if self.leader and term not in (self.term, self.term + 1):  # (+1: lapsed, and nobody took it between)
+            self.step_down(f"another gateway scheduled in between (term {self.term} -> {term})")
+        self.term, self.renewed = int(term), sent
+        if not self.leader:
+            await self.take_over()
 
     async def take_over(self) -> None:
         """Schedule for every gateway from now on: the workers' running sequences are the
@@ -205,8 +208,7 @@ class Leading:
                     reclaimed = started
                     await self.reclaim(int(RECLAIM_S * 1000))
                     await self.trim_arrivals()
-            except RedisError as exc:
-                self.lead()  # steps down once the lease has lapsed
+            except RedisError as exc:  # past the lease's time ``lead`` stops this gateway acting as the scheduler
                 await asyncio.sleep(retry.count(exc))
                 continue
             retry.succeeded(started)

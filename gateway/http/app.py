@@ -296,7 +296,7 @@ async def health(request: Request) -> Response:
     with an empty body when this gateway can serve, as ``/readyz`` judges; 503 otherwise,
     with ``/readyz``'s reason."""
     reason = await _unready(request.app.state.gateway)
-    return Response(status_code=200) if reason is None else _not_ready(reason)
+    return Response(status_code=200, media_type="text/plain") if reason is None else _not_ready(reason)
 
 
 async def metrics(request: Request) -> Response:

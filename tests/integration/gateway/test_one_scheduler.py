@@ -161,21 +161,29 @@ async def test_when_the_scheduler_goes_silent_the_follower_takes_over_and_loses_
 async def test_a_scheduler_whose_lease_lapses_steps_down_and_hands_its_queue_on_with_nothing_failed(
     redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec
 ) -> None:
-    """The scheduler's lease is not renewed (its election loop stops, as when the process is
+    """The scheduler cannot renew its lease for 3 s (its renewal hangs, as when the process is
     paused or cut off from Redis) while its own clients' requests and forwarded ones wait in
-    its queue: it steps down by its own clock once the lease has lapsed, before it dispatches
-    again; the follower takes over; its own queued requests are handed on with their
-    contracts, and every request is answered 200, once."""
+    its queue: once the lease's time has passed by its own clock it dispatches nothing; the
+    follower takes over; when its renewal answers, it steps down and hands its own queued
+    requests on with their contracts, and every request is answered 200, once."""
     engine = EchoEngine(tokens=8, step_s=0.05)  # slow enough that a queue builds
     async with make_harness(redis_url, prompts, model_spec.name, engine=engine) as lead, \
             follower(redis_url, prompts, model_spec.name) as other:
         _, key = await lead.tenant("acme", rate=10**6, burst=10**8)
         calls = [asyncio.create_task((lead if i % 2 else other).complete(key)) for i in range(40)]
         await _until(lambda: lead.gw.dispatcher.shell.driver.queued > 4, "a queue at the scheduler")
-        election_loop = next(t for t in lead.gw.dispatcher._tasks if t.get_name() == "election")
-        election_loop.cancel()
-        await _until(lambda: not lead.gw.dispatcher.leading.leader, "the scheduler stepped down", timeout_s=3.0)
+        leading = lead.gw.dispatcher.leading
+        renew = leading._hold
+
+        async def cut_off(*args: object, **kwargs: object) -> object:
+            await asyncio.sleep(3.0)
+            leading._hold = renew  # type: ignore[method-assign]
+            return await renew(*args, **kwargs)  # type: ignore[arg-type]
+
+        leading._hold = cut_off  # type: ignore[method-assign,assignment]
         await _until(lambda: other.gw.dispatcher.leading.leader, "the follower took over", timeout_s=3.0)
+        assert not leading.lead()  # still holding in its own eyes, but it acts as the scheduler no more
+        await _until(lambda: not leading.leader, "the scheduler stepped down", timeout_s=5.0)
         assert (await other.gw.client.get(wire.SCHEDULER_LEASE)) == other.gw.settings.gateway_id.encode()
         responses = await asyncio.gather(*calls)
         assert [r.status_code for r in responses] == [200] * 40, [r.text for r in responses if r.status_code != 200]
