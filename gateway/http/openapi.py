@@ -271,10 +271,6 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "Ready: Redis answers and a worker has a live heartbeat", "ops", None, (200, "Ready"),
         {503: "Not ready; the body says why (`NotReady`, not an OpenAI error)."},
     ),
-    ("GET", "/health"): Operation(
-        "vLLM's health check: 200 with an empty body when ready (as `/readyz`)", "ops", None, (200, ""),
-        {503: "Not ready; the body says why (`NotReady`, not an OpenAI error)."},
-    ),
     ("GET", "/metrics"): Operation("Prometheus metrics", "ops", None, (200, "")),
     ("GET", OPENAPI_PATH): Operation("This document", "ops", None, (200, "")),
 }

@@ -299,8 +299,12 @@ def test_cli_drives_the_admin_api(cluster: Cluster) -> None:
     assert [k["prefix"] for k in listed["data"]] == [issued["prefix"]] and "key" not in listed[
         "data"
     ][0]
-    rc, usage, _ = _cli(cluster, "tenants", "usage", "cli-co")
+    rc, usage, _ = _cli(cluster, "tenants", "usage", "cli-co", "--json")
     assert rc == 0 and usage["totals"]["requests"] == 1
+    env = {**os.environ, "TOKENGATE_URL": cluster.gateways[2].base_url, "TOKENGATE_ADMIN_TOKEN": ADMIN_TOKEN}
+    table = subprocess.run([sys.executable, "-m", "gateway.cli", "tenants", "usage", "cli-co"],
+                           capture_output=True, text=True, env=env, timeout=60)
+    assert table.returncode == 0 and "minute (UTC)" in table.stdout and "total" in table.stdout, table.stdout
     rc, _, _ = _cli(cluster, "keys", "revoke", issued["prefix"])
     assert rc == 0 and cluster.completion(issued["key"]).status_code == 401
     rc, _, err = _cli(cluster, "tenants", "get", "no-such-tenant")

@@ -100,8 +100,6 @@ async def test_a_loop_that_stops_makes_the_gateway_unready_and_asks_to_exit(harn
     assert r.status_code == 503 and r.json()["error"]["code"] == "gateway_error", r.text
     ready = await harness.http.get("/readyz")
     assert ready.status_code == 503 and "send loop stopped" in ready.json()["reason"]
-    health = await harness.http.get("/health")  # vLLM's probe says the same
-    assert health.status_code == 503 and health.json()["reason"] == ready.json()["reason"]
     assert fatal and "scheduler bug" in fatal[0]
 
 
