@@ -228,13 +228,15 @@ class Dispatcher:
         (``Leading.step_down``), forwarded as promised (their clients hold contracts); a
         deadline counts from the request's arrival still."""
         now = time.monotonic()
+        handed = 0
         for rid in rids:
             pending = self.pending.get(rid)
             if pending is not None and rid not in self.forwarding:  # one forwarded already stays pending there
                 self.forwarding.hand_on(pending.seq, pending.who.waited(now - pending.created))
                 pending.role = self.forwarding
-        if rids:
-            log.info("handed %d queued requests to the next scheduler", len(rids))
+                handed += 1
+        if handed:
+            log.info("handed %d queued requests to the next scheduler", handed)
 
     def first_token(self, rid: str, ttft_s: float) -> None:
         """A streamed request's first token came ``ttft_s`` after it arrived."""

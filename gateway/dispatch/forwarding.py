@@ -66,8 +66,7 @@ class Forwarding:
         self._remote.add(seq.rid)
         admitted = False
         try:
-            await self.d.batch.call("XADD", wire.ARRIVALS_STREAM, "*",
-                                    *flat(election.encode_arrival(seq, who, self.d.replies)))
+            await self._arrive(seq, who)
             async with asyncio.timeout(DECIDE_S):
                 decision = await decided
             admitted = not isinstance(decision, Reject)
@@ -117,12 +116,16 @@ class Forwarding:
         self.d.spawn(self._hand_on(seq, who))
 
     async def _hand_on(self, seq: p.SeqJob, who: Origin) -> None:
-        fields = election.encode_arrival(seq, who, self.d.replies, promised=True)
         try:
-            await self.d.batch.call("XADD", wire.ARRIVALS_STREAM, "*", *flat(fields))
+            await self._arrive(seq, who, promised=True)
         except RedisError as exc:
             self._remote.discard(seq.rid)
             self.d.route_event(p.Failed(seq.rid, "redis", f"The request could not reach the new scheduler: {exc}"))
+
+    async def _arrive(self, seq: p.SeqJob, who: Origin, promised: bool = False) -> None:
+        """The arrival on ``wire.ARRIVALS_STREAM``, answered on this gateway's reply stream."""
+        fields = election.encode_arrival(seq, who, self.d.replies, promised)
+        await self.d.batch.call("XADD", wire.ARRIVALS_STREAM, "*", *flat(fields))
 
     def _tell(self, note: election.Note) -> None:
         """Tell the scheduler about a request this gateway forwarded."""
