@@ -150,17 +150,24 @@ class Shares:
         entry[0].add(now, tokens)
         self._total.add(now, tokens)
 
-    def over(self, tenant: str, now: float) -> bool:
+    def use(self, tenant: str, now: float) -> float:
+        """How much of its fair share of all admitted work ``tenant`` uses (1: all of it, more:
+        over it; 0: none admitted lately)."""
         entry = self._meters.get(tenant)
         if entry is None:
-            return False
+            return 0.0
         total = self._total.rate(now)
         if now - self._summed >= 1.0:
             floor = 1e-3 * total
             self._meters = {t: e for t, e in self._meters.items() if e[0].rate(now) > floor or t == tenant}
             self._weights = sum(w for _, w in self._meters.values())
             self._summed = now
-        return entry[0].rate(now) > total * entry[1] / max(self._weights, entry[1])
+        share = total * entry[1] / max(self._weights, entry[1])
+        rate = entry[0].rate(now)
+        return rate / share if share > 0.0 else (math.inf if rate > 0.0 else 0.0)
+
+    def over(self, tenant: str, now: float) -> bool:
+        return self.use(tenant, now) > 1.0
 
 
 @dataclass(slots=True)
@@ -234,7 +241,8 @@ class Driver:
         return c
 
     def _refusal(self, req: Request, c: Contract, raw: Contract, load: float, now: float) -> Reject | None:
-        """The ``slo`` refusal of a request its promise cannot serve in time (None: keep it).
+        """The ``slo`` refusal of a request its promise cannot serve in time (None: keep it),
+        its first token's bound with the queue counted at its tenant's fair share (``_fair``).
         A request for an idle path is kept whenever the fitted step times, without the
         calibration, serve it within its SLO on an idle worker:
         calibration rests on outcomes, and a path whose outcomes went wrong (a saved state from
@@ -242,16 +250,18 @@ class Driver:
         would leave it no outcome to learn it was wrong from."""
         if self._idle_meets(req, c, raw):
             return None
-        over = self.shares.over(req.tenant, now)
+        use = self.shares.use(req.tenant, now)
+        over = use > 1.0
         ttft_slo = req.slo_ttft_s * (HOLD_SLACK if over else 1.0) if req.slo_ttft_s is not None else math.inf
         tpot_slo = req.slo_tpot_s if req.slo_tpot_s is not None else math.inf
         full = over and load >= FULL_LOAD  # capacity left is kept for the tenants within their share
-        ttft, tpot = c.ttft_p99_s, c.tpot_p99_s
+        mean, p99 = self._fair(req, c, c.ttft_s, use), self._fair(req, c, c.ttft_p99_s, use)
+        ttft, tpot = p99, c.tpot_p99_s
         weight, slack = self.pricing.admission() if self.pricing is not None else (1.0, 1.0)
         stricter = weight < 1.0 or slack != 1.0  # the state's quantile of each bound, against its multiple of the SLO
         if stricter:
             if weight < 1.0:
-                ttft = c.ttft_s + weight * (c.ttft_p99_s - c.ttft_s)
+                ttft = mean + weight * (p99 - mean)
                 tpot = c.tpot_s + weight * (c.tpot_p99_s - c.tpot_s)
             ttft_slo *= slack
             tpot_slo *= slack
@@ -263,7 +273,7 @@ class Driver:
             why = ("its tenant is over its fair share and the workers are full: what is left goes to the "
                    "tenants within theirs")
         elif ttft > ttft_slo:
-            why = (f"its first token could be promised within {c.ttft_p99_s * 1000:.0f} ms (p99), "
+            why = (f"its first token could be promised within {p99 * 1000:.0f} ms (p99), "
                    f"not the {ttft_slo / slack * 1000:.0f} ms asked" + (" (half the SLO: its tenant is over its "
                                                                         "fair share)" if over else ""))
         else:
@@ -274,6 +284,18 @@ class Driver:
                     f"{100.0 * weight_quantile(weight):.0f}th percentile of its bounds is within {slack:g}x the SLO")
         wait = max(ttft - ttft_slo, 0.0)
         return Reject(req.id, "slo", why, max(1.0, wait), c.total_s, c.ttft_p99_s, c.p99_s)
+
+    def _fair(self, req: Request, c: Contract, ttft: float, use: float) -> float:
+        """``ttft`` (a first-token prediction of ``c``) with the queue's part of it as its
+        tenant would see it under fair share: scaled by how much of its share the tenant uses
+        (at or over it, the whole queue; a tenant using a tenth of its share goes before the
+        others' queued work and waits a tenth of it). Its budget wait and its own prompt's
+        prefill stay whole."""
+        if use >= 1.0:
+            return ttft
+        own = c.budget_wait_s + (self.pricing.prefill_alone_s(c.path, req.prompt_tokens)
+                                 if self.pricing is not None else 0.0)
+        return own + max(ttft - own, 0.0) * use
 
     def _idle_meets(self, req: Request, c: Contract, raw: Contract) -> bool:
         """Its path's workers idle (nothing running there, nothing queued ahead of it, a slot
@@ -290,20 +312,24 @@ class Driver:
     def _wait_refusal(self, req: Request, c: Contract, load: float, now: float) -> Reject | None:
         """The ``wait`` refusal of a request without a first-token SLO whose predicted first
         token comes more than ``max_wait_s`` after the time its own prompt takes alone (its
-        budget wait aside: that is its tenant's own pace); None: keep it, as before its path's
-        first-token predictions at this load level are calibrated on outcomes."""
+        budget wait aside: that is its tenant's own pace), the queue counted as its tenant sees
+        it under fair share (``_fair``: a tenant within its share is not refused for the others'
+        queue; the refusals fall on the tenants over theirs); None: keep it, as before its
+        path's first-token predictions at this load level are calibrated on outcomes."""
         assert req.max_wait_s is not None
         if c.tokens_ahead == 0 and self._used[c.path] < self._cap[c.path]:
             return None  # nothing queued ahead and a slot free: no queue to wait in, whatever the model says
         if not self.contracts.calibrated("ttft", c.path, load):  # the raw model alone may be far off: no refusal
             return None
+        use = self.shares.use(req.tenant, now)
         alone = self.pricing.prefill_alone_s(c.path, req.prompt_tokens) if self.pricing is not None else 0.0
-        wait = c.ttft_s - c.budget_wait_s - alone
+        wait = self._fair(req, c, c.ttft_s, use) - c.budget_wait_s - alone
         if wait <= req.max_wait_s:
             return None
         if not self._take_back(req.id, now):
             return None
-        why = (f"the workers are busy: its first token would wait about {wait:.1f} s, more than the "
+        mine = " (its tenant's fair share of the queue)" if use < 1.0 else ""
+        why = (f"the workers are busy: its first token would wait about {wait:.1f} s{mine}, more than the "
                f"{req.max_wait_s:g} s a request without an SLO is kept waiting")
         return Reject(req.id, "wait", why, max(1.0, wait - req.max_wait_s), c.total_s, c.ttft_p99_s, c.p99_s)
 
