@@ -48,8 +48,9 @@ def _list(data: list[dict[str, Any]], **extra: Any) -> Response:
 
 
 async def create_tenant(request: Request) -> Response:
-    tenant = ap.parse_create(await _body(request))
-    await _gw(request).tenants.create(tenant)
+    gw = _gw(request)  # the burst must hold one request of up to the model's context (docs/tenants.md)
+    tenant = ap.parse_create(await _body(request), context=gw.prompts.context_tokens)
+    await gw.tenants.create(tenant)
     return ORJSONResponse(to_doc(tenant), status_code=201)
 
 
@@ -67,7 +68,7 @@ async def update_tenant(request: Request) -> Response:
     change = ap.parse_update(await _body(request))
     gw = _gw(request)
     tenant = await gw.tenants.update(
-        request.path_params["tenant"], lambda t: ap.apply_update(t, change)
+        request.path_params["tenant"], lambda t: ap.apply_update(t, change, gw.prompts.context_tokens)
     )
     gw.auth.cache.forget(tenant_id=tenant.id)
     return ORJSONResponse(to_doc(tenant))

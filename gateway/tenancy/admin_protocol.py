@@ -13,13 +13,16 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.api.openai_protocol import validated
+from gateway.errors import InvalidRequest
 from gateway.tenancy.tenants import (
     DEFAULT_MAX_QUEUE_DELAY_S,
     NAME_PATTERN,
     SLO_MS_MIN,
     Limits,
     Tenant,
+    burst_shortfall,
     default_burst,
+    largest_request,
     new_id,
     with_rate,
 )
@@ -36,6 +39,44 @@ Count = Annotated[int, Field(ge=1, le=10**9)]
 Models = Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=64)]
 
 
+#: the tenant's fields as the admin API's schema describes them (``gateway.http.openapi``):
+#: what each means and, for a limit, what a request over it gets (docs/tenants.md)
+DESCRIPTIONS = {
+    "name": "Unique; letters, digits, '.' and '-' (no '_', so a name never looks like an id).",
+    "rate": "The token budget, tokens per second (prompt + completion tokens). A request its budget would "
+    "hold longer than `max_queue_delay_s` (or its deadline or first-token SLO): 429 `rate_limit_exceeded`, "
+    "type `tokens`.",
+    "burst": "Tokens spendable at once, the budget's depth. It must hold one request within the tenant's "
+    "limits: admission reserves prompt + `max_tokens`, so at least `limits.max_prompt_tokens` + "
+    "`limits.max_output_tokens`, or the model's context where either is unset; a smaller one is refused "
+    "(400 `burst_too_small`, naming the fix). Default: ten seconds of `rate`, or one such request where "
+    "that is more. A request larger than the burst: 400 `budget_exceeded`.",
+    "priority": "The scheduler's class, 0 (the most urgent) to 9.",
+    "weight": "Share under overload, tokens/s (default: the rate, and it follows the rate). A tenant over "
+    "its share is held to half its first-token SLO and refused first (503 `slo_unattainable`, `overloaded`).",
+    "max_queue_delay_s": "Seconds a request may wait for its budget; longer: 429 `rate_limit_exceeded`.",
+    "slo_ttft_ms": "Default SLO of requests without `x-slo-ttft-ms`: p99 time to first token, ms (null: none). "
+    "One the gateway cannot promise now: 503 `slo_unattainable`.",
+    "slo_tpot_ms": "Default SLO of requests without `x-slo-tpot-ms`: time per output token, ms (null: none). "
+    "One the gateway cannot promise now: 503 `slo_unattainable`.",
+    "max_queue_wait_ms": "The longest predicted wait, ms, of a request without a first-token SLO (null: the "
+    "gateway's `--max-queue-wait-ms`); longer: 503 `overloaded`.",
+    "limits": "Per-request and per-tenant limits; in an update, a limit left out is kept and null removes it.",
+    "max_prompt_tokens": "Prompt tokens a request may have (null: the context's); over it: 400 `prompt_too_long`.",
+    "max_output_tokens": "`max_tokens` a request may ask for, and the cap of its default (null: the "
+    "context's); over it: 400 `max_tokens_exceeded`.",
+    "max_concurrent": "Requests in flight at once, across all gateways (null: no limit); beyond: 429 "
+    "`rate_limit_exceeded`, type `requests`. Apart from it, every tenant may have two prompts over 4,096 "
+    "characters tokenized at once (429 `rate_limit_exceeded`, type `requests`, beyond).",
+    "allowed_models": "Models the tenant may use ([] or null: all); another: 404 `model_not_found`, and "
+    "hidden from `/v1/models`.",
+}
+
+
+def _described(name: str, default: Any = None) -> Any:
+    return Field(default, description=DESCRIPTIONS[name])
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -49,10 +90,10 @@ def _not_null(v: Any) -> Any:
 class LimitsIn(_Model):
     """Absent fields keep their value on update; null removes a limit."""
 
-    max_prompt_tokens: Count | None = None
-    max_output_tokens: Count | None = None
-    max_concurrent: Count | None = None
-    allowed_models: Models | None = None
+    max_prompt_tokens: Count | None = _described("max_prompt_tokens")
+    max_output_tokens: Count | None = _described("max_output_tokens")
+    max_concurrent: Count | None = _described("max_concurrent")
+    allowed_models: Models | None = _described("allowed_models")
 
     def apply(self, base: Limits) -> Limits:
         given = self.model_fields_set
@@ -74,16 +115,16 @@ class LimitsIn(_Model):
 
 
 class TenantCreate(_Model):
-    name: Name
-    rate: Rate
-    burst: Burst | None = None  # default: ten seconds of the rate
-    priority: Priority = 0
-    weight: Rate | None = None  # default: the rate
-    max_queue_delay_s: QueueDelay = DEFAULT_MAX_QUEUE_DELAY_S
-    slo_ttft_ms: SloTtftMs | None = None  # default: no SLO
-    slo_tpot_ms: SloTpotMs | None = None
-    max_queue_wait_ms: QueueWaitMs | None = None  # default: the gateway's --max-queue-wait-ms
-    limits: LimitsIn = LimitsIn()
+    name: Name = Field(description=DESCRIPTIONS["name"])
+    rate: Rate = Field(description=DESCRIPTIONS["rate"])
+    burst: Burst | None = _described("burst")  # default: ten seconds of the rate, at least one request
+    priority: Priority = _described("priority", 0)
+    weight: Rate | None = _described("weight")  # default: the rate
+    max_queue_delay_s: QueueDelay = _described("max_queue_delay_s", DEFAULT_MAX_QUEUE_DELAY_S)
+    slo_ttft_ms: SloTtftMs | None = _described("slo_ttft_ms")  # default: no SLO
+    slo_tpot_ms: SloTpotMs | None = _described("slo_tpot_ms")
+    max_queue_wait_ms: QueueWaitMs | None = _described("max_queue_wait_ms")  # default: the gateway's
+    limits: LimitsIn = _described("limits", LimitsIn())
 
 
 #: TenantUpdate's fields where null removes the value (elsewhere null is refused)
@@ -111,16 +152,16 @@ class TenantUpdate(_Model):
 
     model_config = ConfigDict(json_schema_extra=_schema_without_nulls)
 
-    name: Name | None = None
-    rate: Rate | None = None
-    burst: Burst | None = None
-    priority: Priority | None = None
-    weight: Rate | None = None
-    max_queue_delay_s: QueueDelay | None = None
-    slo_ttft_ms: SloTtftMs | None = None
-    slo_tpot_ms: SloTpotMs | None = None
-    max_queue_wait_ms: QueueWaitMs | None = None
-    limits: LimitsIn | None = None
+    name: Name | None = _described("name")
+    rate: Rate | None = _described("rate")
+    burst: Burst | None = _described("burst")
+    priority: Priority | None = _described("priority")
+    weight: Rate | None = _described("weight")
+    max_queue_delay_s: QueueDelay | None = _described("max_queue_delay_s")
+    slo_ttft_ms: SloTtftMs | None = _described("slo_ttft_ms")
+    slo_tpot_ms: SloTpotMs | None = _described("slo_tpot_ms")
+    max_queue_wait_ms: QueueWaitMs | None = _described("max_queue_wait_ms")
+    limits: LimitsIn | None = _described("limits")
 
     _given = field_validator(
         "name", "rate", "burst", "priority", "weight", "max_queue_delay_s", "limits"
@@ -131,22 +172,38 @@ class KeyCreate(_Model):
     name: Annotated[str, Field(max_length=128)] = ""
 
 
-def parse_create(body: Any, now: float | None = None) -> Tenant:
+def holding_one_request(tenant: Tenant, context: int | None, creating: bool = False) -> Tenant:
+    """``tenant``, or the 400 (``param`` ``burst``, code ``burst_too_small``) when its burst
+    cannot hold one request within its limits (``tenants.burst_shortfall``): such a tenant's
+    every request of that size would be refused, forever. ``context``: the model's, in tokens
+    (None: unknown, and only the tenant's own prompt and output limits count)."""
+    why = burst_shortfall(tenant, context, creating)
+    if why is not None:
+        raise InvalidRequest(why, param="burst", code="burst_too_small")
+    return tenant
+
+
+def parse_create(body: Any, now: float | None = None, context: int | None = None) -> Tenant:
+    """The new tenant, its burst defaulting to ten seconds of its rate and at least one
+    largest request within its limits (``tenants.default_burst``); a burst given that cannot
+    hold one such request is refused."""
     req: TenantCreate = validated(TenantCreate, body)
-    return Tenant(
+    limits = req.limits.apply(Limits())
+    tenant = Tenant(
         id=new_id(),
         name=req.name,
         rate=req.rate,
-        burst=req.burst if req.burst is not None else default_burst(req.rate),
+        burst=req.burst if req.burst is not None else default_burst(req.rate, largest_request(limits, context)),
         priority=req.priority,
         weight=req.weight or req.rate,
         max_queue_delay_s=req.max_queue_delay_s,
         slo_ttft_ms=req.slo_ttft_ms,
         slo_tpot_ms=req.slo_tpot_ms,
         max_queue_wait_ms=req.max_queue_wait_ms,
-        limits=req.limits.apply(Limits()),
+        limits=limits,
         created=int(time.time() if now is None else now),
     )
+    return holding_one_request(tenant, context, creating=True)
 
 
 def parse_update(body: Any) -> TenantUpdate:
@@ -154,10 +211,12 @@ def parse_update(body: Any) -> TenantUpdate:
     return upd
 
 
-def apply_update(tenant: Tenant, upd: TenantUpdate) -> Tenant:
+def apply_update(tenant: Tenant, upd: TenantUpdate, context: int | None = None) -> Tenant:
+    """``tenant`` with the update's fields; refused (400) where the result's burst could not
+    hold one request within its limits, whichever field made it so (``holding_one_request``)."""
     t = with_rate(tenant, upd.rate) if upd.rate is not None else tenant
     given = upd.model_fields_set
-    return replace(
+    return holding_one_request(replace(
         t,
         name=upd.name if upd.name is not None else t.name,
         burst=upd.burst if upd.burst is not None else t.burst,
@@ -170,7 +229,7 @@ def apply_update(tenant: Tenant, upd: TenantUpdate) -> Tenant:
         slo_tpot_ms=upd.slo_tpot_ms if "slo_tpot_ms" in given else t.slo_tpot_ms,
         max_queue_wait_ms=upd.max_queue_wait_ms if "max_queue_wait_ms" in given else t.max_queue_wait_ms,
         limits=upd.limits.apply(t.limits) if upd.limits is not None else t.limits,
-    )
+    ), context)
 
 
 def parse_key_create(body: Any) -> str:

@@ -77,8 +77,47 @@ def is_id(ref: str) -> bool:
     return _ID.fullmatch(ref) is not None
 
 
-def default_burst(rate: float) -> int:
-    return max(1, math.ceil(rate * DEFAULT_BURST_SECONDS))
+def largest_request(limits: Limits, context: int | None) -> int | None:
+    """The most tokens one request within these limits reserves at admission (prompt +
+    ``max_tokens``, ``gateway.tenancy.limits.output_tokens``): the model's ``context``, or less
+    where both ``max_prompt_tokens`` and ``max_output_tokens`` are set and sum to less. None
+    where neither bounds it (no context given and a limit unset)."""
+    p, o = limits.max_prompt_tokens, limits.max_output_tokens
+    own = None if p is None or o is None else p + o
+    if context is None:
+        return own
+    return context if own is None else min(context, own)
+
+
+def default_burst(rate: float, largest: int | None = None) -> int:
+    """Ten seconds of the rate, and never less than one largest request (``largest_request``),
+    so that a tenant created without a burst is never locked out by its own default."""
+    return max(1, math.ceil(rate * DEFAULT_BURST_SECONDS), largest or 0)
+
+
+def burst_shortfall(tenant: Tenant, context: int | None, creating: bool = False) -> str | None:
+    """Why ``tenant``'s burst cannot hold one request within its limits (every request that
+    large would be refused with 400 ``budget_exceeded``, forever), naming the fix; None when
+    it can. ``creating``: the burst was given at create, where leaving it out is a fix too."""
+    largest = largest_request(tenant.limits, context)
+    if largest is None or tenant.burst >= largest:
+        return None
+    p, o = tenant.limits.max_prompt_tokens, tenant.limits.max_output_tokens
+    if p is not None and o is not None and largest == p + o:
+        what, verb = f"max_prompt_tokens {p} + max_output_tokens {o}", "lower"
+    elif p is not None and o is not None:
+        what, verb = f"the model's context; max_prompt_tokens {p} + max_output_tokens {o} exceed it", "lower"
+    else:
+        what, verb = "the model's context, which one request may fill without both max_prompt_tokens and " \
+                     "max_output_tokens", "set"
+    fix = f"raise burst (--burst) to at least {largest}"
+    if creating:
+        fix += " or leave it out (the default burst holds one such request)"
+    if tenant.burst >= 2:  # a request has at least one prompt and one output token
+        fix += (f", or {verb} limits.max_prompt_tokens + limits.max_output_tokens (--max-prompt-tokens, "
+                f"--max-output-tokens) to at most {tenant.burst} in all")
+    return (f"burst {tenant.burst} cannot hold one request of up to {largest} tokens ({what}): every "
+            f"request that large would be refused with 400 budget_exceeded. To fix it, {fix}.")
 
 
 def with_rate(tenant: Tenant, rate: float) -> Tenant:

@@ -246,7 +246,8 @@ def test_a_revocation_on_one_replica_holds_on_all_at_once(cluster: Cluster) -> N
 
 
 def test_openai_client_reads_headers_and_raises_rate_limit_error(cluster: Cluster) -> None:
-    _, key = cluster.tenant("oai", rate=1, burst=60, max_queue_delay_s=0)
+    _, key = cluster.tenant("oai", rate=1, burst=60, max_queue_delay_s=0,
+                            limits={"max_prompt_tokens": 30, "max_output_tokens": 30})
     client = openai.OpenAI(
         base_url=cluster.gateways[0].base_url + "/v1", api_key=key, max_retries=0
     )
@@ -288,8 +289,13 @@ def _cli(cluster: Cluster, *argv: str, token: str = ADMIN_TOKEN) -> tuple[int, A
 def test_cli_drives_the_admin_api(cluster: Cluster) -> None:
     rc, t, _ = _cli(cluster, "tenants", "create", "cli-co", "--rate", "50", "--max-concurrent", "4")
     assert rc == 0 and t["name"] == "cli-co" and t["limits"]["max_concurrent"] == 4
+    assert t["burst"] == 8192  # 10 s of its rate is 500: the default holds one request of the whole context
+    rc, _, err = _cli(cluster, "tenants", "update", "cli-co", "--burst", "900")  # then every longer one is refused
+    assert rc == 1 and "burst 900 cannot hold one request of up to 8192 tokens" in err and "(HTTP 400)" in err
+    assert "raise burst (--burst) to at least 8192" in err and "--max-prompt-tokens" in err
     rc, t, _ = _cli(
-        cluster, "tenants", "update", "cli-co", "--burst", "900", "--max-concurrent", "none"
+        cluster, "tenants", "update", "cli-co", "--burst", "900", "--max-concurrent", "none",
+        "--max-prompt-tokens", "700", "--max-output-tokens", "200",
     )
     assert rc == 0 and t["burst"] == 900 and t["limits"]["max_concurrent"] is None
     rc, issued, _ = _cli(cluster, "keys", "issue", "cli-co", "--name", "laptop")
@@ -349,8 +355,9 @@ async def _drive(
 @pytest.mark.slow
 def test_one_budget_is_shared_by_three_replicas(cluster: Cluster) -> None:
     rate, burst, cost = 150.0, 300, 24 + ECHO_TOKENS  # every request reserves and uses 40 tokens
-    hot, hot_key = cluster.tenant("hot", rate=rate, burst=burst, max_queue_delay_s=0.5)
-    _, calm_key = cluster.tenant("calm", rate=400, burst=800, max_queue_delay_s=0)
+    small = {"max_prompt_tokens": 100, "max_output_tokens": 100}  # a burst of 300 holds the largest request
+    hot, hot_key = cluster.tenant("hot", rate=rate, burst=burst, max_queue_delay_s=0.5, limits=small)
+    _, calm_key = cluster.tenant("calm", rate=400, burst=800, max_queue_delay_s=0, limits=small)
 
     async def both() -> tuple[list[tuple[float, int, int]], list[tuple[float, int, int]], float]:
         start = asyncio.get_running_loop().time()

@@ -15,6 +15,9 @@ from workers.engine import EchoEngine
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 
+#: limits whose largest request (5 prompt + 35 output tokens) a burst of 40 holds
+SMALL = {"max_prompt_tokens": 5, "max_output_tokens": 35}
+
 ROUTES = [
     ("POST", "/tenants"),
     ("GET", "/tenants"),
@@ -50,14 +53,14 @@ async def test_every_admin_route_needs_the_admin_token(
 
 async def test_tenant_lifecycle(harness: Harness) -> None:
     r = await harness.admin(
-        "POST", "/tenants", {"name": "acme", "rate": 50, "limits": {"max_concurrent": 2}}
+        "POST", "/tenants", {"name": "acme", "rate": 1000, "limits": {"max_concurrent": 2}}
     )
     assert r.status_code == 201
-    t = r.json()
-    assert t["object"] == "tenant" and t["burst"] == 500 and t["limits"]["max_concurrent"] == 2
+    t = r.json()  # ten seconds of the rate: more than the model's context, so that is the default
+    assert t["object"] == "tenant" and t["burst"] == 10_000 and t["limits"]["max_concurrent"] == 2
     got = (await harness.admin("GET", "/tenants/acme")).json()
     assert got["id"] == t["id"] and got["state"] == {
-        "remaining_tokens": 500,
+        "remaining_tokens": 10_000,
         "reset_s": 0.0,
         "in_flight": 0,
     }
@@ -147,7 +150,7 @@ async def test_keys_are_shown_once_listed_by_prefix_and_revocable(harness: Harne
 
 
 async def test_usage_per_minute(harness: Harness) -> None:
-    t, key = await harness.tenant("acme", rate=1, burst=40, max_queue_delay_s=0)
+    t, key = await harness.tenant("acme", rate=1, burst=40, max_queue_delay_s=0, limits=SMALL)
     assert (await harness.complete(key, max_tokens=20)).status_code == 200
     assert (await harness.complete(key, max_tokens=30)).status_code == 429
     r = await harness.admin("GET", "/tenants/acme/usage")
@@ -194,7 +197,7 @@ async def test_worker_step_telemetry_refits_the_scheduler_and_slots_come_back(ha
 
 
 async def test_every_tenant_s_usage_in_the_minute_and_the_hour_with_its_slo_attainment(harness: Harness) -> None:
-    _, key = await harness.tenant("acme", rate=1, burst=40, max_queue_delay_s=0, slo_ttft_ms=60_000)
+    _, key = await harness.tenant("acme", rate=1, burst=40, max_queue_delay_s=0, limits=SMALL, slo_ttft_ms=60_000)
     await harness.tenant("idle")
     assert (await harness.complete(key, max_tokens=20)).status_code == 200  # met its (generous) SLO
     assert (await harness.complete(key, max_tokens=30)).status_code == 429
@@ -212,7 +215,7 @@ async def test_every_tenant_s_usage_in_the_minute_and_the_hour_with_its_slo_atta
 
 
 async def test_the_cluster_view_counts_admissions_refusals_and_contracts(harness: Harness) -> None:
-    _, key = await harness.tenant("acme", rate=1, burst=40, max_queue_delay_s=0)
+    _, key = await harness.tenant("acme", rate=1, burst=40, max_queue_delay_s=0, limits=SMALL)
     await console_status.publish(harness.gw)
     before = (await harness.admin("GET", "/cluster")).json()
     assert before["object"] == "cluster" and before["gateway"] == harness.gw.settings.gateway_id
@@ -270,3 +273,50 @@ async def test_any_request_is_explained_while_queued_and_its_record_after(
         assert settled["contract_p99_s"] == pytest.approx(promise["p99_s"])  # the same promise, now on record
         missing = await h.admin("GET", "/requests/0123abcd")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+async def test_no_tenant_is_locked_out_by_its_own_burst(harness: Harness) -> None:
+    """Issue 38: `--rate 63` gave a burst of 630, and every 892-token request was refused, forever.
+    Now the default burst holds one request of up to the model's context, and a burst given
+    that cannot is refused at create and at update, naming the fix."""
+    context = harness.gw.prompts.context_tokens
+    r = await harness.admin("POST", "/tenants", {"name": "noisy", "rate": 63, "burst": 630})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == ("burst", "burst_too_small", "invalid_request_error")
+    assert err["message"].startswith(f"burst 630 cannot hold one request of up to {context} tokens")
+    assert f"raise burst (--burst) to at least {context} or leave it out" in err["message"]
+    assert (await harness.admin("GET", "/tenants/noisy")).status_code == 404  # nothing stored
+
+    t, key = await harness.tenant("noisy", rate=63)
+    assert t["burst"] == context  # not 630: ten seconds of the rate would not hold one request
+    prompt = list(range(1, 893))
+    r = await harness.complete(key, prompt=prompt, max_tokens=context - len(prompt))  # the largest request
+    assert r.status_code == 200, r.text
+
+    r = await harness.admin("PATCH", "/tenants/noisy", {"burst": 630})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "burst_too_small"
+    assert "at least" in r.json()["error"]["message"] and "leave it out" not in r.json()["error"]["message"]
+    assert (await harness.admin("GET", "/tenants/noisy")).json()["burst"] == context  # unchanged
+    capped = {"burst": 900, "limits": {"max_prompt_tokens": 700, "max_output_tokens": 200}}
+    r = await harness.admin("PATCH", "/tenants/noisy", capped)
+    assert r.status_code == 200 and r.json()["burst"] == 900
+    r = await harness.admin("PATCH", "/tenants/noisy", {"limits": {"max_output_tokens": None}})
+    assert r.status_code == 400 and f"up to {context} tokens" in r.json()["error"]["message"]
+
+
+async def test_a_request_larger_than_a_stored_burst_is_still_refused_naming_the_burst(harness: Harness) -> None:
+    """A tenant stored before the rule (here: written past the admin API) keeps its burst;
+    a request larger than it is a 400 that names the burst and the fix."""
+    from gateway.tenancy.tenants import Tenant, new_id
+
+    old = await harness.gw.tenants.create(Tenant(new_id(), "legacy", rate=63.0, burst=630))
+    issued = (await harness.admin("POST", f"/tenants/{old.id}/keys", {"name": "k"})).json()["key"]
+    r = await harness.complete(issued, prompt=list(range(1, 893)), max_tokens=16)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "budget_exceeded" and "burst of 630 tokens" in err["message"]
+    assert "tokengate tenants update legacy --burst 908" in err["message"]
+    # any update of it asks for the burst to be raised first
+    r = await harness.admin("PATCH", "/tenants/legacy", {"priority": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "burst_too_small"

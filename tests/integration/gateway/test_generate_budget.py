@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from common import wire
+from gateway.tenancy.tenants import Tenant, new_id
 from tests.integration.gateway.conftest import ECHO_TOKENS, Harness
 from tests.redis_text import everything
 
@@ -32,7 +33,9 @@ async def test_requests_need_a_valid_key(harness: Harness) -> None:
 
 
 async def test_admitted_responses_carry_rate_limit_headers_and_settle(harness: Harness) -> None:
-    t, key = await harness.tenant("acme", rate=0.5, burst=1000, limits={"max_concurrent": 3})
+    # a burst of 1000 must hold one request within the limits (docs/tenants.md): 100 + 900 tokens
+    t, key = await harness.tenant("acme", rate=0.5, burst=1000,
+                                  limits={"max_concurrent": 3, "max_prompt_tokens": 100, "max_output_tokens": 900})
     r = await harness.complete(key, max_tokens=100)
     assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == PROMPT + ECHO_TOKENS
     h = r.headers
@@ -49,7 +52,8 @@ async def test_admitted_responses_carry_rate_limit_headers_and_settle(harness: H
 
 
 async def test_streams_carry_the_headers_and_settle_too(harness: Harness) -> None:
-    _, key = await harness.tenant("acme", rate=0.5, burst=1000)
+    _, key = await harness.tenant("acme", rate=0.5, burst=1000,
+                                  limits={"max_prompt_tokens": 100, "max_output_tokens": 900})
     r = await harness.complete(key, max_tokens=50, stream=True)
     assert r.status_code == 200 and r.headers["x-ratelimit-remaining-tokens"] == str(
         1000 - PROMPT - 50
@@ -63,7 +67,8 @@ async def test_streams_carry_the_headers_and_settle_too(harness: Harness) -> Non
 
 
 async def test_over_budget_is_429_with_retry_after(harness: Harness) -> None:
-    _, key = await harness.tenant("acme", rate=2, burst=100, max_queue_delay_s=0)
+    _, key = await harness.tenant("acme", rate=2, burst=100, max_queue_delay_s=0,
+                                  limits={"max_prompt_tokens": 10, "max_output_tokens": 90})
     assert (await harness.complete(key, max_tokens=90)).status_code == 200
     r = await harness.complete(key, max_tokens=90)
     assert r.status_code == 429
@@ -77,7 +82,8 @@ async def test_over_budget_is_429_with_retry_after(harness: Harness) -> None:
 
 
 async def test_a_request_waits_for_its_budget_when_the_wait_is_short(harness: Harness) -> None:
-    _, key = await harness.tenant("acme", rate=100, burst=20, max_queue_delay_s=5)
+    _, key = await harness.tenant("acme", rate=100, burst=20, max_queue_delay_s=5,
+                                  limits={"max_prompt_tokens": 5, "max_output_tokens": 15})
     first = await harness.complete(key, max_tokens=15)  # cost 20: the whole burst
     second = await harness.complete(key, max_tokens=15)  # needs 7 more tokens back: ~0.07 s
     assert first.status_code == second.status_code == 200
@@ -89,9 +95,13 @@ async def test_a_request_waits_for_its_budget_when_the_wait_is_short(harness: Ha
 
 
 async def test_requests_larger_than_the_burst_are_400(harness: Harness) -> None:
-    _, key = await harness.tenant("acme", burst=50)
+    # the admin API refuses a burst that cannot hold one request within the limits, so this
+    # is a tenant stored before that rule: written to the store directly
+    t = await harness.gw.tenants.create(Tenant(new_id(), "acme", rate=1000.0, burst=50))
+    key = (await harness.admin("POST", f"/tenants/{t.id}/keys", {"name": "k"})).json()["key"]
     r = await harness.complete(key, max_tokens=46)
     assert r.status_code == 400 and r.json()["error"]["code"] == "budget_exceeded"
+    assert "your tenant's burst of 50 tokens" in r.json()["error"]["message"]
 
 
 async def test_the_concurrency_limit_is_429(harness: Harness) -> None:

@@ -24,7 +24,7 @@ def test_the_document_round_trips() -> None:
     body = {
         "name": "a.b-c",
         "rate": 2.5,
-        "burst": 7,
+        "burst": 15,
         "priority": 3,
         "weight": 9.0,
         "max_queue_delay_s": 0,
