@@ -18,14 +18,51 @@ from pathlib import Path
 from typing import Any
 
 from common.settings import env_default
+from gateway.dispatch.prompts import LARGE_PROMPT_CHARS, LARGE_PROMPTS_PER_TENANT
+from gateway.tenancy.limits import REFUSAL_BURST_BYTES, REFUSAL_BYTES_PER_S
 
 _LIMITS = ("max_prompt_tokens", "max_output_tokens", "max_concurrent")
+#: (option, help) of the limits a request may be refused for (the status, code and when)
+_LIMIT_HELP = {
+    "max_prompt_tokens": "prompt tokens a request may have; over it: 400 prompt_too_long",
+    "max_output_tokens": "max_tokens a request may ask for (and the cap of its default); over it: 400 "
+    "max_tokens_exceeded",
+    "max_concurrent": "requests in flight at once, across all gateways; beyond: 429 rate_limit_exceeded "
+    "(type requests)",
+}
+
+#: `tenants create|update --help`'s epilog: every per-tenant limit that refuses a request
+LIMITS_EPILOG = f"""\
+what refuses a tenant's request (docs/tenants.md, "Per-tenant limits"):
+  --rate, --burst        429 rate_limit_exceeded (type tokens): its budget would hold the request
+                         longer than --max-queue-delay (or its deadline or first-token SLO);
+                         400 budget_exceeded: prompt + max_tokens over the burst
+  --max-concurrent       429 rate_limit_exceeded (type requests): that many requests in flight
+  --max-prompt-tokens    400 prompt_too_long
+  --max-output-tokens    400 max_tokens_exceeded
+  --allowed-models       404 model_not_found
+  --slo-ttft-ms/-tpot-ms 503 slo_unattainable: the gateway cannot promise the tenant's default
+                         SLO now (a request's own x-slo-* headers replace it)
+  --max-queue-wait-ms    503 overloaded: a request without a first-token SLO would wait longer
+  --weight               its share under overload: a tenant over it is held to half its SLO and
+                         refused first (503 slo_unattainable, overloaded)
+  (fixed, every tenant)  429 rate_limit_exceeded (type requests): {LARGE_PROMPTS_PER_TENANT} long prompts (over
+                         {LARGE_PROMPT_CHARS} characters) already being tokenized, whatever --max-concurrent;
+                         429 oversize_held: it keeps sending requests refused for their size,
+                         past {REFUSAL_BURST_BYTES >> 20} MiB at once or {REFUSAL_BYTES_PER_S / 1e6:g} MB/s
+Each refusal's message names the limit. The burst must hold one request within the limits:
+prompt + max_tokens is reserved at admission, so the burst must be at least
+--max-prompt-tokens + --max-output-tokens, or the model's context where either is unset
+(a smaller one is refused, naming the fix); left out, it defaults to the larger of 10 s of
+--rate and that."""
 #: (option, field, help): a tenant's latency defaults, in milliseconds; 'none' removes one
 _SLOS = (
-    ("--slo-ttft-ms", "slo_ttft_ms", "default SLO, p99 time to first token in ms, for requests that set none"),
-    ("--slo-tpot-ms", "slo_tpot_ms", "default SLO, time per output token in ms, for requests that set none"),
+    ("--slo-ttft-ms", "slo_ttft_ms", "default SLO, p99 time to first token in ms, for requests that set none; "
+     "one the gateway cannot promise now: 503 slo_unattainable"),
+    ("--slo-tpot-ms", "slo_tpot_ms", "default SLO, time per output token in ms, for requests that set none; "
+     "one the gateway cannot promise now: 503 slo_unattainable"),
     ("--max-queue-wait-ms", "max_queue_wait_ms", "the longest predicted wait in ms of a request without a "
-     "first-token SLO before a 503 (default: the gateway's --max-queue-wait-ms)"),
+     "first-token SLO before a 503 overloaded (default: the gateway's --max-queue-wait-ms)"),
 )
 
 
@@ -82,7 +119,10 @@ def _tenant_fields(parser: argparse.ArgumentParser, create: bool) -> None:
         parser.add_argument("tenant", help="tenant id or name")
         parser.add_argument("--name", help="a new name")
         parser.add_argument("--rate", type=float, help="budget in tokens/s")
-    parser.add_argument("--burst", type=int, help="tokens spendable at once (default 10 s of rate)")
+    parser.add_argument("--burst", type=int,
+                        help="tokens spendable at once, the budget's depth; must hold one request within the "
+                        "limits (see below; default: 10 s of rate, or one such request if more); a request "
+                        "larger: 400 budget_exceeded")
     parser.add_argument("--priority", type=int, help="scheduler class, 0 (most urgent) to 9")
     parser.add_argument(
         "--weight", type=float, help="share under overload, tokens/s (default: rate)"
@@ -91,7 +131,7 @@ def _tenant_fields(parser: argparse.ArgumentParser, create: bool) -> None:
         "--max-queue-delay",
         type=float,
         dest="max_queue_delay_s",
-        help="seconds a request may wait for its budget before a 429",
+        help="seconds a request may wait for its budget (default 2); longer: 429 rate_limit_exceeded",
     )
     for option, dest, what in _SLOS:
         parser.add_argument(
@@ -106,13 +146,14 @@ def _tenant_fields(parser: argparse.ArgumentParser, create: bool) -> None:
             "--" + limit.replace("_", "-"),
             type=_count_or_none,
             default=argparse.SUPPRESS,
-            help="a whole number, or 'none' for no limit",
+            help=f"{_LIMIT_HELP[limit]}; a whole number, or 'none' for no limit",
         )
     parser.add_argument(
         "--allowed-models",
         type=_models,
         default=argparse.SUPPRESS,
-        help="comma-separated model ids; '' allows every model",
+        help="comma-separated model ids the tenant may use; '' allows every model; another: 404 "
+        "model_not_found",
     )
 
 
@@ -120,13 +161,14 @@ def add_commands(sub: Any) -> None:
     conn = _connection()
     tenants = sub.add_parser("tenants", help="create, list, read, update, delete tenants; usage")
     tsub = tenants.add_subparsers(dest="action", required=True)
-    _tenant_fields(tsub.add_parser("create", parents=[conn], help="a new tenant"), create=True)
+    described = {"epilog": LIMITS_EPILOG, "formatter_class": argparse.RawDescriptionHelpFormatter}
+    _tenant_fields(tsub.add_parser("create", parents=[conn], help="a new tenant", **described), create=True)
     tsub.add_parser("list", parents=[conn], help="every tenant")
     tsub.add_parser("get", parents=[conn], help="one tenant and its budget now").add_argument(
         "tenant"
     )
     _tenant_fields(
-        tsub.add_parser("update", parents=[conn], help="change some fields"), create=False
+        tsub.add_parser("update", parents=[conn], help="change some fields", **described), create=False
     )
     tsub.add_parser("delete", parents=[conn], help="a tenant and all its keys").add_argument(
         "tenant"

@@ -158,8 +158,10 @@ class LongPrompts:
         busy = self._held.get(tenant.id, 0)
         if busy >= LARGE_PROMPTS_PER_TENANT:
             raise RateLimited(
-                f"Tenant '{tenant.name}' already has {busy} long prompts being tokenized; retry after "
-                f"{RETRY_AFTER_S} s, or when they are done.",
+                f"Rate limit reached for tenant '{tenant.name}': it already has {busy} long prompts (over "
+                f"{LARGE_PROMPT_CHARS} characters) being tokenized, the limit per tenant "
+                f"({LARGE_PROMPTS_PER_TENANT} at once, whatever its max_concurrent). Retry after {RETRY_AFTER_S} s, "
+                "or when they are done.",
                 headers={"retry-after": str(RETRY_AFTER_S)},
             )
         if sum(self._held.values()) >= LARGE_PROMPTS_QUEUED:

@@ -202,17 +202,19 @@ def refusal(tenant: Tenant, verdict: gcra.Verdict, cost: int, max_wait: float) -
         hdrs["retry-after"] = str(RETRY_AFTER_S)
         return RateLimited(
             f"Rate limit reached for tenant '{tenant.name}': {verdict.in_flight} requests in "
-            f"flight, the limit is {tenant.limits.max_concurrent}. Retry after {RETRY_AFTER_S} s, or as "
-            "soon as one has finished.",
+            f"flight, the limit is {tenant.limits.max_concurrent} (its max_concurrent). Retry after "
+            f"{RETRY_AFTER_S} s, or as soon as one has finished.",
             headers=hdrs,
         )
     retry = gcra.retry_after_s(verdict.wait, max_wait)
+    why = ("its tenant's max_queue_delay_s" if max_wait >= tenant.max_queue_delay_s
+           else "its deadline or first-token SLO")
     hdrs["retry-after"] = str(retry)
     then = f"it would then wait at most the {max_wait:g} s it may" if max_wait > 0 else "the budget has them then"
     return TokensRateLimited(
         f"Rate limit reached for tenant '{tenant.name}' on tokens: this request needs {cost} "
         f"tokens, for which the budget ({tenant.rate:g} tokens/s, burst {tenant.burst}) would hold it "
-        f"{verdict.wait:.2f} s, longer than the {max_wait:g} s it may wait. "
+        f"{verdict.wait:.2f} s, longer than the {max_wait:g} s it may wait ({why}). "
         f"Retry after {retry} s: {then}.",
         headers=hdrs,
         extra={"budget_wait_s": round(verdict.wait, 3)},
