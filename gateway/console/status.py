@@ -60,12 +60,23 @@ def counters(metrics: Metrics) -> dict[str, Any]:
             "contracts": contracts}
 
 
+def _live(path: dict[str, Any]) -> bool:
+    """Whether a path has slots (a live worker) or still holds requests."""
+    return bool(path.get("capacity", 0) or path.get("in_flight", 0) or path.get("pending_prefill", 0))
+
+
 def scheduler_view(snapshot: dict[str, Any]) -> dict[str, Any]:
-    """The parts of ``Dispatcher.snapshot()`` the console draws."""
+    """The parts of ``Dispatcher.snapshot()`` the console draws. The scheduler keeps both
+    paths, and counts at least one worker on each for its arithmetic (``fleet.capacity_share``):
+    a path without slots (no worker of its pool, or only ones that say they are down) and
+    without requests is left out (a CPU-only box shows no ``gpu`` path); one that still holds
+    requests shows its workers as 0. The backlog per pool stays whole (an empty pool's is 0)."""
     view = {k: snapshot[k] for k in _SNAPSHOT_KEYS if k in snapshot}
     paths = snapshot.get("paths")
     if isinstance(paths, dict):
-        view["paths"] = {name: {k: v for k, v in path.items() if k in _PATH_KEYS} for name, path in paths.items()}
+        view["paths"] = {name: {k: v for k, v in path.items() if k in _PATH_KEYS}
+                         | ({} if path.get("capacity", 0) else {"workers": 0})
+                         for name, path in paths.items() if _live(path)}
     fairness = snapshot.get("fairness")
     if isinstance(fairness, dict) and isinstance(fairness.get("tenants"), dict):
         view["tenants_queued"] = len(fairness["tenants"])

@@ -157,7 +157,12 @@ def test_an_operator_runs_a_tenant_from_sign_in_to_revoked_key(page: Page, gatew
     for t in senders:
         t.start()
     page.wait_for_function("Number(document.getElementById('queued').textContent) >= 3", timeout=10_000)
-    page.wait_for_function("document.getElementById('rate-admitted').textContent !== '0.0'", timeout=10_000)
+    page.wait_for_function("Number(document.getElementById('rate-admitted').textContent) > 0", timeout=10_000)
+    # the echo worker's pool only: not the other path the scheduler keeps without workers
+    column = "(cells) => cells.map((td) => td.textContent)"
+    paths = page.eval_on_selector_all("#paths tr td:first-child", column)
+    pools = sorted(set(page.eval_on_selector_all("#workers tr td:nth-child(2)", column)))
+    assert paths == pools and len(pools) == 1, (paths, pools)
     page.screenshot(path=str(tmp_path / "live.png"), full_page=True)
 
     # one request explained while the scheduler holds it: the last to arrive waits behind the others

@@ -237,8 +237,9 @@ async function refreshLive() {
         num(b.mean_output, 0)]));
     table($("paths"), ["path", "workers", "slots", "in flight", "slot limit", "step ms", "speed vs profile", "KV tokens",
       "prefill queued", "saved state"],
-      Object.entries(s.paths || {}).map(([name, p]) => [name, p.workers, p.capacity, p.in_flight, p.slot_limit,
-        num(1000 * p.step_s, 1), speed(p.drift), num(p.kv_tokens), num(p.pending_prefill),
+      // only paths with slots or requests (status.scheduler_view): none on a CPU-only box's gpu
+      Object.entries(s.paths || {}).map(([name, p]) => [name, p.workers === 0 ? "no workers" : p.workers, p.capacity,
+        p.in_flight, p.slot_limit, num(1000 * p.step_s, 1), speed(p.drift), num(p.kv_tokens), num(p.pending_prefill),
         (s.saved_state || {})[name] || "–"]));
     table($("backlog"), ["pool", "requests", "tokens"],
       Object.entries(s.backlog || {}).map(([pool, b]) => [pool, num(b.requests), num(b.tokens)]));

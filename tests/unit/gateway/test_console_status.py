@@ -96,3 +96,21 @@ def test_a_worker_shows_its_device_and_what_it_measured_of_itself() -> None:
     bare = status.worker_view(p.Heartbeat("w2", "gpu", "cuda", "float16", "upstream", "m", 4, 4, 0.0, 99.0),
                               beat=None, now=100.0)
     assert bare["heartbeat_age_s"] is None and bare["cpu"] == "" and bare["prefill_tokens_per_s"] is None
+
+
+def test_a_path_without_slots_or_requests_is_not_shown() -> None:
+    """A CPU-only box: the scheduler keeps a gpu path and counts at least one worker on it
+    for its arithmetic (``fleet.capacity_share``); the console lists only paths that have
+    slots, or that still hold requests (then with no workers)."""
+    cpu = {"capacity": 4, "in_flight": 1, "workers": 1, "pending_prefill": 0}
+    empty = {"capacity": 0, "in_flight": 0, "workers": 1, "pending_prefill": 0}
+    snap = {"paths": {"cpu": cpu, "gpu": empty}, "backlog": {"cpu": {"requests": 2, "tokens": 9},
+                                                           "gpu": {"requests": 0, "tokens": 0}}}
+    view = status.scheduler_view(snap)
+    assert list(view["paths"]) == ["cpu"] and view["paths"]["cpu"]["workers"] == 1
+    assert list(view["backlog"]) == ["cpu", "gpu"]  # the pools' queues: each, empty or not
+    # the gpu workers went away with a request still on them: shown, with no workers
+    gone = {**empty, "in_flight": 1}
+    view = status.scheduler_view({"paths": {"cpu": cpu, "gpu": gone}})
+    assert view["paths"]["gpu"]["workers"] == 0 and view["paths"]["gpu"]["in_flight"] == 1
+
