@@ -173,7 +173,8 @@ def test_an_operator_runs_a_tenant_from_sign_in_to_revoked_key(page: Page, gatew
     page.fill("#rid", last)
     page.click("#request-form button")
     page.wait_for_function("document.querySelector('#schedule').innerText.includes('request_id')")
-    assert last in _text(page, "#schedule") and tenant["id"] in _text(page, "#record")
+    assert last in _text(page, "#schedule")
+    assert f"tenant\t{TENANT} ({tenant['id']})" in _text(page, "#record")  # its name, beside its id
     assert "– / –" not in _text(page, "#record")  # its promise, from the scheduler before the record has it
     page.screenshot(path=str(tmp_path / "request.png"), full_page=True)
 

@@ -437,7 +437,7 @@ function wire() {
     try {
       const doc = await api("GET", `/admin/requests/${encodeURIComponent(rid)}`);
       $("request-error").textContent = "";
-      drawRequest(doc);
+      drawRequest(doc, await tenantName(doc.tenant));
     } catch (e) {
       $("request-error").textContent = e.message;
       table($("record"), [], []);
@@ -446,7 +446,16 @@ function wire() {
   });
 }
 
-function drawRequest(doc) {
+// a request's record names its tenant by id: its name from the tenants view's list, else asked
+// of the admin API (null for a tenant deleted since)
+async function tenantName(id) {
+  if (!id) return null;
+  const known = tenants.list.find((t) => t.id === id);
+  if (known) return known.name;
+  try { return (await api("GET", `/admin/tenants/${encodeURIComponent(id)}`)).name; } catch (_) { return null; }
+}
+
+function drawRequest(doc, tenant) {
   const ms = (s) => (s === undefined ? "–" : num(1000 * s, 0) + " ms");
   // the record holds the contract once the request is settled; until then the scheduler has it
   const c = doc.schedule && doc.schedule.contract;
@@ -455,7 +464,7 @@ function drawRequest(doc) {
       contract_p99_s: c.p99_s });
   }
   const rows = [
-    ["id", doc.id], ["tenant", doc.tenant], ["state", doc.state],
+    ["id", doc.id], ["tenant", tenant ? `${tenant} (${doc.tenant})` : doc.tenant], ["state", doc.state],
     ["admitted", doc.admitted_at ? new Date(doc.admitted_at * 1000).toLocaleString() : "–"],
     ["prompt tokens", num(doc.prompt_tokens)], ["reserved tokens", num(doc.reserved_tokens)],
     ["charged tokens", num(doc.charged_tokens)], ["budget wait", ms(doc.budget_wait_s)],
