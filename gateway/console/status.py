@@ -3,15 +3,18 @@
 Every gateway publishes its own part each ``PUBLISH_S`` under ``wire.console_key`` with a
 TTL of ``STALE_S``: its role, its counters since it started (admissions, generation responses by
 status, budget waits, tokens, contract outcomes per path) and, on the scheduler, its queues and
-policy. ``GET /admin/cluster`` on any gateway merges the live parts with the workers'
-heartbeats (``cluster``), so the page shows the cluster, not the replica it talks to. The
-page turns counters into rates itself. Pure: the I/O (publishing, reading) is in
-``gateway.http.console``.
+policy, and its recent traffic (``Traffic``: its admissions, refusals and budget waits as
+they stood at each of its last ``HISTORY_S`` seconds of parts). ``GET /admin/cluster`` on any
+gateway merges the live parts with the workers' heartbeats (``cluster``), so the page shows
+the cluster, not the replica it talks to, and turns the gateways' recent traffic into the
+traffic chart's rates (``traffic``), so the chart shows the last two minutes as soon as the
+page opens. Pure: the I/O (publishing, reading) is in ``gateway.http.console``.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import bisect
+from collections import defaultdict, deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +27,9 @@ PUBLISH_S = 1.0  # how often each gateway rewrites its part
 STALE_S = 3.0  # a part not rewritten for this long is gone (its TTL): the gateway is down
 GENERATION_ROUTES = ("chat", "completions")  # ``Instrument``'s labels of the two generation routes
 CLIENT_LEFT = "499"  # the status of a request whose client went away: not a refusal
+HISTORY_S = 120  # the traffic chart's span: one point per PUBLISH_S (the page's HISTORY)
+RATE_S = 5.0  # each point of the traffic chart is a rate over (at least) this window
+TRAFFIC = ("admitted", "refused", "budget_waits")  # the traffic chart's series, in a sample's order
 # the scheduler's snapshot, less what grows with the tenants (fairness) or only the CLI reads
 _SNAPSHOT_KEYS = ("queued", "buckets", "paths", "policy", "placed", "tail_cut", "priors", "saved_state", "backlog")
 _PATH_KEYS = ("capacity", "in_flight", "slot_limit", "workers", "max_batch", "kv_tokens", "pending_prefill",
@@ -83,17 +89,62 @@ def scheduler_view(snapshot: dict[str, Any]) -> dict[str, Any]:
     return view
 
 
-def part(snapshot: dict[str, Any], metrics: Metrics, started: int, in_flight: int, now: float) -> dict[str, Any]:
-    """A gateway's part of the cluster view, from its scheduler's snapshot and its metrics."""
+class Traffic:
+    """A gateway's recent traffic: its admissions, refusals and budget waits since it started,
+    as they stood at each of its parts over the last ``HISTORY_S + RATE_S`` seconds (about
+    125 samples of 4 numbers: 4 KB of JSON in each part). Held in the gateway's memory: a
+    restarted gateway's history starts again with it."""
+
+    def __init__(self) -> None:
+        self.samples: deque[list[float]] = deque()
+
+    def add(self, at: float, own: dict[str, Any]) -> list[list[float]]:
+        """Record ``own`` counters taken at ``at``; the samples kept, oldest first."""
+        self.samples.append([round(at, 3), own["admitted"], refused(own["responses"]), own["budget_waits"]])
+        while self.samples and self.samples[0][0] < at - HISTORY_S * PUBLISH_S - RATE_S - PUBLISH_S:
+            self.samples.popleft()
+        return list(self.samples)
+
+
+def part(snapshot: dict[str, Any], metrics: Metrics, started: int, in_flight: int, now: float,
+         traffic: Traffic | None = None) -> dict[str, Any]:
+    """A gateway's part of the cluster view, from its scheduler's snapshot and its metrics,
+    with its recent traffic where it keeps one."""
+    own = counters(metrics)
     return {
         "gateway": snapshot["gateway"],
         "role": snapshot["role"],
         "at": now,
         "started": started,
         "in_flight": in_flight,
-        "counters": counters(metrics),
+        "counters": own,
         "scheduler": scheduler_view(snapshot) if snapshot["role"] == "scheduler" else None,
+        "traffic": traffic.add(now, own) if traffic is not None else [],
     }
+
+
+def traffic(samples: list[list[list[float]]], now: float) -> dict[str, Any]:
+    """The traffic chart: for each of the last ``HISTORY_S`` points, ``PUBLISH_S`` apart and
+    ending at ``now``, each series' rate per second summed over the gateways. A gateway's rate
+    at a point comes from its own samples (``Traffic``): from the last one taken by then back
+    to the last one taken ``RATE_S`` before that (or its first, younger), so counters are only
+    ever compared within one gateway's clock and life. None where no gateway had two samples
+    within ``RATE_S`` of the point (before any started, or while none published)."""
+    points = [now - (HISTORY_S - 1 - i) * PUBLISH_S for i in range(HISTORY_S)]
+    series: list[list[float | None]] = [[None] * HISTORY_S for _ in TRAFFIC]
+    for own in samples:
+        at = [s[0] for s in own]
+        for i, t in enumerate(points):
+            b = bisect.bisect_right(at, t) - 1
+            if b < 1 or t - at[b] > RATE_S:
+                continue
+            a = max(0, bisect.bisect_right(at, at[b] - RATE_S) - 1)
+            dt = at[b] - at[a]
+            if dt <= 0:
+                continue
+            for j, values in enumerate(series):
+                values[i] = (values[i] or 0.0) + max(0.0, own[b][j + 1] - own[a][j + 1]) / dt
+    return {"step_s": PUBLISH_S, "window_s": RATE_S, **dict(zip(TRAFFIC, series, strict=True))}
 
 
 def worker_view(hb: p.Heartbeat, beat: float | None, now: float) -> dict[str, Any]:
@@ -131,11 +182,12 @@ def cluster(me: str, parts: list[dict[str, Any]], workers: list[dict[str, Any]],
             holder: str | None = None) -> dict[str, Any]:
     """The cluster view from the gateways' live parts: every gateway with its role and its
     own totals, stamped with the time it took them (``at``: rates come from one gateway's
-    successive parts, never from parts read at different moments), the counters summed, the
-    scheduler's queues and policy (None while no gateway schedules). The scheduler is the
-    lease's ``holder`` ('' none; None: not read): a part published before its gateway lost
-    the lease (paused, cut off) says scheduler for up to ``STALE_S`` more, and is read as a
-    follower's."""
+    successive parts, never from parts read at different moments), the counters summed (and
+    the traffic chart's last ``HISTORY_S`` points: ``counters.traffic``; the response's shape,
+    ``shapes.Cluster``, takes any key in ``counters``), the scheduler's queues and policy (None
+    while no gateway schedules). The scheduler is the lease's ``holder`` ('' none; None: not
+    read): a part published before its gateway lost the lease (paused, cut off) says scheduler
+    for up to ``STALE_S`` more, and is read as a follower's."""
     total: dict[str, Any] = {"admitted": 0, "responses": {}, "budget_waits": 0, "tokens": {}, "contracts": {}}
     gateways = []
     scheduler = None
@@ -153,7 +205,8 @@ def cluster(me: str, parts: list[dict[str, Any]], workers: list[dict[str, Any]],
     return {
         "object": "cluster", "at": now, "gateway": me, "gateways": gateways, "scheduler": scheduler,
         "workers": sorted(workers, key=lambda w: (w["pool"], w["worker"])),
-        "counters": {**total, "refused": refused(total["responses"])},
+        "counters": {**total, "refused": refused(total["responses"]),
+                     "traffic": traffic([doc.get("traffic") or [] for doc in parts], now)},
     }
 
 

@@ -4,8 +4,9 @@ console"). ``GET /console`` and its assets are served from the package
 holds no data and no secret, so it is served to anyone; everything it shows or changes goes
 through the admin API, with the admin token the operator types into its sign-in form (kept
 in the tab's session storage). Not in the OpenAPI document: it is a page, not part of the
-API. ``publish_loop`` writes this gateway's part of the cluster view every second; ``read``
-merges the live parts (``gateway.console.status``)."""
+API. ``publish_loop`` writes this gateway's part of the cluster view every second, with its
+recent traffic (``status.Traffic``, kept per gateway here); ``read`` merges the live parts
+(``gateway.console.status``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import asyncio
 import logging
 import os
 import time
+import weakref
 from importlib.resources import files
 from typing import Any
 
@@ -69,8 +71,13 @@ def routes() -> list[BaseRoute]:
     ]
 
 
+# each gateway's recent traffic, kept beside it (a process may hold several: the tests' harnesses)
+_TRAFFIC: weakref.WeakKeyDictionary[Gateway, status.Traffic] = weakref.WeakKeyDictionary()
+
+
 async def publish(gw: Gateway) -> None:
-    doc = status.part(gw.dispatcher.snapshot(), gw.metrics, gw.started, gw.in_flight, time.time())
+    traffic = _TRAFFIC.setdefault(gw, status.Traffic())
+    doc = status.part(gw.dispatcher.snapshot(), gw.metrics, gw.started, gw.in_flight, time.time(), traffic)
     await gw.batch.call("SET", wire.console_key(gw.settings.gateway_id), orjson.dumps(doc),
                         "PX", int(status.STALE_S * 1000))
 

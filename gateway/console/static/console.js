@@ -7,9 +7,8 @@
 const TOKEN_KEY = "tokengate.admin";
 const LIVE_MS = 1000; // the live view's refresh
 const TENANTS_MS = 5000; // the tenants view's refresh (an hour of usage per tenant)
-const HISTORY = 120; // points kept for the charts (2 min at 1 refresh/s)
+const HISTORY = 120; // points kept for the charts (2 min at 1 refresh/s; status.HISTORY_S)
 const WINDOW_S = 30; // contract accuracy is drawn over this sliding window
-const RATE_S = 5; // admissions, refusals and budget waits per second, over this window
 
 const $ = (id) => document.getElementById(id);
 let token = sessionStorage.getItem(TOKEN_KEY);
@@ -146,7 +145,12 @@ function signOut(message) {
 
 // -- live --------------------------------------------------------------------------------
 
-const live = { prev: null, gateways: {}, traffic: [[], [], []], contracts: {}, samples: [] };
+const live = { prev: null, traffic: [[], [], []], contracts: {}, samples: [] };
+
+function latest(values) {
+  for (let i = values.length - 1; i >= 0; i--) if (values[i] !== null) return values[i];
+  return null;
+}
 
 function push(list, v) { list.push(v); if (list.length > HISTORY) list.shift(); }
 
@@ -167,33 +171,14 @@ async function refreshLive() {
   $("where").textContent = `gateway ${c.gateway} (${me ? me.role : "?"}) · ${c.gateways.length} gateway(s) · ` +
     `${c.workers.length} worker(s)`;
   const k = c.counters;
-  // rates per gateway over its last RATE_S, from its own successive parts (each stamped
-  // with when it took its counters), summed; a restarted gateway (counters back to zero)
-  // starts its window again
-  const rates = [0, 0, 0];
-  const seen = {};
-  for (const g of c.gateways) {
-    let history = live.gateways[g.gateway] || [];
-    const last = history[history.length - 1];
-    if (last && g.admitted + g.refused + g.budget_waits < last.admitted + last.refused + last.budget_waits) {
-      history = [];
-    }
-    if (!last || g.at > last.at) history = [...history, g];
-    while (history.length > 2 && g.at - history[1].at >= RATE_S) history = history.slice(1);
-    seen[g.gateway] = history;
-    const a = history[0];
-    const b = history[history.length - 1];
-    if (b.at > a.at) {
-      const dt = b.at - a.at;
-      [b.admitted - a.admitted, b.refused - a.refused, b.budget_waits - a.budget_waits]
-        .forEach((d, i) => { rates[i] += Math.max(0, d) / dt; });
-    }
-  }
-  live.gateways = seen;
-  rates.forEach((v, i) => push(live.traffic[i], v));
-  $("rate-admitted").textContent = num(rates[0], 1);
-  $("rate-refused").textContent = num(rates[1], 1);
-  $("rate-waits").textContent = num(rates[2], 1);
+  // the traffic chart: the gateways' rates over the last 2 min, worked out by the gateway that
+  // answers from each gateway's own recent samples (gateway/console/status.py, traffic), so the
+  // chart is full as soon as the page opens; the cards show its last point
+  const t = k.traffic;
+  live.traffic = [t.admitted, t.refused, t.budget_waits];
+  $("rate-admitted").textContent = num(latest(t.admitted), 1);
+  $("rate-refused").textContent = num(latest(t.refused), 1);
+  $("rate-waits").textContent = num(latest(t.budget_waits), 1);
   const prev = live.prev;
   live.prev = { at: c.at, responses: k.responses };
   if (prev && c.at > prev.at) {  // the refusals' statuses, over the refresh (a breakdown, not a chart)
@@ -216,7 +201,7 @@ async function refreshLive() {
   for (const x of cells) {
     const then = first.cells[x.key] || { inside: 0, outside: 0 };
     const n = x.inside + x.outside - then.inside - then.outside;
-    if (!live.contracts[x.key]) live.contracts[x.key] = Array(live.traffic[0].length).fill(null);
+    if (!live.contracts[x.key]) live.contracts[x.key] = Array(HISTORY - 1).fill(null);
     push(live.contracts[x.key], n > 0 ? (x.inside - then.inside) / n : null);
   }
   for (const [key, values] of Object.entries(live.contracts)) if (!cells.find((x) => x.key === key)) push(values, null);

@@ -114,3 +114,44 @@ def test_a_path_without_slots_or_requests_is_not_shown() -> None:
     view = status.scheduler_view({"paths": {"cpu": cpu, "gpu": gone}})
     assert view["paths"]["gpu"]["workers"] == 0 and view["paths"]["gpu"]["in_flight"] == 1
 
+
+def _counters(admitted: int, refused: int = 0, waits: int = 0) -> dict[str, Any]:
+    return {"admitted": admitted, "responses": {"200": admitted, "429": refused}, "budget_waits": waits}
+
+
+def test_a_gateway_keeps_its_recent_traffic_in_its_part() -> None:
+    traffic = status.Traffic()
+    for t in range(200):
+        samples = traffic.add(1000.0 + t, _counters(t, t // 2))
+    assert samples[-1] == [1199.0, 199, 99, 0]
+    span = samples[-1][0] - samples[0][0]
+    assert status.HISTORY_S + status.RATE_S <= span <= status.HISTORY_S + status.RATE_S + 2  # bounded
+    part = status.part({"gateway": "g1", "role": "follower"}, _metrics(), 1, 0, 1200.0, traffic)
+    assert part["traffic"][-1] == [1200.0, 6, 5, 2]  # the counters it publishes, sampled
+
+
+def test_the_traffic_chart_shows_the_recent_past_from_the_gateways_samples() -> None:
+    """Opened after traffic, the chart is not empty: each point is a rate over the gateways'
+    own samples (each gateway's counters compared only with its own), summed."""
+    # g1: 2 admissions/s from 1000 to 1060, then nothing; g2: one refusal/s all along
+    g1 = [[1000.0 + t, 2 * min(t, 60), 0, 0] for t in range(0, 100)]
+    g2 = [[1000.5 + t, 5, t, 0] for t in range(0, 100)]
+    view = status.cluster("g1", [_part("g1", "scheduler", 1099.0, {}) | {"traffic": g1},
+                                 _part("g2", "follower", 1099.5, {}) | {"traffic": g2}], [], now=1100.0)
+    chart = view["counters"]["traffic"]
+    assert chart["step_s"] == status.PUBLISH_S and chart["window_s"] == status.RATE_S
+    admitted, refused = chart["admitted"], chart["refused"]
+    assert len(admitted) == len(refused) == len(chart["budget_waits"]) == status.HISTORY_S
+    at = [1100.0 - (status.HISTORY_S - 1 - i) for i in range(status.HISTORY_S)]
+    assert admitted[at.index(1030.0)] == 2.0 and refused[at.index(1030.0)] == 1.0
+    assert admitted[-1] == 0.0 and refused[-1] == 1.0  # now: only refusals
+    assert admitted[at.index(999.0)] is None  # before either gateway published
+    assert admitted[at.index(1000.0)] is None  # one sample: no rate yet
+    assert 0.0 < admitted[at.index(1063.0)] < 2.0  # the window spans the end of the admissions
+    # a gateway that restarted starts its samples again: its old counters are never compared
+    restarted = [[1095.0 + t, t, 0, 0] for t in range(5)]
+    chart = status.cluster("g1", [_part("g1", "scheduler", 1099.0, {}) | {"traffic": restarted}], [],
+                           now=1100.0)["counters"]["traffic"]
+    assert chart["admitted"][-1] == 1.0 and chart["admitted"][at.index(1094.0)] is None
+    bare = status.cluster("g1", [_part("g1", "follower", 99.0, {})], [], now=100.0)  # an older gateway's part
+    assert bare["counters"]["traffic"]["admitted"] == [None] * status.HISTORY_S  # no samples: no points
