@@ -158,6 +158,9 @@ class Heartbeat:
     # another program on its CPUs (0 on a quiet machine, or where the system does not say)
     cpu_starved: float = 0.0
     threads: int = 0  # the engine's intra-op threads now (0: none of its own); fewer while starved
+    # the context window its engine serves, prompt plus completion tokens (an upstream's, as the
+    # upstream says or --context-tokens); 0: the model's own (gateway/dispatch/fleet.served_context)
+    context: int = 0
 
     def profile_part(self, name: str) -> dict[str, Any]:
         """``profile[name]`` (``facts``: the machine; ``summary``: what it measured) where it

@@ -48,6 +48,9 @@ WORKER_FLAGS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
     ("upstream-timeout", "upstream_timeout_s",
      "seconds to wait for the upstream's next chunk before it counts as down", {}),
     ("upstream-model", "upstream_model", "the model name sent upstream (default: the first of its /v1/models)", {}),
+    ("context-tokens", "context_tokens", "upstream: the context window (prompt plus completion tokens) it serves, "
+     "where it does not say (vLLM's /v1/models and llama-server's /props do; llama-cpp-python's server does not: "
+     "give its --n_ctx); gateways refuse longer requests with a 400 (0: the model's own)", {}),
     ("slots", "slots", "sequences decoded together (continuous batching); upstream: concurrent upstream "
      "streams, the upstream's own parallelism", {}),
     ("step-tokens", "step_tokens", "tokens one engine step may run: the running sequences' decode tokens plus "
@@ -127,7 +130,7 @@ def run(settings: WorkerSettings) -> None:
 
         assert settings.upstream_url is not None  # WorkerSettings checks it
         upstream = UpstreamEngine(settings.upstream_url, settings.upstream_model, settings.slots,
-                                  settings.upstream_timeout_s)
+                                  settings.upstream_timeout_s, context_tokens=settings.context_tokens)
         engine = upstream
         model_name = settings.model_name or upstream.model or "upstream"
     else:

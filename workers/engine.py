@@ -70,6 +70,7 @@ class Engine(Protocol):
     down: str  # why the engine takes no work now (an upstream that does not answer); "" if it does
     metrics: dict[str, float]  # the gauges of the server an engine fronts (vLLM's); {} for a local one
     max_threads: int  # the intra-op threads it may run (0: it runs none of its own: echo, upstream)
+    context_tokens: int  # the context window it serves, prompt plus completion (0: the model's own)
 
     def add(self, seq: SeqJob, kv: dict[str, Any] | None = None) -> None:
         """Queue a sequence; with ``kv`` (a handed-over prefill) it skips prefill."""
@@ -123,6 +124,7 @@ class EchoEngine:
     down = ""
     metrics: dict[str, float] = {}
     max_threads = 0
+    context_tokens = 0
 
     def __init__(self, tokens: int = 16, slots: int = 256, step_s: float = 0.0, prefill_s: float = 0.0) -> None:
         self.tokens = tokens

@@ -62,6 +62,7 @@ class HFEngine:
     name = "transformers"
     down = ""
     metrics: dict[str, float] = {}
+    context_tokens = 0  # the model's own, as the gateway reads it from the same config
 
     def __init__(
         self,

@@ -135,6 +135,7 @@ class Presence:
             profile=self.profile,
             cpu_starved=self._starved(),
             threads=self.governor.threads if self.governor is not None else self.engine.max_threads,
+            context=self.engine.context_tokens,
         )
 
     def _starved(self) -> float:

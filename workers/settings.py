@@ -53,6 +53,9 @@ class WorkerSettings:
     upstream_url: str | None = None  # engine "upstream": the OpenAI-compatible server it fronts
     upstream_model: str | None = None  # the model name sent upstream (default: the first of its /v1/models)
     upstream_timeout_s: float = 60.0  # longest wait for the upstream's next chunk before it counts as down
+    # an upstream's context window (prompt plus completion tokens) where it does not say its own
+    # (llama-cpp-python's server); 0: the model's own. Gateways refuse longer requests
+    context_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.pool not in POOLS:
@@ -65,6 +68,8 @@ class WorkerSettings:
             raise ValueError("the upstream engine needs an upstream URL, and only it takes one")
         if self.upstream_timeout_s <= 0:
             raise ValueError("the upstream timeout must be positive")
+        if self.context_tokens < 0:
+            raise ValueError("context tokens must be 0 (the model's own) or more")
         if self.slots < 1:
             raise ValueError("slots must be at least 1")
         if self.step_tokens < 0:

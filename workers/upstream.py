@@ -26,6 +26,10 @@ read), an unreadable chunk or a stream that ends with no finish reason is an
 down the engine has no free slot (the worker reads no job), ``down`` says why (heartbeat,
 ``/admin/workers``), and a probe of ``/v1/models`` every ``probe_s`` brings it back.
 
+Context. Whenever the upstream comes up, the engine asks it the context it serves (vLLM's
+``/v1/models``, llama-server's ``/props``; llama-cpp-python's server says none: the one given,
+``--context-tokens``): ``context_tokens``, in the heartbeat; gateways refuse longer requests.
+
 Telemetry. The upstream is a black box, so its steps are inferred from what the streams
 show: a sequence's first token closes a prefill step (its prompt tokens, the sequences
 decoding beside it, the time from request to first token), and each ``step`` call in which
@@ -118,6 +122,7 @@ def request_body(seq: SeqJob, model: str) -> tuple[str, dict[str, Any]]:
     if params.ignore_eos:
         body["ignore_eos"] = True  # vLLM's and llama.cpp's extension; other upstreams ignore it
     if seq.messages:
+        # one string per message: a client's list of text parts, joined (``Message.text``)
         body["messages"] = [{"role": role, "content": text} for role, text in seq.messages]
         return "/v1/chat/completions", body
     body["prompt"] = seq.text if seq.text is not None else list(seq.prompt_ids)
@@ -137,6 +142,22 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def listed_context(listed: object, model: str) -> int:
+    """The context an upstream's ``/v1/models`` gives ``model`` (vLLM's ``max_model_len``), else 0."""
+    data = listed.get("data") if isinstance(listed, dict) else None
+    entries = [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+    said = [m.get("max_model_len") for m in sorted(entries, key=lambda m: m.get("id") != model)]  # its own first
+    return next((n for n in said if isinstance(n, int) and n > 0), 0)
+
+
+def props_context(props: object) -> int:
+    """A llama-server slot's context from its ``/props`` (``default_generation_settings.n_ctx``:
+    older builds give each of ``-np N`` slots its share of ``-c``, newer ones all), else 0."""
+    settings = props.get("default_generation_settings") if isinstance(props, dict) else None
+    n = settings.get("n_ctx") if isinstance(settings, dict) else None
+    return n if isinstance(n, int) and n > 0 else 0
+
+
 class UpstreamEngine:
     name = "upstream"
     device = "remote"
@@ -145,10 +166,12 @@ class UpstreamEngine:
     max_threads = 0  # the upstream server runs its own
 
     def __init__(self, url: str, model: str | None = None, slots: int = 32, timeout_s: float = 60.0,
-                 probe_s: float = PROBE_S) -> None:
+                 probe_s: float = PROBE_S, context_tokens: int = 0) -> None:
         self.url = url.rstrip("/").removesuffix("/v1")  # the server root; a URL ending in /v1 is taken too
         self.slots = slots
         self.model = model or ""
+        self.given_context = context_tokens  # --context-tokens: where the upstream does not say its own
+        self.context_tokens = context_tokens  # what it serves, as it said when it came up (0: unknown)
         self.timeout_s = timeout_s
         self.probe_s = probe_s
         self.metrics: dict[str, float] = {}  # the upstream's own gauges (vLLM), if it exports them
@@ -199,11 +222,26 @@ class UpstreamEngine:
         if not self.model and models:
             self.model = str(models[0])
         self.choice = f"upstream {self.url} (model {self.model or 'unknown'})"
-        if self.down:
-            log.info("upstream %s is up (model %s)", self.url, self.model or "unknown")
+        if self.down:  # up now, or again (perhaps restarted with another context)
+            await self._learn_context(listed)
+            log.info("upstream %s is up (model %s, context %s)", self.url, self.model or "unknown",
+                     self.context_tokens or "the model's own")
         self.down = ""
         if self._has_metrics is not False:
             await self._read_metrics()
+
+    async def _learn_context(self, listed: object) -> None:
+        """The context the upstream serves: as it says, else the one given."""
+        said = listed_context(listed, self.model)
+        if not said:
+            try:
+                async with self._client.get("/props") as reply:
+                    said = props_context(await reply.json(content_type=None)) if reply.status == 200 else 0
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                said = 0
+        if said and self.given_context and said != self.given_context:
+            log.warning("upstream %s says its context is %d tokens, not %d (given)", self.url, said, self.given_context)
+        self.context_tokens = said or self.given_context
 
     async def _read_metrics(self) -> None:
         try:

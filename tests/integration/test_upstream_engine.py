@@ -1,6 +1,6 @@
 """The upstream engine on its own against llama.cpp's server (``llama-cpp-python[server]``):
-several sequences at once, the step records it infers, cancelling, and an upstream that is
-not there yet."""
+several sequences at once, the step records it infers, cancelling, an upstream that is not
+there yet, and the context it does not say."""
 
 from __future__ import annotations
 
@@ -117,3 +117,14 @@ def test_a_shared_upstreams_running_count_sizes_the_inferred_decode_steps(engine
     decodes = [rec for r in _run(engine) for rec in r.records() if not rec.prefill_tokens]
     assert decodes and all(rec.decode_seqs == 4 for rec in decodes)
     assert all(rec.kv_tokens >= 4 * 21 for rec in decodes)  # four sequences of at least 20 + 1 tokens
+
+
+def test_llama_cpp_pythons_server_says_no_context_so_the_one_given_is_published(server: LlamaServer) -> None:
+    """It answers neither vLLM's ``max_model_len`` nor llama-server's ``/props``: the worker
+    publishes its ``--context-tokens`` (the server's ``--n_ctx``), else 0 (the model's own)."""
+    for given in (2048, 0):
+        e = UpstreamEngine(server.url, slots=1, timeout_s=30, context_tokens=given)
+        try:
+            assert e.down == "" and e.context_tokens == given
+        finally:
+            e.close()
