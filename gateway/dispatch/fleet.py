@@ -133,3 +133,16 @@ def measured_prior(workers: dict[str, p.Heartbeat], pool: str, base: PathConfig)
     total = sum(slots for _, slots, _ in found)
     mean = {name: sum(slots * model[name] for _, slots, model in found) / total for name in stepmodel.TERMS}
     return " ".join(key for key, _, _ in found), replace(base, **mean)  # type: ignore[arg-type]
+
+
+def served_context(workers: dict[str, p.Heartbeat], own: int) -> int:
+    """The longest request (prompt plus completion tokens) every worker can run: the smallest
+    context among the workers with a heartbeat, each its engine's where it publishes one (an
+    upstream's: ``Heartbeat.context``) else ``own``, the model's; ``own`` with no worker.
+
+    The smallest, not the largest: a job goes to the pool's stream (any of its workers reads
+    it) unless placement picks a worker, and a re-delivered one goes to whichever worker claims
+    it, in either pool the scheduler chooses, so a request can only be kept to the workers whose
+    context fits by refusing it where one does not. A worker that says it is down counts too:
+    it takes jobs again once its upstream answers."""
+    return min((hb.context or own for hb in workers.values()), default=own)

@@ -33,6 +33,7 @@ from common import protocol as p
 from common.retry import Retrier
 from gateway.api import openai_protocol as oai
 from gateway.api.headers import contract_headers
+from gateway.dispatch import fleet
 from gateway.dispatch.dispatcher import BACKOFF, Pending
 from gateway.dispatch.meter import Meter
 from gateway.dispatch.prompts import LARGE_PROMPT_CHARS, PromptBuilder, PromptTooLong
@@ -144,9 +145,10 @@ class RequestLife:
         try:
             if not gw.serves(self.gen.model, tenant):
                 raise ModelNotFound(f"The model '{self.gen.model}' does not exist.", param="model")
-            ids = await self._token_ids()
+            context = fleet.served_context(gw.dispatcher.workers, gw.prompts.context_tokens)
+            ids = await self._token_ids(context)
             max_tokens = limits.output_tokens(
-                self.gen, len(ids), gw.prompts.context_tokens, gw.settings.default_max_tokens, tenant
+                self.gen, len(ids), context, gw.settings.default_max_tokens, tenant, own=gw.prompts.context_tokens
             )
             if not gw.dispatcher.alive_pools():
                 down = gw.dispatcher.down_reasons()
@@ -199,19 +201,21 @@ class RequestLife:
         gw.metrics.admitted.inc()
         gw.metrics.in_flight.inc()
 
-    async def _token_ids(self) -> tuple[int, ...]:
-        """The prompt's token ids, bounded by what the tenant may send (``gateway.dispatch.prompts``).
+    async def _token_ids(self, context: int) -> tuple[int, ...]:
+        """The prompt's token ids, bounded by what the tenant may send and ``context``, the
+        smallest its workers' engines serve (``fleet.served_context``; ``gateway.dispatch.prompts``).
         A long prompt is tokenized on the gateway's tokenizing thread, in one of its tenant's
         few places there (``LongPrompts``), so one sender of huge prompts slows only itself."""
         gw, tenant = self.gw, self.caller.tenant
-        limit = limits.prompt_limit(gw.prompts.context_tokens, tenant)
+        limit = limits.prompt_limit(context, tenant)
         try:
             if PromptBuilder.chars(self.gen) <= LARGE_PROMPT_CHARS:
                 return gw.prompts.token_ids(self.gen, limit)
             with gw.long_prompts.held(tenant):
                 return await gw.long_prompts.run(gw.prompts, self.gen, limit)
         except PromptTooLong as exc:
-            raise limits.prompt_too_long(self.gen, exc.tokens, exc.exact, gw.prompts.context_tokens, tenant) from None
+            raise limits.prompt_too_long(self.gen, exc.tokens, exc.exact, context, tenant,
+                                         own=gw.prompts.context_tokens) from None
 
     def headers(self) -> dict[str, str]:
         assert self.admission is not None and self.pending is not None

@@ -1,5 +1,10 @@
-"""How many tokens a request may ask for: the model's context and the tenant's limits.
-Pure; every refusal is a 400 naming the field, raised before anything is queued."""
+"""How many tokens a request may ask for: the context its workers serve and the tenant's limits.
+Pure; every refusal is a 400 naming the field, raised before anything is queued.
+
+``context`` is the context a request must fit in (prompt plus completion tokens): the
+smallest its workers' engines serve (``gateway.dispatch.fleet.served_context``: an upstream
+started with a smaller context than the model's says so), ``own`` the model's own; a refusal
+for a context smaller than the model's says whose it is."""
 
 from __future__ import annotations
 
@@ -8,7 +13,13 @@ from gateway.errors import InvalidRequest
 from gateway.tenancy.tenants import Tenant
 
 
-def output_tokens(gen: Generation, prompt: int, context: int, default: int, tenant: Tenant) -> int:
+def _context_length(context: int, own: int | None) -> str:
+    served = f" (as its engines serve it; the model's own is {own})" if own is not None and own != context else ""
+    return f"This model's maximum context length is {context} tokens{served}."
+
+
+def output_tokens(gen: Generation, prompt: int, context: int, default: int, tenant: Tenant,
+                  own: int | None = None) -> int:
     """The request's ``max_tokens``: as given, else the gateway's default trimmed to what the
     context, the tenant's output limit and its burst leave. Checked in this order: the
     tenant's prompt limit, the context, the tenant's output limit, the burst."""
@@ -27,7 +38,7 @@ def output_tokens(gen: Generation, prompt: int, context: int, default: int, tena
         max_tokens = max(1, min(room, *caps))
     if prompt + max_tokens > context:
         raise InvalidRequest(
-            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{_context_length(context, own)} However, you requested "
             f"{prompt + max_tokens} tokens ({prompt} in the prompt, {max_tokens} for the "
             "completion).",
             param="max_tokens" if gen.max_tokens and room > 0 else prompt_param,
@@ -53,7 +64,8 @@ def prompt_limit(context: int, tenant: Tenant) -> int:
     return context - 1 if cap is None else min(context - 1, cap)
 
 
-def prompt_too_long(gen: Generation, tokens: int, exact: bool, context: int, tenant: Tenant) -> InvalidRequest:
+def prompt_too_long(gen: Generation, tokens: int, exact: bool, context: int, tenant: Tenant,
+                    own: int | None = None) -> InvalidRequest:
     """The 400 for a prompt over ``prompt_limit``: the tenant's limit where that is the
     tighter one, else the context."""
     param = "messages" if gen.kind == "chat" else "prompt"
@@ -62,7 +74,7 @@ def prompt_too_long(gen: Generation, tokens: int, exact: bool, context: int, ten
     if cap is not None and cap < context - 1:
         return InvalidRequest(f"The prompt has {has} tokens; your limit is {cap}.", param=param, code="prompt_too_long")
     return InvalidRequest(
-        f"This model's maximum context length is {context} tokens. However, your prompt has {has} tokens, "
+        f"{_context_length(context, own)} However, your prompt has {has} tokens, "
         "which leaves no room for the completion.",
         param=param,
         code="context_length_exceeded",

@@ -2,7 +2,9 @@
 (``llama-cpp-python[server]``) on the default model's GGUF file, fronted by
 ``tokengate serve --upstream-url``. The official openai client gets the same answers
 through tokengate as directly; cancelling closes the upstream stream; a killed upstream
-gives clear errors and re-delivery, and the worker serves again once it is back."""
+gives clear errors and re-delivery, and the worker serves again once it is back. The
+engine's context is the gateway's: a longer prompt is refused with a 400 before it is sent;
+a chat whose content is a list of text parts reaches the engine as plain strings."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
 HAIKU = [{"role": "user", "content": "Write a haiku about the sea."}]
+N_CTX = 2048  # bench.llamacpp starts the server with --n_ctx 2048
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +37,10 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
 
 @pytest.fixture(scope="module")
 def fronted(upstream: LlamaServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    # llama.cpp's server runs one sequence at a time: one slot
+    # llama.cpp's server runs one sequence at a time: one slot; it does not say its context
+    # (the --n_ctx it was started with, smaller than the model's 8192): the worker is told
     s = start(["serve", "--upstream-url", upstream.url, "--slots", "1", "--admin-token", ADMIN_TOKEN,
-               "--upstream-timeout", "20"], tmp_path_factory.mktemp("serve-upstream"))
+               "--upstream-timeout", "20", "--context-tokens", str(N_CTX)], tmp_path_factory.mktemp("serve-upstream"))
     s.key = banner_key(s)
     yield s
     s.stop()
@@ -95,13 +99,6 @@ def test_a_failed_request_is_a_clear_error_at_once_and_a_cancelled_stream_frees_
     with pytest.raises(openai.APIStatusError, match="upstream answered 500") as refused:
         tg.completions.create(model=fronted.model, prompt=[1, 2, 3], max_tokens=4)
     assert refused.value.status_code == 502 and time.monotonic() - started < 5  # not re-delivered
-    # a prompt over its 2048-token context: it ends the stream without a word (the stream's
-    # headers are out by then: the error is the stream's error event)
-    with pytest.raises(openai.APIError, match="without a finish reason") as ended:
-        list(tg.chat.completions.create(model=fronted.model, messages=[{"role": "user", "content": "word " * 2600}],
-                                        max_tokens=4, stream=True))
-    assert isinstance(ended.value.body, dict) and ended.value.body["code"] == "upstream_error"
-
     stream = tg.chat.completions.create(model=fronted.model, messages=STORY, max_tokens=600, temperature=0,
                                         stream=True)
     for n, _chunk in enumerate(stream):
@@ -112,6 +109,51 @@ def test_a_failed_request_is_a_clear_error_at_once_and_a_cancelled_stream_frees_
     reply = direct.chat.completions.create(model="any", messages=HAIKU, max_tokens=4, temperature=0)
     assert reply.choices[0].message.content
     assert time.monotonic() - started < 3.0  # the upstream stopped generating for the one cancelled
+
+
+def _posts(upstream: LlamaServer) -> int:
+    """Requests the upstream answered so far (uvicorn's access log)."""
+    return upstream.log.read_text().count('"POST /v1/')
+
+
+def test_a_prompt_over_the_engines_context_is_refused_before_it_is_sent(
+    fronted: Served, upstream: LlamaServer
+) -> None:
+    """Straight to llama.cpp's server such a prompt is its 400 (streamed: a stream that ends
+    with no word); through tokengate it is a 400 ``context_length_exceeded`` naming the
+    engine's context, not the model's, and the upstream never sees it."""
+    tg, _direct = _clients(fronted, upstream)
+    before = _posts(upstream)
+    long = [{"role": "user", "content": "word " * 2600}]  # about 2,600 tokens: under the model's 8192
+    for stream in (True, False):
+        with pytest.raises(openai.BadRequestError) as refused:
+            tg.chat.completions.create(model=fronted.model, messages=long, max_tokens=4, stream=stream)
+        body = refused.value.body
+        assert isinstance(body, dict) and body["code"] == "context_length_exceeded", body
+        assert f"maximum context length is {N_CTX} tokens (as its engines serve it" in body["message"]
+    # prompt plus max_tokens over it: the same, naming max_tokens
+    with pytest.raises(openai.BadRequestError) as over:
+        tg.chat.completions.create(model=fronted.model, messages=[{"role": "user", "content": "word " * 1900}],
+                                   max_tokens=400)
+    assert isinstance(over.value.body, dict) and over.value.body["param"] == "max_tokens"
+    assert _posts(upstream) == before  # nothing reached the engine
+    # one that fits is served (short: one thread prefills it)
+    fits = tg.chat.completions.create(model=fronted.model, messages=[{"role": "user", "content": "word " * 300}],
+                                      max_tokens=8, temperature=0)
+    assert fits.choices[0].finish_reason in ("stop", "length") and _posts(upstream) == before + 1
+
+
+def test_a_chat_of_text_parts_is_answered_as_the_same_chat_of_strings(fronted: Served, upstream: LlamaServer) -> None:
+    """guidellm's body: each message's content a list of text parts. The engine gets one string
+    per message, and answers as it does the plain chat."""
+    tg, direct = _clients(fronted, upstream)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Write a haiku "},
+                                          {"type": "text", "text": "about the sea."}]}]
+    reply = httpx.post(fronted.base_url + "/v1/chat/completions", headers=fronted.auth(), timeout=60,
+                       json={"model": fronted.model, "messages": parts, "max_tokens": 24, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    own = direct.chat.completions.create(model="any", messages=HAIKU, max_tokens=24, temperature=0)  # type: ignore[arg-type]
+    assert reply.json()["choices"][0]["message"]["content"] == own.choices[0].message.content
 
 
 def _workers(fronted: Served) -> list[dict[str, object]]:
