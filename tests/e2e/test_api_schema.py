@@ -6,6 +6,7 @@ timeout, reported as a network error)."""
 
 from __future__ import annotations
 
+import socket
 import zlib
 from collections import Counter
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import schemathesis
 from schemathesis import Case, CheckContext, Response
@@ -32,6 +34,19 @@ SLO_HEADERS = ("x-slo-ttft-ms", "x-slo-tpot-ms")
 # schemathesis's negative cases include a request with an undocumented header; a server must
 # ignore a header it does not know (RFC 9110 §5.1), so that one is no failure
 UNKNOWN_HEADER = "in header - object with unexpected properties"
+# Headers that frame the message or manage the connection (RFC 9112 §6, RFC 9110 §7.2, §7.6),
+# which the HTTP client sets and the server's HTTP layer consumes: none is a parameter of any
+# operation. schemathesis's negative cases add undeclared headers whose names Hypothesis may
+# draw from the string constants of the project's own modules ("transfer-encoding" is one in
+# gateway/http/admin.py), and `transfer-encoding: T` on a GET is not valid HTTP/1.1: the HTTP
+# layer (llhttp, then gateway/http/protocol.py) answers it with a 400 `invalid_http_request`
+# instead of the route's answer, which the document, describing requests, not framing, does
+# not list.
+# map_case drops them; test_malformed_framing_gets_the_http_layers_400 holds that answer.
+FRAMING_HEADERS = frozenset(
+    {"connection", "content-length", "expect", "host", "keep-alive", "proxy-connection", "te", "trailer",
+     "transfer-encoding", "upgrade"}
+)
 
 
 def _json(response: Response) -> Any:
@@ -121,6 +136,8 @@ def fuzz(served: Served, tenant: str) -> Run:
         positive = case.meta is not None and case.meta.generation.mode.is_positive
         if positive and isinstance(body, dict) and "model" in body and zlib.crc32(repr(body).encode()) % 4:
             case.body = {**body, "model": served.model}
+        if case.headers and any(name.lower() in FRAMING_HEADERS for name in case.headers):
+            case.headers = {k: v for k, v in case.headers.items() if k.lower() not in FRAMING_HEADERS}
         return case
 
     run = Run()
@@ -169,3 +186,24 @@ def test_405_names_the_allowed_methods(live: tuple[Served, str]) -> None:
     assert r.status_code == 405 and is_openai_error(r.json())
     allowed = {m.strip() for m in r.headers.get("allow", "").split(",")}
     assert allowed == {"GET", "HEAD"}
+
+
+def test_malformed_framing_gets_the_http_layers_400(live: tuple[Served, str]) -> None:
+    """The request schemathesis once generated for ``GET /v1/models/{model}`` (a 24th operation
+    shifted its draws onto it), with an undeclared ``transfer-encoding: T``: a request whose
+    last transfer coding is not chunked has no knowable length, so the server must answer 400
+    and close (RFC 9112 §6.3). llhttp refuses it and the HTTP layer answers instead of the
+    route, with OpenAI's error object, as docs/operations.md says of malformed HTTP."""
+    served, _ = live
+    url = httpx.URL(served.base_url)
+    request = (f"GET /v1/models/{served.model} HTTP/1.1\r\nhost: {url.host}\r\nauthorization: Bearer {served.key}"
+               "\r\ntransfer-encoding: T\r\n\r\n").encode()
+    with socket.create_connection((url.host, url.port or 80), timeout=TIMEOUT_S) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):  # the connection closes after the 400
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), answer[:300]
+    assert b"connection: close" in head.lower() and is_openai_error(orjson.loads(body)), answer[:300]
+    assert orjson.loads(body)["error"]["code"] == "invalid_http_request"
