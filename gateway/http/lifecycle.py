@@ -83,8 +83,10 @@ def failure(ev: p.Failed) -> GatewayError:
     return WorkerFailed(f"Request {ev.rid} failed: {ev.message}", code=ev.code)
 
 
-def refused(rid: str, reject: Reject) -> GatewayError:
-    """The scheduler will not run the request: say why, with its estimate."""
+def refused(rid: str, reject: Reject, bounds: tuple[str, str] = ("", "")) -> GatewayError:
+    """The scheduler will not run the request: say why, with its estimate; ``bounds`` names the
+    limits it was held to: the SLO's source and the queue-wait bound's (``RequestLife._bounds``)."""
+    slo, wait = (f" ({b})" if b else "" for b in bounds)
     estimate: ErrorExtra = {"estimate_ms": round(reject.estimate_s * 1000, 1)} if reject.estimate_s else {}
     headers = {"retry-after": str(max(1, math.ceil(reject.retry_after_s)))} if reject.retry_after_s else {}
     if estimate:
@@ -95,11 +97,11 @@ def refused(rid: str, reject: Reject) -> GatewayError:
         best_ttft, best = round(reject.ttft_p99_s * 1000, 1), round(reject.p99_s * 1000, 1)
         headers["x-tokengate-ttft-p99-ms"] = str(best_ttft)
         headers["x-tokengate-p99-ms"] = str(best)
-        return Unavailable(f"Request {rid} cannot meet its SLO now: {reject.message}; retry later, relax the "
+        return Unavailable(f"Request {rid} cannot meet its SLO{slo} now: {reject.message}; retry later, relax the "
                            "SLO or go elsewhere.", code="slo_unattainable", headers=headers,
                            extra={**estimate, "best_ttft_p99_ms": best_ttft, "best_p99_ms": best})
     if reject.reason == "wait":
-        return Unavailable(f"Request {rid} would wait too long: {reject.message}; retry after the Retry-After "
+        return Unavailable(f"Request {rid} would wait too long: {reject.message}{wait}; retry after the Retry-After "
                            "seconds, or send x-slo-ttft-ms to set your own bound.", code="overloaded",
                            headers=headers, extra=estimate)
     code = "deadline_unmet" if reject.reason == "deadline" else reject.reason
@@ -144,7 +146,8 @@ class RequestLife:
         self._counted = True
         try:
             if not gw.serves(self.gen.model, tenant):
-                raise ModelNotFound(f"The model '{self.gen.model}' does not exist.", param="model")
+                mine = " or is not among your tenant's allowed_models" if tenant.limits.allowed_models else ""
+                raise ModelNotFound(f"The model '{self.gen.model}' does not exist{mine}.", param="model")
             context = fleet.served_context(gw.dispatcher.workers, gw.prompts.context_tokens)
             ids = await self._token_ids(context)
             max_tokens = limits.output_tokens(
@@ -187,7 +190,7 @@ class RequestLife:
             )
             decision = await gw.dispatcher.submit(seq, who)
             if isinstance(decision, Reject):
-                raise refused(seq.rid, decision)
+                raise refused(seq.rid, decision, self._bounds())
         except BaseException:
             self.end()
             if self.meter.settling is not None:  # settled before the error goes out: the refund is visible
@@ -200,6 +203,16 @@ class RequestLife:
         self.timeout_at = decision.created + gw.settings.request_timeout_s
         gw.metrics.admitted.inc()
         gw.metrics.in_flight.inc()
+
+    def _bounds(self) -> tuple[str, str]:
+        """The limits a scheduler's refusal held the request to, named for its message: where
+        its SLO came from (its headers or its tenant's default), and its queue-wait bound's."""
+        tenant = self.caller.tenant
+        own = (self.slo_ttft_s, self.slo_tpot_s) != (_ms(tenant.slo_ttft_ms), _ms(tenant.slo_tpot_ms))
+        slo = "its x-slo-ttft-ms/x-slo-tpot-ms headers" if own else "its tenant's slo_ttft_ms/slo_tpot_ms"
+        wait = ("its tenant's max_queue_wait_ms" if tenant.max_queue_wait_ms is not None
+                else "the gateway's --max-queue-wait-ms")
+        return slo, wait
 
     async def _token_ids(self, context: int) -> tuple[int, ...]:
         """The prompt's token ids, bounded by what the tenant may send and ``context``, the

@@ -27,7 +27,8 @@ def output_tokens(gen: Generation, prompt: int, context: int, default: int, tena
     lim = tenant.limits
     if lim.max_prompt_tokens is not None and prompt > lim.max_prompt_tokens:
         raise InvalidRequest(
-            f"The prompt has {prompt} tokens; your limit is {lim.max_prompt_tokens}.",
+            f"The prompt has {prompt} tokens; your limit is {lim.max_prompt_tokens} (your tenant's "
+            "max_prompt_tokens).",
             param=prompt_param,
             code="prompt_too_long",
         )
@@ -46,7 +47,8 @@ def output_tokens(gen: Generation, prompt: int, context: int, default: int, tena
         )
     if lim.max_output_tokens is not None and max_tokens > lim.max_output_tokens:
         raise InvalidRequest(
-            f"max_tokens is {max_tokens}; your limit is {lim.max_output_tokens}.",
+            f"max_tokens is {max_tokens}; your limit is {lim.max_output_tokens} (your tenant's "
+            "max_output_tokens).",
             param="max_tokens",
             code="max_tokens_exceeded",
         )
@@ -72,7 +74,8 @@ def prompt_too_long(gen: Generation, tokens: int, exact: bool, context: int, ten
     has = f"{tokens}" if exact else f"at least {tokens}"
     cap = tenant.limits.max_prompt_tokens
     if cap is not None and cap < context - 1:
-        return InvalidRequest(f"The prompt has {has} tokens; your limit is {cap}.", param=param, code="prompt_too_long")
+        return InvalidRequest(f"The prompt has {has} tokens; your limit is {cap} (your tenant's max_prompt_tokens).",
+                              param=param, code="prompt_too_long")
     return InvalidRequest(
         f"{_context_length(context, own)} However, your prompt has {has} tokens, "
         "which leaves no room for the completion.",
@@ -82,11 +85,15 @@ def prompt_too_long(gen: Generation, tokens: int, exact: bool, context: int, ten
 
 
 def over_burst(tenant: Tenant, cost: int, param: str = "max_tokens") -> InvalidRequest:
-    """A request larger than the burst could never be admitted: 400, not 429."""
+    """A request larger than the burst could never be admitted: 400, not 429. The admin API
+    refuses a burst that cannot hold one request within the tenant's limits, so this one
+    meets tenants stored before that rule, or a larger context than the one they were checked
+    against (docs/tenants.md, "The burst holds one request")."""
     return InvalidRequest(
-        f"This request needs {cost} tokens (prompt plus max_tokens), more than the "
-        f"{tenant.burst} tokens your budget can ever hold at once; lower max_tokens or "
-        "shorten the prompt.",
+        f"This request needs {cost} tokens (prompt plus max_tokens), more than your tenant's burst "
+        f"of {tenant.burst} tokens, the most its budget can ever hold at once; lower max_tokens or "
+        f"shorten the prompt, or have an admin raise the burst to at least {cost} "
+        f"(tokengate tenants update {tenant.name} --burst {cost}).",
         param=param,
         code="budget_exceeded",
     )
