@@ -265,22 +265,39 @@ def _not_ready(reason: str) -> Response:
     return ORJSONResponse(body, status_code=503)
 
 
-async def readyz(request: Request) -> Response:
-    gw: Gateway = request.app.state.gateway
+async def _unready(gw: Gateway) -> str | None:
+    """Why this gateway cannot serve now (None: it can): a dispatch loop stopped, Redis does
+    not answer within ``READY_PROBE_S``, or no worker has a live heartbeat. ``/readyz`` and
+    ``/health`` both judge by it."""
     if gw.dispatcher.failed:
-        return _not_ready(gw.dispatcher.failed)
+        return gw.dispatcher.failed
     try:
         async with asyncio.timeout(READY_PROBE_S):
             await gw.batch.call("PING")
     except RedisError as exc:
-        return _not_ready(f"redis: {exc}")
+        return f"redis: {exc}"
     except TimeoutError:
-        return _not_ready(f"redis: no answer within {READY_PROBE_S:g} s")
-    pools = sorted(gw.dispatcher.alive_pools())
-    if not pools:
-        return _not_ready("no worker has a live heartbeat")
-    ready: Ready = {"ready": True, "pools": pools, "workers": len(gw.dispatcher.workers)}
+        return f"redis: no answer within {READY_PROBE_S:g} s"
+    if not gw.dispatcher.alive_pools():
+        return "no worker has a live heartbeat"
+    return None
+
+
+async def readyz(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    reason = await _unready(gw)
+    if reason is not None:
+        return _not_ready(reason)
+    ready: Ready = {"ready": True, "pools": sorted(gw.dispatcher.alive_pools()), "workers": len(gw.dispatcher.workers)}
     return ORJSONResponse(ready)
+
+
+async def health(request: Request) -> Response:
+    """vLLM's health check, which clients of vLLM probe first (``guidellm`` among them): 200
+    with an empty text/plain body when this gateway can serve, as ``/readyz`` judges; 503
+    otherwise, with ``/readyz``'s body (``NotReady``, the reason)."""
+    reason = await _unready(request.app.state.gateway)
+    return Response(status_code=200, media_type="text/plain") if reason is None else _not_ready(reason)
 
 
 async def metrics(request: Request) -> Response:
@@ -404,6 +421,7 @@ def create_app(gw: Gateway) -> ASGIApp:
                 Mount("/admin", routes=admin.routes()),
                 Route("/healthz", healthz, methods=["GET"]),
                 Route("/readyz", readyz, methods=["GET"]),
+                Route("/health", health, methods=["GET"]),  # vLLM's (issue 38)
                 Route("/metrics", metrics, methods=["GET"]),
             ],
             gw.settings,

@@ -38,6 +38,7 @@ from gateway.tenancy import admin_protocol as ap
 from gateway.tenancy.tenants import SLO_MS_MIN
 
 OPENAPI_PATH = "/openapi.json"
+PROBES = ("/readyz", "/health")  # their 503 is a probe's answer (`NotReady`), not an OpenAI error
 REF = "#/components/schemas/{model}"
 
 
@@ -271,6 +272,10 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "Ready: Redis answers and a worker has a live heartbeat", "ops", None, (200, "Ready"),
         {503: "Not ready; the body says why (`NotReady`, not an OpenAI error)."},
     ),
+    ("GET", "/health"): Operation(
+        "vLLM's health check: 200 with an empty body when ready, as `/readyz` judges", "ops", None, (200, ""),
+        {503: "Not ready; the body says why (`NotReady`, as `/readyz`'s; not an OpenAI error)."},
+    ),
     ("GET", "/metrics"): Operation("Prometheus metrics", "ops", None, (200, "")),
     ("GET", OPENAPI_PATH): Operation("This document", "ops", None, (200, "")),
 }
@@ -361,8 +366,8 @@ def _operation(method: str, path: str, op: Operation, settings: GatewaySettings)
         if code == 413 and op.tag == "openai":
             when = f"`payload_too_large`: the body is over {settings.max_body_bytes} bytes (`--max-body-bytes`)."
         err: dict[str, Any] = {"description": f"{_STATUS_TEXT[code]}: {when}"}
-        err["content"] = _json(ref("NotReady" if path == "/readyz" else "ErrorResponse"))
-        if code in _ERROR_HEADERS:
+        err["content"] = _json(ref("NotReady" if path in PROBES else "ErrorResponse"))
+        if code in _ERROR_HEADERS and path not in PROBES:  # a probe's 503 has no Retry-After
             err["headers"] = _headers(*_ERROR_HEADERS[code])
         responses[str(code)] = err
     out: dict[str, Any] = {
