@@ -171,6 +171,9 @@ def _generation(summary: str, body: str, chunk: str, ok: str) -> Operation:
 ADMIN_TOO_LARGE = f"`payload_too_large`: the body is over {admin._ADMIN_BODY_LIMIT // 1024} KiB."
 _TENANT = _path_param("tenant", "The tenant's id (`tn_…`) or its name.")
 _NO_TENANT = "`not_found`: no such tenant."
+_BURST_TOO_SMALL = ("`burst_too_small` (`param` `burst`): the tenant's burst would not hold one request within its "
+                    "limits (`limits.max_prompt_tokens` + `limits.max_output_tokens`, or the model's context where "
+                    "either is unset); the message names the fix.")
 _ADMIN_401 = "`invalid_admin_token`, or `admin_disabled` when the gateway has no admin token."
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
@@ -201,7 +204,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
     ("POST", "/admin/tenants"): Operation(
         "Create a tenant", "admin", "AdminToken", (201, "TenantDoc"),
-        {400: BAD_JSON + " Unknown fields are refused.", 401: _ADMIN_401,
+        {400: BAD_JSON + " Unknown fields are refused. " + _BURST_TOO_SMALL, 401: _ADMIN_401,
          409: "`conflict`: a tenant with this name exists.", 413: ADMIN_TOO_LARGE,
          408: SLOW_BODY, 415: NOT_JSON, 503: REDIS_DOWN},
         body="TenantCreate",
@@ -216,7 +219,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("PATCH", "/admin/tenants/{tenant}"): Operation(
         "Change a tenant (only the fields given; in `limits`, null removes a limit)", "admin", "AdminToken",
         (200, "TenantDoc"),
-        {400: BAD_JSON + " Unknown fields and nulls (outside `limits`) are refused.", 401: _ADMIN_401,
+        {400: BAD_JSON + " Unknown fields and nulls (outside `limits`) are refused. " + _BURST_TOO_SMALL,
+         401: _ADMIN_401,
          404: _NO_TENANT, 409: "`conflict`: the new name is taken, or the tenant kept changing under us.",
          413: ADMIN_TOO_LARGE, 408: SLOW_BODY, 415: NOT_JSON, 503: REDIS_DOWN},
         body="TenantUpdate", body_required=False, parameters=(_TENANT,),

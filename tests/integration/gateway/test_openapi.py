@@ -179,7 +179,9 @@ async def test_real_responses_conform(harness: Harness) -> None:
     check(await http.post("/v1/chat/completions", json=chat, headers={**auth, "x-tokengate-deadline-ms": "0"}))
     late = check(await http.post("/v1/completions", json=text, headers={**auth, "x-tokengate-deadline-ms": "0.01"}))
     assert late.status_code == 503 and late.json()["error"]["code"] == "deadline_unmet"
-    await http.patch("/admin/tenants/acme", json={"rate": 1, "burst": 20, "max_queue_delay_s": 0}, headers=admin)
+    small = {"rate": 1, "burst": 20, "max_queue_delay_s": 0,  # a burst of 20 holds the largest request: 4 + 16
+             "limits": {"max_prompt_tokens": 4, "max_output_tokens": 16}}
+    assert (await http.patch("/admin/tenants/acme", json=small, headers=admin)).status_code == 200
     check(await http.post("/v1/completions", json={**text, "max_tokens": 16}, headers=auth))  # 200, spends the burst
     poor = check(await http.post("/v1/completions", json={**text, "max_tokens": 16}, headers=auth))
     assert poor.status_code == 429 and "budget_wait_s" in poor.json()["error"]
