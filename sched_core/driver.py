@@ -150,24 +150,67 @@ class Shares:
         entry[0].add(now, tokens)
         self._total.add(now, tokens)
 
-    def use(self, tenant: str, now: float) -> float:
+    def standing(self, tenant: str, now: float) -> tuple[float, float]:
         """How much of its fair share of all admitted work ``tenant`` uses (1: all of it, more:
-        over it; 0: none admitted lately)."""
+        over it; 0: none admitted lately), and that share (its weight over the weights of the
+        tenants seen lately; 1 for a tenant alone)."""
         entry = self._meters.get(tenant)
         if entry is None:
-            return 0.0
+            return 0.0, 1.0
         total = self._total.rate(now)
         if now - self._summed >= 1.0:
             floor = 1e-3 * total
             self._meters = {t: e for t, e in self._meters.items() if e[0].rate(now) > floor or t == tenant}
             self._weights = sum(w for _, w in self._meters.values())
             self._summed = now
-        share = total * entry[1] / max(self._weights, entry[1])
-        rate = entry[0].rate(now)
-        return rate / share if share > 0.0 else (math.inf if rate > 0.0 else 0.0)
+        share = entry[1] / max(self._weights, entry[1])
+        rate, fair = entry[0].rate(now), total * share
+        return (rate / fair if fair > 0.0 else (math.inf if rate > 0.0 else 0.0)), share
 
     def over(self, tenant: str, now: float) -> bool:
-        return self.use(tenant, now) > 1.0
+        return self.standing(tenant, now)[0] > 1.0
+
+
+class Backlogs:
+    """Each tenant's queued work (the prompt + expected output tokens of its requests admitted
+    and not yet dispatched) and the work running (dispatched, not yet finished): what a
+    tenant has queued itself, against all the work ahead of a request, for the wait it sees
+    under fair share."""
+
+    def __init__(self) -> None:
+        self._queued: dict[str, tuple[str, int]] = {}
+        self._tokens: dict[str, int] = {}
+        self._running: dict[str, int] = {}
+        self.running = 0  # tokens of the requests running
+
+    def add(self, request_id: str, tenant: str, tokens: int) -> None:
+        self._queued[request_id] = (tenant, tokens)
+        self._tokens[tenant] = self._tokens.get(tenant, 0) + tokens
+
+    def remove(self, request_id: str) -> int:
+        """It left the queue (dispatched, cancelled, refused): its tokens (0: not queued)."""
+        entry = self._queued.pop(request_id, None)
+        if entry is None:
+            return 0
+        tenant, tokens = entry
+        left = self._tokens[tenant] - tokens
+        if left:
+            self._tokens[tenant] = left
+        else:
+            del self._tokens[tenant]
+        return tokens
+
+    def dispatched(self, request_id: str) -> None:
+        tokens = self.remove(request_id)
+        if tokens:
+            self._running[request_id] = tokens
+            self.running += tokens
+
+    def done(self, request_id: str) -> None:
+        self.running -= self._running.pop(request_id, 0)
+
+    def tokens(self, tenant: str) -> int:
+        return self._tokens.get(tenant, 0)
 
 
 @dataclass(slots=True)
@@ -200,6 +243,7 @@ class Driver:
         config = self.pricing.config if self.pricing is not None else SchedulerConfig()
         self.contracts = Contracts(config.bucket_bounds, config.default_output_tokens)
         self.shares = Shares(config.rate_window_s)
+        self.backlogs = Backlogs()
         self._cap = dict.fromkeys(POOLS, 0)
         self._used = dict.fromkeys(POOLS, 0)
         self.lease_s = lease_s
@@ -238,11 +282,15 @@ class Driver:
             if refusal is not None:
                 return refusal
         self.shares.add(req.tenant, req.weight, req.prompt_tokens + c.output_tokens, now)
+        self.backlogs.add(req.id, req.tenant, req.prompt_tokens + c.output_tokens)
         return c
 
     def _refusal(self, req: Request, c: Contract, raw: Contract, load: float, now: float) -> Reject | None:
-        """The ``slo`` refusal of a request its promise cannot serve in time (None: keep it),
-        its first token's bound with the queue counted at its tenant's fair share (``_fair``).
+        """The ``slo`` refusal of a request its promise cannot serve in time (None: keep it).
+        Judged by its promise, the whole queue's (not ``_fair``'s wait): a request kept with an
+        SLO holds a contract that must meet it, and the order serves a tenant under its share
+        first only where its key or the fair-share counters do; fair share enters through
+        ``HOLD_SLACK`` and ``FULL_LOAD`` for the tenants over their share.
         A request for an idle path is kept whenever the fitted step times, without the
         calibration, serve it within its SLO on an idle worker:
         calibration rests on outcomes, and a path whose outcomes went wrong (a saved state from
@@ -250,18 +298,16 @@ class Driver:
         would leave it no outcome to learn it was wrong from."""
         if self._idle_meets(req, c, raw):
             return None
-        use = self.shares.use(req.tenant, now)
-        over = use > 1.0
+        over = self.shares.over(req.tenant, now)
         ttft_slo = req.slo_ttft_s * (HOLD_SLACK if over else 1.0) if req.slo_ttft_s is not None else math.inf
         tpot_slo = req.slo_tpot_s if req.slo_tpot_s is not None else math.inf
         full = over and load >= FULL_LOAD  # capacity left is kept for the tenants within their share
-        mean, p99 = self._fair(req, c, c.ttft_s, use), self._fair(req, c, c.ttft_p99_s, use)
-        ttft, tpot = p99, c.tpot_p99_s
+        ttft, tpot = c.ttft_p99_s, c.tpot_p99_s
         weight, slack = self.pricing.admission() if self.pricing is not None else (1.0, 1.0)
         stricter = weight < 1.0 or slack != 1.0  # the state's quantile of each bound, against its multiple of the SLO
         if stricter:
             if weight < 1.0:
-                ttft = mean + weight * (p99 - mean)
+                ttft = c.ttft_s + weight * (c.ttft_p99_s - c.ttft_s)
                 tpot = c.tpot_s + weight * (c.tpot_p99_s - c.tpot_s)
             ttft_slo *= slack
             tpot_slo *= slack
@@ -273,7 +319,7 @@ class Driver:
             why = ("its tenant is over its fair share and the workers are full: what is left goes to the "
                    "tenants within theirs")
         elif ttft > ttft_slo:
-            why = (f"its first token could be promised within {p99 * 1000:.0f} ms (p99), "
+            why = (f"its first token could be promised within {c.ttft_p99_s * 1000:.0f} ms (p99), "
                    f"not the {ttft_slo / slack * 1000:.0f} ms asked" + (" (half the SLO: its tenant is over its "
                                                                         "fair share)" if over else ""))
         else:
@@ -285,17 +331,21 @@ class Driver:
         wait = max(ttft - ttft_slo, 0.0)
         return Reject(req.id, "slo", why, max(1.0, wait), c.total_s, c.ttft_p99_s, c.p99_s)
 
-    def _fair(self, req: Request, c: Contract, ttft: float, use: float) -> float:
-        """``ttft`` (a first-token prediction of ``c``) with the queue's part of it as its
-        tenant would see it under fair share: scaled by how much of its share the tenant uses
-        (at or over it, the whole queue; a tenant using a tenth of its share goes before the
-        others' queued work and waits a tenth of it). Its budget wait and its own prompt's
-        prefill stay whole."""
+    def _fair(self, req: Request, c: Contract, ttft: float, use: float, share: float) -> float:
+        """``ttft`` (a first-token prediction of ``c``) with its queue's part as the request will
+        see it under fair share. A tenant at or over its share waits for the whole queue (and
+        for what runs now); one under it goes before the others' backlog and waits for what
+        its own tenant has queued, drained at its share of the workers: the queue's part scaled
+        by its tenant's queued tokens over its share of all the tokens ahead and running (at
+        most the whole; nothing of its own queued: no wait, as what runs now is no tenant's
+        queue). Its budget wait and its own prompt's prefill stay whole."""
         if use >= 1.0:
             return ttft
         own = c.budget_wait_s + (self.pricing.prefill_alone_s(c.path, req.prompt_tokens)
                                  if self.pricing is not None else 0.0)
-        return own + max(ttft - own, 0.0) * use
+        mine = min(self.backlogs.tokens(req.tenant), c.tokens_ahead)
+        part = min(1.0, mine / (share * (c.tokens_ahead + self.backlogs.running))) if mine else 0.0
+        return own + max(ttft - own, 0.0) * part
 
     def _idle_meets(self, req: Request, c: Contract, raw: Contract) -> bool:
         """Its path's workers idle (nothing running there, nothing queued ahead of it, a slot
@@ -321,9 +371,9 @@ class Driver:
             return None  # nothing queued ahead and a slot free: no queue to wait in, whatever the model says
         if not self.contracts.calibrated("ttft", c.path, load):  # the raw model alone may be far off: no refusal
             return None
-        use = self.shares.use(req.tenant, now)
+        use, share = self.shares.standing(req.tenant, now)
         alone = self.pricing.prefill_alone_s(c.path, req.prompt_tokens) if self.pricing is not None else 0.0
-        wait = self._fair(req, c, c.ttft_s, use) - c.budget_wait_s - alone
+        wait = self._fair(req, c, c.ttft_s, use, share) - c.budget_wait_s - alone
         if wait <= req.max_wait_s:
             return None
         if not self._take_back(req.id, now):
@@ -336,9 +386,17 @@ class Driver:
     def _take_back(self, request_id: str, now: float) -> bool:
         """Takes an admitted request out of the policy's queue, and its promise with it, to
         refuse it; False where the policy cannot (the request then keeps its promise)."""
-        if not self.policy.cancel(request_id, now):
+        if not self.cancel(request_id, now):
             return False
         self.contracts.forget(request_id)
+        return True
+
+    def cancel(self, request_id: str, now: float) -> bool:
+        """Takes a queued request out of the policy's queue (False: not queued, or the policy
+        cannot): it will never be dispatched."""
+        if not self.policy.cancel(request_id, now):
+            return False
+        self.backlogs.remove(request_id)
         return True
 
     def outcome(self, request_id: str, ttft_s: float | None, total_s: float, tokens: int,
@@ -379,8 +437,12 @@ class Driver:
     def tick(self, now: float) -> list[Dispatch | Reject]:
         decisions = self.policy.tick(now)
         for d in decisions:
-            if isinstance(d, Dispatch):
+            if isinstance(d, Reject):
+                self.backlogs.remove(d.request_id)
+            else:
                 ids = d.request_ids
+                for rid in ids:
+                    self.backlogs.dispatched(rid)
                 self._open[d.batch_id] = _Batch(d.path, ids, set(ids), set(ids), now + self.lease_s)
                 self._batch_of.update(dict.fromkeys(ids, d.batch_id))
                 self._used[d.path] += len(ids)
@@ -393,6 +455,7 @@ class Driver:
         if batch is None or request_id not in batch.running:
             return False
         batch.running.discard(request_id)
+        self.backlogs.done(request_id)
         self._used[batch.path] -= 1
         if self.on_free is not None:
             self.on_free(request_id)
@@ -417,8 +480,9 @@ class Driver:
         for rid in batch.requests:
             del self._batch_of[rid]
         self._used[batch.path] -= len(batch.running)
-        if self.on_free is not None:
-            for rid in batch.running:
+        for rid in batch.running:
+            self.backlogs.done(rid)
+            if self.on_free is not None:
                 self.on_free(rid)
         self.policy.completed(timings, now)
         return True

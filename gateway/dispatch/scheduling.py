@@ -456,7 +456,7 @@ class SchedulerShell:
 
     def cancel(self, rid: str, now: float) -> bool:
         """True if the request was still queued here: it will never be dispatched."""
-        if self.driver.policy.cancel(rid, now):
+        if self.driver.cancel(rid, now):
             self._seqs.pop(rid, None)
             return True
         return False
