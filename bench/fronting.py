@@ -76,13 +76,13 @@ class Outcome:
 
 
 async def one(client: httpx.AsyncClient, url: str, headers: dict[str, str], model: str, prompt: str,
-              max_tokens: int) -> Outcome:
+              max_tokens: int, timeout_s: float = CLIENT_TIMEOUT_S) -> Outcome:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True}
     out = Outcome(time.monotonic())
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers,
-                                 timeout=CLIENT_TIMEOUT_S) as reply:
+                                 timeout=timeout_s) as reply:
             out.status = reply.status_code
             if "x-tokengate-p99-ms" in reply.headers:
                 out.p99_s = float(reply.headers["x-tokengate-p99-ms"]) / 1000

@@ -48,6 +48,9 @@ REPORT_GRACE_S = 2.0  # after a batch's last request ended where it was sent fro
 #: A tenant over its fair share is refused (when it has an SLO) once its path's running and
 #: queued sequences reach this share of its slots: no slot is left for it.
 FULL_LOAD = 1.0
+# a tenant holding less than this of its fair share of the outstanding work is judged by its own
+# queue (Driver._wait); a margin under 1, so that two equal floods are both judged by the whole queue
+UNDER_SHARE = 0.9
 #: The gateway's default bound on the predicted wait of a request without a first-token SLO
 #: (``--max-queue-wait-ms``; the ``wait`` refusal below); the simulator's scenarios use it too.
 MAX_QUEUE_WAIT_MS = 5000.0
@@ -146,71 +149,98 @@ class Shares:
         entry = self._meters.get(tenant)
         if entry is None or entry[1] != weight:
             meter = entry[0] if entry is not None else RateMeter(self.tau)
+            self._weights += weight - (entry[1] if entry is not None else 0.0)  # counted at once, not at the next sum
             entry = self._meters[tenant] = (meter, weight)
         entry[0].add(now, tokens)
         self._total.add(now, tokens)
 
-    def standing(self, tenant: str, now: float) -> tuple[float, float]:
+    def use(self, tenant: str, now: float) -> float:
         """How much of its fair share of all admitted work ``tenant`` uses (1: all of it, more:
-        over it; 0: none admitted lately), and that share (its weight over the weights of the
-        tenants seen lately; 1 for a tenant alone)."""
+        over it; 0: none admitted lately)."""
         entry = self._meters.get(tenant)
         if entry is None:
-            return 0.0, 1.0
+            return 0.0
         total = self._total.rate(now)
         if now - self._summed >= 1.0:
             floor = 1e-3 * total
             self._meters = {t: e for t, e in self._meters.items() if e[0].rate(now) > floor or t == tenant}
             self._weights = sum(w for _, w in self._meters.values())
             self._summed = now
-        share = entry[1] / max(self._weights, entry[1])
-        rate, fair = entry[0].rate(now), total * share
-        return (rate / fair if fair > 0.0 else (math.inf if rate > 0.0 else 0.0)), share
+        rate, fair = entry[0].rate(now), total * entry[1] / max(self._weights, entry[1])
+        return rate / fair if fair > 0.0 else (math.inf if rate > 0.0 else 0.0)
 
     def over(self, tenant: str, now: float) -> bool:
-        return self.standing(tenant, now)[0] > 1.0
+        return self.use(tenant, now) > 1.0
 
 
 class Backlogs:
-    """Each tenant's queued work (the prompt + expected output tokens of its requests admitted
-    and not yet dispatched) and the work running (dispatched, not yet finished): what a
-    tenant has queued itself, against all the work ahead of a request, for the wait it sees
-    under fair share."""
+    """The work each tenant has outstanding now: the prompt and expected output tokens of its
+    requests admitted and not yet dispatched (queued), and of those dispatched and not yet
+    finished (running). Its share of all of it, against its weight's share among the tenants
+    with work outstanding, says whether it is under its fair share now, with no rate window:
+    a flood whose requests are refused still holds the workers, and a quiet tenant's few
+    requests are few whatever the rates."""
 
     def __init__(self) -> None:
-        self._queued: dict[str, tuple[str, int]] = {}
-        self._tokens: dict[str, int] = {}
-        self._running: dict[str, int] = {}
-        self.running = 0  # tokens of the requests running
+        self._queued: dict[str, tuple[str, int, int]] = {}
+        self._running: dict[str, tuple[str, int]] = {}
+        self._work: dict[str, tuple[int, int]] = {}  # tenant -> queued prompt and output tokens
+        self._held: dict[str, list[float]] = {}  # tenant -> [outstanding tokens, weight]
+        self._total = 0
+        self._weights = 0.0  # of the tenants holding work
 
-    def add(self, request_id: str, tenant: str, tokens: int) -> None:
-        self._queued[request_id] = (tenant, tokens)
-        self._tokens[tenant] = self._tokens.get(tenant, 0) + tokens
+    def add(self, request_id: str, tenant: str, weight: float, prompt: int, output: int) -> None:
+        self._queued[request_id] = (tenant, prompt, output)
+        had = self._work.get(tenant, (0, 0))
+        self._work[tenant] = (had[0] + prompt, had[1] + output)
+        self._hold(tenant, prompt + output, weight)
 
-    def remove(self, request_id: str) -> int:
-        """It left the queue (dispatched, cancelled, refused): its tokens (0: not queued)."""
+    def _hold(self, tenant: str, tokens: int, weight: float = 0.0) -> None:
+        held = self._held.get(tenant)
+        if held is None:
+            held = self._held[tenant] = [0.0, 0.0]
+        held[0] += tokens
+        if weight and weight != held[1]:
+            self._weights += weight - held[1]
+            held[1] = weight
+        if held[0] <= 0:
+            self._weights -= held[1]
+            del self._held[tenant]
+        self._total += tokens
+
+    def remove(self, request_id: str, running: bool = False) -> None:
+        """It left the queue: dispatched (``running``), cancelled or refused."""
         entry = self._queued.pop(request_id, None)
         if entry is None:
-            return 0
-        tenant, tokens = entry
-        left = self._tokens[tenant] - tokens
-        if left:
-            self._tokens[tenant] = left
+            return
+        tenant, prompt, output = entry
+        had = self._work[tenant]
+        if had == (prompt, output):
+            del self._work[tenant]
         else:
-            del self._tokens[tenant]
-        return tokens
-
-    def dispatched(self, request_id: str) -> None:
-        tokens = self.remove(request_id)
-        if tokens:
-            self._running[request_id] = tokens
-            self.running += tokens
+            self._work[tenant] = (had[0] - prompt, had[1] - output)
+        if running:
+            self._running[request_id] = (tenant, prompt + output)
+        else:
+            self._hold(tenant, -(prompt + output))
 
     def done(self, request_id: str) -> None:
-        self.running -= self._running.pop(request_id, 0)
+        """A running request finished."""
+        entry = self._running.pop(request_id, None)
+        if entry is not None:
+            self._hold(entry[0], -entry[1])
 
-    def tokens(self, tenant: str) -> int:
-        return self._tokens.get(tenant, 0)
+    def work(self, tenant: str) -> tuple[int, int]:
+        """The prompt and expected output tokens ``tenant`` has queued."""
+        return self._work.get(tenant, (0, 0))
+
+    def use(self, tenant: str, weight: float) -> float:
+        """How much of its fair share of the outstanding work ``tenant`` holds (its weight over
+        the weights of the tenants holding any; 1: just its share, a tenant alone; 0: none)."""
+        held = self._held.get(tenant)
+        if held is None or self._total <= 0:
+            return 0.0
+        return (held[0] / self._total) / (held[1] / self._weights)
 
 
 @dataclass(slots=True)
@@ -273,6 +303,7 @@ class Driver:
         path = decision.path
         load = (self._used[path] + self.policy.queued) / max(self._cap[path], 1)
         c = cal.promise(decision, req, out_hi, load, now, self._speed(path))
+        self.backlogs.add(req.id, req.tenant, req.weight, req.prompt_tokens, c.output_tokens)
         if not promised and (req.slo_ttft_s is not None or req.slo_tpot_s is not None):
             refusal = self._refusal(req, c, decision, load, now)
             if refusal is not None:
@@ -282,12 +313,11 @@ class Driver:
             if refusal is not None:
                 return refusal
         self.shares.add(req.tenant, req.weight, req.prompt_tokens + c.output_tokens, now)
-        self.backlogs.add(req.id, req.tenant, req.prompt_tokens + c.output_tokens)
         return c
 
     def _refusal(self, req: Request, c: Contract, raw: Contract, load: float, now: float) -> Reject | None:
         """The ``slo`` refusal of a request its promise cannot serve in time (None: keep it).
-        Judged by its promise, the whole queue's (not ``_fair``'s wait): a request kept with an
+        Judged by its promise, the whole queue's (not ``_wait``'s): a request kept with an
         SLO holds a contract that must meet it, and the order serves a tenant under its share
         first only where its key or the fair-share counters do; fair share enters through
         ``HOLD_SLACK`` and ``FULL_LOAD`` for the tenants over their share.
@@ -331,21 +361,21 @@ class Driver:
         wait = max(ttft - ttft_slo, 0.0)
         return Reject(req.id, "slo", why, max(1.0, wait), c.total_s, c.ttft_p99_s, c.p99_s)
 
-    def _fair(self, req: Request, c: Contract, ttft: float, use: float, share: float) -> float:
-        """``ttft`` (a first-token prediction of ``c``) with its queue's part as the request will
-        see it under fair share. A tenant at or over its share waits for the whole queue (and
-        for what runs now); one under it goes before the others' backlog and waits for what
-        its own tenant has queued, drained at its share of the workers: the queue's part scaled
-        by its tenant's queued tokens over its share of all the tokens ahead and running (at
-        most the whole; nothing of its own queued: no wait, as what runs now is no tenant's
-        queue). Its budget wait and its own prompt's prefill stay whole."""
-        if use >= 1.0:
-            return ttft
-        own = c.budget_wait_s + (self.pricing.prefill_alone_s(c.path, req.prompt_tokens)
-                                 if self.pricing is not None else 0.0)
-        mine = min(self.backlogs.tokens(req.tenant), c.tokens_ahead)
-        part = min(1.0, mine / (share * (c.tokens_ahead + self.backlogs.running))) if mine else 0.0
-        return own + max(ttft - own, 0.0) * part
+    def _wait(self, req: Request, c: Contract, now: float) -> tuple[float, bool]:
+        """The wait before ``req``'s first token as it will see it under fair share, and
+        whether that is its tenant's own queue alone. A tenant holding at least ``UNDER_SHARE``
+        of its fair share of the work outstanding (``Backlogs.use``, this request counted; a
+        tenant alone holds all of it) waits for the whole queue and what runs now: the
+        calibrated first token less its budget wait and its own prompt's prefill alone. One
+        under it is served before the others' backlog (its counter is the smallest; a short
+        prompt goes first anyway) and waits for what its own tenant has queued: those prompts'
+        prefill and outputs' decode at this path's pace (what runs now is no tenant's queue)."""
+        alone = self.pricing.prefill_alone_s(c.path, req.prompt_tokens) if self.pricing is not None else 0.0
+        if self.pricing is None or self.backlogs.use(req.tenant, req.weight) >= UNDER_SHARE:
+            return c.ttft_s - c.budget_wait_s - alone, False
+        prompt, output = self.backlogs.work(req.tenant)
+        prompt, output = prompt - req.prompt_tokens, output - c.output_tokens  # what is queued before it
+        return (self.pricing.prefill_alone_s(c.path, prompt) + output * c.tpot_s if prompt > 0 else 0.0), True
 
     def _idle_meets(self, req: Request, c: Contract, raw: Contract) -> bool:
         """Its path's workers idle (nothing running there, nothing queued ahead of it, a slot
@@ -363,7 +393,7 @@ class Driver:
         """The ``wait`` refusal of a request without a first-token SLO whose predicted first
         token comes more than ``max_wait_s`` after the time its own prompt takes alone (its
         budget wait aside: that is its tenant's own pace), the queue counted as its tenant sees
-        it under fair share (``_fair``: a tenant within its share is not refused for the others'
+        it under fair share (``_wait``: a tenant within its share is not refused for the others'
         queue; the refusals fall on the tenants over theirs); None: keep it, as before its
         path's first-token predictions at this load level are calibrated on outcomes."""
         assert req.max_wait_s is not None
@@ -371,14 +401,12 @@ class Driver:
             return None  # nothing queued ahead and a slot free: no queue to wait in, whatever the model says
         if not self.contracts.calibrated("ttft", c.path, load):  # the raw model alone may be far off: no refusal
             return None
-        use, share = self.shares.standing(req.tenant, now)
-        alone = self.pricing.prefill_alone_s(c.path, req.prompt_tokens) if self.pricing is not None else 0.0
-        wait = self._fair(req, c, c.ttft_s, use, share) - c.budget_wait_s - alone
+        wait, own = self._wait(req, c, now)
         if wait <= req.max_wait_s:
             return None
         if not self._take_back(req.id, now):
             return None
-        mine = " (its tenant's fair share of the queue)" if use < 1.0 else ""
+        mine = " behind its own tenant's queued requests (its tenant is under its fair share)" if own else ""
         why = (f"the workers are busy: its first token would wait about {wait:.1f} s{mine}, more than the "
                f"{req.max_wait_s:g} s a request without an SLO is kept waiting")
         return Reject(req.id, "wait", why, max(1.0, wait - req.max_wait_s), c.total_s, c.ttft_p99_s, c.p99_s)
@@ -442,7 +470,7 @@ class Driver:
             else:
                 ids = d.request_ids
                 for rid in ids:
-                    self.backlogs.dispatched(rid)
+                    self.backlogs.remove(rid, running=True)
                 self._open[d.batch_id] = _Batch(d.path, ids, set(ids), set(ids), now + self.lease_s)
                 self._batch_of.update(dict.fromkeys(ids, d.batch_id))
                 self._used[d.path] += len(ids)
