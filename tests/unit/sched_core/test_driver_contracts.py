@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sched_core import Contract, Dispatch, Reject
-from sched_core.driver import Backlogs, Driver
+from sched_core.driver import Driver
+from sched_core.shares import Backlogs
 from sched_core.types import HOLD_SLACK, SchedulerConfig
 
 from .conftest import Factory
