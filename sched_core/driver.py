@@ -251,7 +251,7 @@ class Driver:
         wait = max(ttft - ttft_slo, 0.0)
         return Reject(req.id, "slo", why, max(1.0, wait), c.total_s, c.ttft_p99_s, c.p99_s)
 
-    def _wait(self, req: Request, c: Contract, now: float) -> tuple[float, bool]:
+    def _wait(self, req: Request, c: Contract) -> tuple[float, bool]:
         """The wait before ``req``'s first token as it will see it under fair share, and
         whether that is its tenant's own queue alone. A tenant holding at least ``UNDER_SHARE``
         of its fair share of the work outstanding (``Backlogs.use``, this request counted; a
@@ -260,9 +260,10 @@ class Driver:
         under it is served before the others' backlog (its counter is the smallest; a short
         prompt goes first anyway) and waits for what its own tenant has queued: those prompts'
         prefill and outputs' decode at this path's pace (what runs now is no tenant's queue)."""
-        alone = self.pricing.prefill_alone_s(c.path, req.prompt_tokens) if self.pricing is not None else 0.0
-        if self.pricing is None or self.backlogs.use(req.tenant, req.weight) >= UNDER_SHARE:
-            return c.ttft_s - c.budget_wait_s - alone, False
+        if self.pricing is None:
+            return c.ttft_s - c.budget_wait_s, False
+        if self.backlogs.use(req.tenant) >= UNDER_SHARE:
+            return c.ttft_s - c.budget_wait_s - self.pricing.prefill_alone_s(c.path, req.prompt_tokens), False
         prompt, output = self.backlogs.work(req.tenant)
         prompt, output = prompt - req.prompt_tokens, output - c.output_tokens  # what is queued before it
         return (self.pricing.prefill_alone_s(c.path, prompt) + output * c.tpot_s if prompt > 0 else 0.0), True
@@ -291,7 +292,7 @@ class Driver:
             return None  # nothing queued ahead and a slot free: no queue to wait in, whatever the model says
         if not self.contracts.calibrated("ttft", c.path, load):  # the raw model alone may be far off: no refusal
             return None
-        wait, own = self._wait(req, c, now)
+        wait, own = self._wait(req, c)
         if wait <= req.max_wait_s:
             return None
         if not self._take_back(req.id, now):

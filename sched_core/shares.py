@@ -110,7 +110,7 @@ class Backlogs:
         """The prompt and expected output tokens ``tenant`` has queued."""
         return self._work.get(tenant, (0, 0))
 
-    def use(self, tenant: str, weight: float) -> float:
+    def use(self, tenant: str) -> float:
         """How much of its fair share of the outstanding work ``tenant`` holds (its weight over
         the weights of the tenants holding any; 1: just its share, a tenant alone; 0: none)."""
         held = self._held.get(tenant)

@@ -226,7 +226,7 @@ def test_the_wait_bound_falls_on_the_tenant_over_its_share_not_on_the_quiet_one(
     for i in range(20):
         d.arrive(req(f"n{i}", tenant="noisy", prompt=1000, max_tokens=400, out=400), 0.0)
     d.arrive(req("q0", tenant="quiet", prompt=10, max_tokens=16, out=16), 0.0)  # quiet's own, tiny, work
-    assert d.backlogs.use("quiet", 1000.0) < 0.1 < 1.0 < d.backlogs.use("noisy", 1000.0)  # of the work held now
+    assert d.backlogs.use("quiet") < 0.1 < 1.0 < d.backlogs.use("noisy")  # of the work held now
     r = d.arrive(req("n-bounded", tenant="noisy", max_wait_s=1.0), 0.0)
     assert isinstance(r, Reject) and r.reason == "wait" and "fair share" not in r.message, r
     c = d.arrive(req("q-bounded", tenant="quiet", max_wait_s=1.0), 0.0)
@@ -245,7 +245,7 @@ def test_a_tenant_alone_is_judged_by_the_whole_queue(make: Factory) -> None:
     d.tick(0.0)
     for i in range(20):
         d.arrive(req(f"q{i}", tenant="only", prompt=1000, max_tokens=400, out=400), 0.0)
-    assert d.backlogs.use("only", 1000.0) == pytest.approx(1.0)
+    assert d.backlogs.use("only") == pytest.approx(1.0)
     assert isinstance(d.arrive(req("bounded", tenant="only", max_wait_s=1.0), 0.0), Reject)
 
 
@@ -255,13 +255,13 @@ def test_backlogs_hold_each_tenants_queued_and_running_work_until_it_ends() -> N
     b.add("a2", "a", 1.0, 50, 10)
     b.add("b1", "b", 1.0, 10, 10)
     assert b.work("a") == (150, 30) and b.work("b") == (10, 10)
-    assert b.use("a", 1.0) == pytest.approx((180 / 200) / 0.5) and b.use("b", 1.0) == pytest.approx(0.2)
+    assert b.use("a") == pytest.approx((180 / 200) / 0.5) and b.use("b") == pytest.approx(0.2)
     b.remove("a1", running=True)  # dispatched: no longer queued, still held
-    assert b.work("a") == (50, 10) and b.use("a", 1.0) == pytest.approx(1.8)
+    assert b.work("a") == (50, 10) and b.use("a") == pytest.approx(1.8)
     b.remove("a2")  # cancelled: gone
     b.done("a1")  # finished: gone
-    assert b.work("a") == (0, 0) and b.use("a", 1.0) == 0.0
-    assert b.use("b", 1.0) == pytest.approx(1.0)  # alone now: just its share
+    assert b.work("a") == (0, 0) and b.use("a") == 0.0
+    assert b.use("b") == pytest.approx(1.0)  # alone now: just its share
     b.done("a1")
     b.remove("nobody")  # twice, or never seen: nothing changes
-    assert b.use("b", 1.0) == pytest.approx(1.0)
+    assert b.use("b") == pytest.approx(1.0)
