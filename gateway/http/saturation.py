@@ -7,8 +7,12 @@ an ever longer loop. So the loop is sampled: a timer that should fire every ``in
 records how late it fired. A single slow callback (a long prompt's tokenization handed back,
 a burst of connections) shows as one late sample among many on time; a saturated loop is
 late on every sample. ``behind_s`` is therefore the least lag of the samples of the last
-``window_s``: it stays near zero through one slow callback and follows a sustained delay
-within a turn. Pure: ``now`` is an argument; ``LoopLag.run`` is the only part that sleeps.
+``window_s`` and of the one sample before them: it stays near zero through one slow callback
+and follows a sustained delay within a turn. The sample before counts because a process that
+was paused (SIGSTOP, a VM's stolen time) wakes with one late sample alone in the window: the
+pause is over, and the requests that waited through it are not to be refused for it; a loop
+that stays behind is late on that earlier sample too. Pure: ``now`` is an argument;
+``LoopLag.run`` is the only part that sleeps.
 """
 
 from __future__ import annotations
@@ -29,15 +33,16 @@ class LoopLag:
 
     def record(self, lag_s: float, now: float) -> None:
         self._samples.append((now, max(0.0, lag_s)))
-        while len(self._samples) > 1 and self._samples[0][0] < now - self.window_s:
-            self._samples.popleft()
+        while len(self._samples) > 2 and self._samples[1][0] < now - self.window_s:
+            self._samples.popleft()  # (the last one before the window stays)
 
     def behind_s(self, now: float) -> float:
-        """The least lag of the samples of the last ``window_s`` (the latest sample if none)."""
-        recent = [lag for at, lag in self._samples if at >= now - self.window_s]
-        if recent:
-            return min(recent)
-        return self._samples[-1][1] if self._samples else 0.0
+        """The least lag of the samples of the last ``window_s`` and the one before them (the
+        latest sample if none is that recent)."""
+        since = now - self.window_s
+        recent = [lag for at, lag in self._samples if at >= since]
+        before = [lag for at, lag in self._samples if at < since]
+        return min(recent + before[-1:]) if self._samples else 0.0
 
     async def run(self) -> None:
         """Samples the running loop until cancelled."""

@@ -1,4 +1,4 @@
-"""The event loop's lag: one slow callback is not saturation; late on every sample is."""
+"""The event loop's lag: one slow callback or a pause is not saturation; late on every sample is."""
 
 from __future__ import annotations
 
@@ -39,3 +39,21 @@ def test_the_latest_sample_stands_when_the_loop_is_slower_than_the_window() -> N
     assert lag.behind_s(1.41) == pytest.approx(0.4)
     assert lag.behind_s(5.0) == pytest.approx(0.4)  # nothing newer: the last word stands
     assert LoopLag().behind_s(0.0) == 0.0
+
+
+def test_a_process_paused_and_woken_is_not_saturated_by_its_pause() -> None:
+    """SIGSTOP for 3 s (what ``bench.role_changes`` does to the scheduler): the one sample
+    after the pause is 3 s late, alone in the window; the requests that waited through the
+    pause are not to be refused for it. A loop that stays behind after it is saturated."""
+    lag = LoopLag(interval_s=0.01, window_s=0.25)
+    now = 0.0
+    for _ in range(30):
+        now += 0.01
+        lag.record(0.001, now)
+    now += 3.0
+    lag.record(2.99, now)
+    assert lag.behind_s(now) == pytest.approx(0.001)
+    for _ in range(30):  # woken to a backlog: every turn late
+        now += 0.01 + 0.05
+        lag.record(0.05, now)
+    assert lag.behind_s(now) == pytest.approx(0.05)
