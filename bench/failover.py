@@ -15,7 +15,9 @@ stream as it arrives. Reported:
 - ``duplicated``: requests sent to the workers in more than one job (0 is right);
 - ``gap_s``: the longest time without a job sent to the workers during the load (the
   target is 2 s at most);
-- ``takeover_s``: per kill, the seconds until another gateway held the lease.
+- ``takeover_s``: per kill, the seconds until another gateway held the lease;
+- ``stuck``: per kill that nobody took over from within ``TAKEOVER_GIVE_UP_S``, the end of
+  each gateway's log (the run goes on: the killed gateway is started again).
 
 With ``--json`` the last line is one object with those keys.
 """
@@ -41,6 +43,8 @@ from common import protocol as p
 from common import wire
 from gateway.cli.embedded_redis import free_port
 
+TAKEOVER_GIVE_UP_S = 30.0  # a kill nobody takes over from within this long is reported (with the logs)
+
 
 @dataclass
 class Tally:
@@ -51,6 +55,7 @@ class Tally:
     jobs: dict[str, list[str]] = field(default_factory=dict)  # request id -> the batch ids that carried it
     gap_s: float = 0.0
     takeover_s: list[float] = field(default_factory=list)
+    stuck: list[dict[str, str]] = field(default_factory=list)  # per kill nobody took over after: the gateways' logs
 
 
 class Fleet:
@@ -79,6 +84,11 @@ class Fleet:
     async def restart(self, i: int) -> None:
         self.procs[i] = self._start(i)
         await asyncio.to_thread(wait_ready, self.bases[i], [self.procs[i]])
+
+    def log_tails(self, chars: int = 2000) -> dict[str, str]:
+        """The end of each gateway's log, by pid and whether it is still running."""
+        return {f"{proc.pid} {'running' if proc.poll() is None else f'exited {proc.returncode}'}":
+                (OUT / f"failover-{i}.log").read_text(errors="replace")[-chars:] for i, proc in enumerate(self.procs)}
 
     def close(self) -> None:
         stop(self.procs)
@@ -118,6 +128,9 @@ async def kill_the_scheduler(fleet: Fleet, client: aioredis.Redis, tally: Tally,
         fleet.kill(i)
         killed = time.monotonic()
         while (now := await client.get(wire.SCHEDULER_LEASE)) is None or now == holder:
+            if time.monotonic() - killed > TAKEOVER_GIVE_UP_S:  # reported, not waited for forever
+                tally.stuck.append(fleet.log_tails())
+                break
             await asyncio.sleep(0.01)
         tally.takeover_s.append(time.monotonic() - killed)
         await fleet.restart(i)  # always: the next kill must leave a gateway to take over
@@ -170,6 +183,7 @@ def run(duration: float, every_s: float, gateways: int = 3, clients: int = 30) -
         "duplicated": sum(1 for n in tally.dispatched.values() if n > 1),
         "duplicates": {rid: tally.jobs[rid] for rid, n in tally.dispatched.items() if n > 1},
         "gap_s": round(tally.gap_s, 3), "takeover_s": [round(t, 3) for t in tally.takeover_s],
+        "stuck": tally.stuck,
     }
 
 
