@@ -51,9 +51,8 @@ local max_wait, max_concurrent, lease = tonumber(ARGV[4]), tonumber(ARGV[5]), to
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', num(now))
 local in_flight = redis.call('ZCARD', KEYS[2])
 local function refuse(status, wait)
-  if status ~= 'too_large' then
-    redis.call('HINCRBY', KEYS[4], 'rate_limited', 1)
-    redis.call('EXPIRE', KEYS[4], ARGV[11])
+  if status ~= 'too_large' and redis.call('HINCRBY', KEYS[4], 'rate_limited', 1) == 1 then
+    redis.call('EXPIRE', KEYS[4], ARGV[11])  -- (a field new this minute: the key may be too)
   end
   return {status, num(now), num(start), num(wait), in_flight}
 end
@@ -70,18 +69,19 @@ redis.call('HSET', KEYS[3], 'tenant', ARGV[8], 'state', 'admitted', 'admitted_at
            'prompt_tokens', ARGV[9], 'reserved_tokens', ARGV[3], 'budget_wait_s', num(wait))
 redis.call('EXPIRE', KEYS[3], ARGV[10])
 redis.call('HSET', KEYS[5], ARGV[7], ARGV[8] .. ' ' .. num(rate) .. ' ' .. ARGV[3])
-redis.call('HINCRBY', KEYS[4], 'requests', 1)
-redis.call('EXPIRE', KEYS[4], ARGV[11])
+if redis.call('HINCRBY', KEYS[4], 'requests', 1) == 1 then
+  redis.call('EXPIRE', KEYS[4], ARGV[11])
+end
 return {'ok', num(now), num(new_tat), num(wait), in_flight + 1}
 """
 )
 
 # One request's settlement (the spec: ``gcra.BucketModel.settle``): end its lease, charge
-# ``delta`` more tokens (a refund when negative), record its final state, forget it in its
-# gateway's list. Returns 0 when the lease had ended already (settled, or expired): then
-# nothing changes.
+# ``delta`` more tokens (a refund when negative), write ``fields`` (its final state, as
+# field/value pairs) to its record if the record has not expired, forget it in its gateway's
+# list. Returns 0 when the lease had ended already (settled, or expired): then nothing changes.
 _SETTLE_ONE = """
-local function settle_one(now, budget, leases, record, gateway, rid, rate, delta, state, charged)
+local function settle_one(now, budget, leases, record, gateway, rid, rate, delta, fields)
   if redis.call('ZREM', leases, rid) == 0 then
     redis.call('HDEL', gateway, rid)
     return 0
@@ -97,7 +97,7 @@ local function settle_one(now, budget, leases, record, gateway, rid, rate, delta
     redis.call('DEL', budget)
   end
   if redis.call('EXISTS', record) == 1 then
-    redis.call('HSET', record, 'state', state, 'finished_at', num(now), 'charged_tokens', charged)
+    redis.call('HSET', record, unpack(fields))
   end
   return 1
 end
@@ -111,22 +111,23 @@ SETTLE = (
     CLOCK
     + _SETTLE_ONE
     + """
-local charged = tonumber(ARGV[5]) + tonumber(ARGV[6])
-if settle_one(now, KEYS[1], KEYS[2], KEYS[3], KEYS[5], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[3]), ARGV[4],
-              charged) == 0 then
+local fields = {'state', ARGV[4], 'finished_at', num(now), 'charged_tokens', tonumber(ARGV[5]) + tonumber(ARGV[6])}
+for i = 9, #ARGV - 1 do  -- extra record fields: the contract and what happened
+  fields[#fields + 1] = ARGV[i]
+end
+if settle_one(now, KEYS[1], KEYS[2], KEYS[3], KEYS[5], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[3]),
+              fields) == 0 then
   return 0
 end
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  for i = 9, #ARGV - 2, 2 do  -- extra record fields: the contract and what happened
-    redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
-  end
-end
-redis.call('HINCRBY', KEYS[4], 'prompt_tokens', ARGV[5])
+-- the usage minute's TTL is set by whichever call makes a field of it (and so any that makes the key)
+local new = redis.call('HINCRBY', KEYS[4], 'prompt_tokens', ARGV[5]) == tonumber(ARGV[5])
 redis.call('HINCRBY', KEYS[4], 'completion_tokens', ARGV[6])
 if ARGV[8] ~= '' then
   redis.call('HINCRBY', KEYS[4], ARGV[8] == '1' and 'slo_met' or 'slo_missed', 1)
 end
-redis.call('EXPIRE', KEYS[4], ARGV[7])
+if new then
+  redis.call('EXPIRE', KEYS[4], ARGV[7])
+end
 return 1
 """
 )
@@ -150,7 +151,8 @@ for i = 1, #entries, 2 do
   local tid, rate, reserved = string.match(entries[i + 1], '^(%S+) (%S+) (%S+)$')
   if tid then
     n = n + settle_one(now, '{wire.budget("")}' .. tid, '{wire.in_flight("")}' .. tid, '{wire.request("")}' .. rid,
-                       KEYS[2], rid, tonumber(rate), -tonumber(reserved), 'abandoned', 0)
+                       KEYS[2], rid, tonumber(rate), -tonumber(reserved),
+                       {{'state', 'abandoned', 'finished_at', num(now), 'charged_tokens', 0}})
   end
 end
 redis.call('DEL', KEYS[2], KEYS[3])

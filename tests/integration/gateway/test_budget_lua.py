@@ -122,6 +122,16 @@ class BudgetMachine(RuleBasedStateMachine):
         leases = self.run(self.client.zrange(wire.in_flight(self.tid), 0, -1, withscores=True))
         assert {r.decode(): s for r, s in leases} == self.model.leases
 
+    @invariant()
+    def usage_and_records_expire(self) -> None:
+        """The usage minutes' TTL is set only by the call that makes a field of one (not on
+        every admission and settlement): still, no usage minute and no request record lives
+        for ever."""
+        usage = self.run(self.client.keys(wire.usage(self.tid, 0).rsplit(":", 1)[0] + ":*"))
+        records = [wire.request(rid) for rid in self.reserved]
+        for key in [*usage, *records]:
+            assert self.run(self.client.ttl(key)) > 0, key
+
     def teardown(self) -> None:
         self.run(self.client.aclose())
         self.loop.close()
