@@ -37,7 +37,7 @@ from common import protocol as p
 from common import wire
 from common.retry import Outage, Retrier, backoff_policy, is_nogroup
 from workers import startup
-from workers.batches import Admission, Batch, account, handoff_write, report
+from workers.batches import Admission, Batch, account, handoff_write, leftovers, report
 from workers.cancels import Cancels
 from workers.cpu import EngineThreads
 from workers.engine import Engine, StepResult
@@ -333,11 +333,11 @@ class Worker:
         rings, self._rings = self._rings, []
         if rings:
             pipe.xack(self.bell, wire.GROUP, *rings)
-        for a in admissions:
-            pipe.exists(wire.gone_key(a.job.reply_to))
-            for s in a.job.seqs:  # cancels sent before this worker subscribed (or while it was down)
-                pipe.exists(wire.cancel_key(s.rid))
-        flags = iter(pipe.execute()[1 if rings else 0:])
+        # one MGET of every marker (strings, or nothing): the gateway gone, and the cancels sent
+        # before this worker subscribed (or while it was down)
+        pipe.mget([key for a in admissions
+                   for key in (wire.gone_key(a.job.reply_to), *(wire.cancel_key(s.rid) for s in a.job.seqs))])
+        flags = iter(pipe.execute()[-1])
         gone: list[Admission] = []
         for a in admissions:
             if next(flags):
@@ -463,7 +463,7 @@ class Worker:
                 evs.append(report(b, self.settings.pool, self.settings.worker_id))
             streamed = {ev.rid for ev in evs if isinstance(ev, p.Delta)}
             progress = {rid: result.progress[rid] for rid in streamed if rid in result.progress}
-            delete = [wire.progress_key(r) for r in finished] + [wire.kv_key(r) for r in finished]
+            delete = leftovers(b.job, finished)
             publishes.append(self.fence.publish(
                 b.entry_id, b.job.reply_to, evs, done, progress, delete, moved,
                 check_cancel=list(b.pending), maxlen=self.settings.reply_maxlen,
