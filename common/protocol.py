@@ -161,6 +161,8 @@ class Heartbeat:
     # the context window its engine serves, prompt plus completion tokens (an upstream's, as the
     # upstream says or --context-tokens); 0: the model's own (gateway/dispatch/fleet.served_context)
     context: int = 0
+    # the digest of the model's tokenizer files it published (``wire.tokenizer_key``); "" if none
+    tokenizer: str = ""
 
     def profile_part(self, name: str) -> dict[str, Any]:
         """``profile[name]`` (``facts``: the machine; ``summary``: what it measured) where it

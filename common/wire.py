@@ -95,6 +95,12 @@ def suspect_key(entry_id: str) -> str:
     return f"{NS}suspect:{entry_id}"
 
 
+def tokenizer_key(digest: str) -> str:
+    """A model's tokenizer files as a worker published them (``common/tokenizer_bundle.py``), by
+    content digest: written once, never changed, no TTL (a few MB per model a fleet has served)."""
+    return f"{NS}tokenizer:{digest}"
+
+
 def kv_key(rid: str) -> str:
     """A handed-over KV cache (safetensors bytes), with a TTL."""
     return f"{NS}kv:{rid}"

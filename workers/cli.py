@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from common import tokenizer_bundle
 from common.pools import POOLS
 from common.settings import add_flags, env_default, field_default
 from workers.devices import DTYPES
@@ -121,6 +122,9 @@ def run(settings: WorkerSettings) -> None:
 
     model_store.offline()
     engine: Engine
+    model_dir: Path | None = None  # the model's files, where this worker has them: its tokenizer is published
+    if settings.model and settings.engine != "hf":  # an echo or upstream worker given one
+        model_dir = model_store.resolve(settings.model, settings.cache_dir or model_store.default_cache_dir()).path
     if settings.engine == "echo":
         engine = EchoEngine(tokens=settings.echo_tokens, slots=settings.slots, step_s=settings.echo_step_s,
                             prefill_s=settings.echo_prefill_s)
@@ -148,9 +152,10 @@ def run(settings: WorkerSettings) -> None:
         choice = probe(settings.pool, settings.dtype)
         log.info("model %s from %s; %s", spec.name, spec.path, choice.reason)
         engine = HFEngine(spec.path, choice, slots=settings.slots, step_tokens=settings.step_tokens)
-        model_name = spec.name
+        model_name, model_dir = spec.name, spec.path
     client = connect(settings)
-    worker = Worker(settings, engine, client, model_name)
+    worker = Worker(settings, engine, client, model_name,
+                    tokenizer=tokenizer_bundle.pack(model_dir) if model_dir is not None else None)
     signal.signal(signal.SIGTERM, lambda *_: worker.request_stop())
     signal.signal(signal.SIGINT, lambda *_: worker.request_stop())
     # the model and its libraries live as long as the process: no full collection walks them,

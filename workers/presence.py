@@ -39,7 +39,7 @@ class Held(Protocol):
 class Presence:
     def __init__(self, settings: WorkerSettings, engine: Engine, client: redis.Redis, fence: Fence, model: str,
                  held: Callable[[], Sequence[Held]], backoff: AbstractBackoff, outage: Outage,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], tokenizer: tuple[str, bytes] | None = None) -> None:
         self.settings = settings
         self.engine = engine
         self.client = client
@@ -51,6 +51,10 @@ class Presence:
         self.tokens = 0  # generated since the start, for tokens_per_s
         self.profile: dict[str, Any] = {}  # the engine's measured profile, published with each heartbeat
         self._profile_stored = False  # kept in wire.PROFILES_HASH yet
+        # the model's tokenizer files (common/tokenizer_bundle.py: digest, bytes), stored once with
+        # the first heartbeat that names them; None: this worker has none to publish
+        self.tokenizer = tokenizer
+        self._tokenizer_stored = False
         self._started = time.time()
         self._backoff = backoff
         self._outage = outage
@@ -136,6 +140,7 @@ class Presence:
             cpu_starved=self._starved(),
             threads=self.governor.threads if self.governor is not None else self.engine.max_threads,
             context=self.engine.context_tokens,
+            tokenizer=self.tokenizer[0] if self.tokenizer is not None else "",
         )
 
     def _starved(self) -> float:
@@ -157,12 +162,14 @@ class Presence:
             started = self._clock()
             try:
                 pipe = self.client.pipeline(transaction=False)
+                if self.tokenizer is not None and not self._tokenizer_stored:  # before the heartbeat naming it
+                    pipe.set(wire.tokenizer_key(self.tokenizer[0]), self.tokenizer[1], nx=True)
                 pipe.set(key, p.encode_heartbeat(self.heartbeat()), px=ttl_ms)
                 pipe.zadd(wire.WORKERS_ZSET, {self.settings.worker_id: time.time()})
                 if self.profile and not self._profile_stored:
                     pipe.hset(wire.PROFILES_HASH, self.profile["fingerprint"], orjson.dumps(self.profile))
                 pipe.execute()
-                self._profile_stored = True
+                self._profile_stored = self._tokenizer_stored = True
                 retry.succeeded(started)
                 if self._clock() - last_touch >= touch_every:
                     last_touch = self._clock()

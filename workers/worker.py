@@ -58,6 +58,7 @@ class Worker:
         client: redis.Redis,
         model: str,
         *,
+        tokenizer: tuple[str, bytes] | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], object] = time.sleep,
     ) -> None:
@@ -88,7 +89,7 @@ class Worker:
         self._isolated: deque[Admission] = deque()  # reclaimed suspects, to run one at a time
         self._alone: str | None = None  # the batch id of the suspect running alone
         self.presence = Presence(settings, engine, client, self.fence, model, self._held, self._backoff,
-                                 self._outage, clock)
+                                 self._outage, clock, tokenizer)
         self._stop_threads = self.presence.stop
         self.cancels = Cancels(client, self._backoff, self._outage, self._stop_threads)
         self.threads = EngineThreads(self.presence.governor, engine.max_threads, engine.set_threads, clock)
