@@ -15,6 +15,12 @@ def env_default(name: str, default: Any = None) -> Any:
     return os.environ.get(f"TOKENGATE_{name.upper().replace('-', '_')}", default)
 
 
+def env_flag(name: str) -> bool:
+    """An on/off flag's environment variable: set and not "", "0", "false" or "no" means on."""
+    return os.environ.get(f"TOKENGATE_{name.upper().replace('-', '_')}", "").strip().lower() not in ("", "0", "false",
+                                                                                                     "no")
+
+
 def field_default(settings: type[Any], name: str) -> Any:
     """The default of the settings dataclass's field ``name``: the one place it is written.
     KeyError for a field without a plain default (one made per process, a required one)."""

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from common.settings import HelpFormatter, add_redis_url, env_default
+from common.settings import HelpFormatter, add_redis_url, env_default, env_flag
 from gateway.cli import admin as admin_cli
 from gateway.cli.embedded_redis import FSYNC_CHOICES, default_data_dir
 from gateway.cli.flags import add_gateway_args
@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--reuse-port", action="store_true",
                          help="bind with SO_REUSEPORT, so that other gateway processes can share the port")
     worker_cli.add_model_args(gateway)
+    gateway.add_argument("--model-from-workers", action="store_true",
+                         default=env_flag("model_from_workers"),
+                         help="no local model files: wait for a live worker (serving --model-name, where given) "
+                         "to publish its model's tokenizer in Redis, and count tokens with that "
+                         "(docs/operations.md); not with --model")
 
     worker = sub.add_parser("worker", help="one pool worker, against a shared Redis (any host)",
                             formatter_class=helpful, epilog=ENVIRONMENT)

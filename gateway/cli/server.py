@@ -216,7 +216,14 @@ def run_gateway(args: argparse.Namespace) -> None:
         return
     signals = StopSignals().install()
     with _stoppable(signals):
-        spec = _model(args)
+        if args.model_from_workers:
+            if args.model:
+                raise ValueError("--model-from-workers counts tokens with the workers' model: not with --model")
+            from gateway.cli import fleet_model
+
+            spec = fleet_model.wait_for(args.redis_url, args.model_name, args.cache_dir)
+        else:
+            spec = _model(args)
         settings = settings_from_args(args, args.redis_url, spec.name, raise_nofile_limit())
         log.info("gateway %s on http://%s:%d", settings.gateway_id, settings.host, settings.port)
         if settings.admin_token is None:
@@ -241,6 +248,8 @@ def gateway_argv(args: argparse.Namespace, redis_url: str, model: str | None, mo
                         ("--cache-dir", args.cache_dir)):
         if value is not None:
             cmd += [flag, str(value)]
+    if getattr(args, "model_from_workers", False):  # (`serve` has no such flag: its gateways get --model)
+        cmd.append("--model-from-workers")
     return cmd
 
 
