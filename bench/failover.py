@@ -4,7 +4,7 @@
 
 Redis, two echo workers (8 slots, 5 ms steps) and ``--gateways`` gateway processes, with
 closed-loop clients spread evenly over them. Every ``--kill-every`` seconds the gateway that
-holds the scheduling lease (``wire.SCHEDULER_LEASE``) gets SIGKILL and is started again on
+holds the scheduling lease (``wire.scheduler_lease``) gets SIGKILL and is started again on
 its port (it comes back as a follower). Every job sent to the workers is read off the jobs
 stream as it arrives. Reported:
 
@@ -42,6 +42,10 @@ from bench.replicas import BODY, TENANTS, tenant_keys
 from common import protocol as p
 from common import wire
 from gateway.cli.embedded_redis import free_port
+from workers.model_store import DEFAULT_MODEL_NAME
+
+JOBS = wire.jobs_stream(DEFAULT_MODEL_NAME, "cpu")  # the default model's, which echo workers stand in for
+LEASE = wire.scheduler_lease(DEFAULT_MODEL_NAME)  # the scheduling lease of the model the gateways serve
 
 TAKEOVER_GIVE_UP_S = 30.0  # a kill nobody takes over from within this long is reported (with the logs)
 
@@ -99,7 +103,7 @@ async def watch_jobs(client: aioredis.Redis, tally: Tally, done: asyncio.Event, 
     and the longest time between two (or from the last one to the end of the load)."""
     last_id, last_at = "$", time.monotonic()
     while not done.is_set():
-        reply = await client.xread({wire.jobs_stream("cpu"): last_id}, count=1000, block=100)
+        reply = await client.xread({JOBS: last_id}, count=1000, block=100)
         for _stream, entries in reply or []:
             now = time.monotonic()
             tally.gap_s = max(tally.gap_s, now - last_at)
@@ -121,13 +125,13 @@ async def kill_the_scheduler(fleet: Fleet, client: aioredis.Redis, tally: Tally,
         if time.monotonic() >= until:  # (a restart took past the end)
             return
         at += every_s
-        holder = await client.get(wire.SCHEDULER_LEASE)
+        holder = await client.get(LEASE)
         i = fleet.index_of(wire.text(holder)) if holder else None
         if i is None:
             continue
         fleet.kill(i)
         killed = time.monotonic()
-        while (now := await client.get(wire.SCHEDULER_LEASE)) is None or now == holder:
+        while (now := await client.get(LEASE)) is None or now == holder:
             if time.monotonic() - killed > TAKEOVER_GIVE_UP_S:  # reported, not waited for forever
                 tally.stuck.append(fleet.log_tails())
                 break

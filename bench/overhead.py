@@ -28,6 +28,9 @@ from bench.harness import RawClient, auth, floor_server, open_loop, pct, save_pl
 from common import protocol as p
 from common import wire
 from workers.engine import EchoEngine
+from workers.model_store import DEFAULT_MODEL_NAME
+
+JOBS = wire.jobs_stream(DEFAULT_MODEL_NAME, "cpu")  # the default model's, which echo workers stand in for
 
 GATEWAY_CPUS, REST_CPUS = (0,), (1,)  # the floor and the gateway alone on core 0; the rest on core 1
 CHAT = orjson.dumps(
@@ -93,7 +96,7 @@ async def redis_floor(
         fut = asyncio.get_running_loop().create_future()
         waiting[rid] = fut
         job = p.BatchJob(rid, stream, 0, (p.SeqJob(rid, tuple(range(30)), p.SamplingParams(16)),))
-        await client.xadd(wire.jobs_stream("cpu"), p.encode_job(job))
+        await client.xadd(JOBS, p.encode_job(job))
         try:
             async with asyncio.timeout(10.0):  # a reply that never comes is an error, not a hang
                 return await fut

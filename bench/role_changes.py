@@ -51,6 +51,10 @@ from bench.harness import ADMIN_TOKEN, OUT, auth, bench_key, json_lines, table
 from common import protocol as p
 from common import wire
 from gateway.cli.embedded_redis import free_port
+from workers.model_store import DEFAULT_MODEL_NAME
+
+JOBS = wire.jobs_stream(DEFAULT_MODEL_NAME, "cpu")  # the default model's, which echo workers stand in for
+LEASE = wire.scheduler_lease(DEFAULT_MODEL_NAME)  # the scheduling lease of the model the gateways serve
 
 STEP_MS, TOKENS, SLOTS = 20, 16, 4
 BODY = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "count"}],
@@ -112,11 +116,11 @@ def pid_of(gateway_id: str) -> int:
 
 async def watch(client: aioredis.Redis, http: httpx.AsyncClient, tally: Tally, done: asyncio.Event) -> None:
     """Jobs as they are sent, the lease's holder and the cluster view's schedulers."""
-    last_id, holder = "$", await client.get(wire.SCHEDULER_LEASE)
+    last_id, holder = "$", await client.get(LEASE)
     next_view = 0.0
     while not done.is_set():
         try:
-            reply = await client.xread({wire.jobs_stream("cpu"): last_id}, count=1000, block=20)
+            reply = await client.xread({JOBS: last_id}, count=1000, block=20)
         except RedisError:  # `serve` went down with its Redis (before issue 37, killing the scheduler did that)
             await asyncio.sleep(0.1)
             continue
@@ -130,7 +134,7 @@ async def watch(client: aioredis.Redis, http: httpx.AsyncClient, tally: Tally, d
                     tally.dispatched[seq.rid] += 1
                     tally.jobs.setdefault(seq.rid, []).append(job.batch_id)
         if tally.fault_at and tally.moved_at is None:
-            now_holder = await client.get(wire.SCHEDULER_LEASE)  # (just answered the read above)
+            now_holder = await client.get(LEASE)  # (just answered the read above)
             if now_holder is not None and now_holder != holder:
                 tally.moved_at = time.monotonic()
         if now >= next_view:
@@ -191,7 +195,7 @@ async def measure(served: Served, redis_url: str, key: str, fault: str, clients:
 
     async def inject() -> None:
         await asyncio.sleep(warm_s)
-        holder = wire.text(await client.get(wire.SCHEDULER_LEASE) or b"")
+        holder = wire.text(await client.get(LEASE) or b"")
         pid = pid_of(holder)
         tally.fault_at = time.monotonic()
         if killed:

@@ -34,6 +34,9 @@ from common import protocol as p
 from common import wire
 from gateway.cli.embedded_redis import EmbeddedRedis
 from workers import model_store
+from workers.model_store import DEFAULT_MODEL_NAME
+
+JOBS = wire.jobs_stream(DEFAULT_MODEL_NAME, "cpu")  # the default model's, which echo workers stand in for
 
 CONCURRENCY = 64
 
@@ -80,7 +83,7 @@ async def _closed_loop(redis_url: str, duration_s: float) -> tuple[float, list[f
         fut = asyncio.get_running_loop().create_future()
         waiting[rid] = (time.perf_counter(), fut)
         job = p.BatchJob(rid, replies, 0, (p.SeqJob(rid, tuple(range(30)), p.SamplingParams(16)),))
-        await client.xadd(wire.jobs_stream("cpu"), p.encode_job(job))
+        await client.xadd(JOBS, p.encode_job(job))
         await fut
 
     async def runner(until: float) -> int:
@@ -149,13 +152,13 @@ def kill9(kills: int, claim_idle_s: float = 1.0) -> list[dict[str, object]]:
                 rid = f"k{k}"
                 last = client.xadd(replies, {"x": "start"})  # read replies after this id
                 job = p.BatchJob(rid, replies, 0, (p.SeqJob(rid, tuple(range(30)), p.SamplingParams(50)),))
-                client.xadd(wire.jobs_stream("cpu"), p.encode_job(job))
+                client.xadd(JOBS, p.encode_job(job))
                 holder = None
                 deadline = time.monotonic() + 30
                 while holder is None:
                     if time.monotonic() > deadline:
                         raise RuntimeError("no worker took the request; see bench/out/workers-*.log")
-                    pending = client.xpending_range(wire.jobs_stream("cpu"), wire.GROUP, "-", "+", count=10)
+                    pending = client.xpending_range(JOBS, wire.GROUP, "-", "+", count=10)
                     holder = pending[0]["consumer"].decode() if pending else None
                     time.sleep(0.01)
                 time.sleep(0.3)  # mid-request: about 15 of its 50 tokens are done

@@ -22,8 +22,10 @@ TELEMETRY_STREAM = f"{NS}steps"  # every worker's step records and live state; g
 TELEMETRY_MAXLEN = 10_000  # approximate MAXLEN of every XADD to it
 
 
-def jobs_stream(pool: str) -> str:
-    return f"{NS}jobs:{pool}"
+def jobs_stream(model: str, pool: str) -> str:
+    """One model's jobs for one pool: each model is a scheduling domain of its own (issue 39),
+    whose workers read only its streams."""
+    return f"{NS}jobs:{model}:{pool}"
 
 
 def bell_stream(worker_id: str) -> str:
@@ -43,9 +45,24 @@ REPLIES_TTL_MS = 60_000  # every write renews it: a dead gateway's reply stream 
 
 # -- the one scheduler (gateway.dispatch.election) ------------------------------------------
 
-SCHEDULER_LEASE = f"{NS}scheduler"  # the id of the gateway that schedules for all, with a TTL
-SCHEDULER_TERM = f"{NS}scheduler:term"  # counts the lease's takings: a holder knows whether another held it between
-ARRIVALS_STREAM = f"{NS}arrivals"  # what other gateways send the scheduler: admissions and their ends
+# each model's own: the gateways serving a model elect their scheduler among themselves
+
+
+def scheduler_lease(model: str) -> str:
+    """The id of the gateway that schedules ``model`` for all its gateways, with a TTL."""
+    return f"{NS}scheduler:{model}"
+
+
+def scheduler_term(model: str) -> str:
+    """Counts the lease's takings: a holder knows whether another held it between."""
+    return f"{NS}scheduler-term:{model}"
+
+
+def arrivals_stream(model: str) -> str:
+    """What the other gateways of ``model`` send its scheduler: admissions and their ends."""
+    return f"{NS}arrivals:{model}"
+
+
 ARRIVALS_GROUP = "scheduler"  # its consumer group: an admission stays pending until dispatched or refused
 
 

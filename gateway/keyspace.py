@@ -17,12 +17,14 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from common import wire
+from common.pools import POOLS
 
 log = logging.getLogger("tokengate.keyspace")
 
 
-async def migrate(client: aioredis.Redis) -> int:
-    """Rename every ``wire.LEGACY_NS`` key to its ``wire.NS`` name; how many were renamed."""
+async def migrate(client: aioredis.Redis, model: str) -> int:
+    """Rename every ``wire.LEGACY_NS`` key to its ``wire.NS`` name, then the scheduling names
+    from before each model was a domain of its own to ``model``'s; how many were renamed."""
     renamed = 0
     async for raw in client.scan_iter(match=wire.LEGACY_NS + "*", count=1000):
         old = wire.text(raw)
@@ -37,4 +39,25 @@ async def migrate(client: aioredis.Redis) -> int:
             log.warning("kept %s: %s exists already", old, new)
     if renamed:
         log.warning("renamed %d keys from %s… to %s… (Redis Cluster hash tag)", renamed, wire.LEGACY_NS, wire.NS)
+    return renamed + await _per_model(client, model)
+
+
+async def _per_model(client: aioredis.Redis, model: str) -> int:
+    """The jobs streams (with their consumer groups and pending entries), the arrivals stream
+    and the lease's term of a deployment from before models were scheduling domains (one model
+    per Redis): now ``model``'s, the one its gateways serve."""
+    renamed = 0
+    pairs = [(f"{wire.NS}jobs:{pool}", wire.jobs_stream(model, pool)) for pool in POOLS]
+    pairs += [(f"{wire.NS}arrivals", wire.arrivals_stream(model)),
+              (f"{wire.NS}scheduler:term", wire.scheduler_term(model))]
+    for old, new in pairs:
+        try:
+            moved = await client.renamenx(old, new)
+        except ResponseError:  # no such key (never there, or another gateway renamed it first)
+            continue
+        if moved:
+            renamed += 1
+            log.warning("renamed %s to %s: the model %s is a scheduling domain of its own", old, new, model)
+        else:
+            log.warning("kept %s: %s exists already", old, new)
     return renamed

@@ -76,7 +76,7 @@ def report(b: Batch, pool: str, worker: str) -> p.BatchReport:
     )
 
 
-def handoff_write(b: Batch, h: Handoff) -> HandoffWrite:
+def handoff_write(b: Batch, h: Handoff, model: str) -> HandoffWrite:
     """Prefill ran here; decoding continues on the handoff pool with this KV cache."""
     from safetensors.torch import save
 
@@ -84,7 +84,7 @@ def handoff_write(b: Batch, h: Handoff) -> HandoffWrite:
     b.output_tokens[h.seq.rid] = len(h.seq.resume_ids)
     key = wire.kv_key(h.seq.rid)
     job = p.BatchJob(f"{b.job.batch_id}/{h.seq.rid}", b.job.reply_to, b.job.bucket, (replace(h.seq, kv_key=key),))
-    return HandoffWrite(h.seq.rid, key, save(h.kv), wire.jobs_stream(target), p.encode_job(job)["m"])
+    return HandoffWrite(h.seq.rid, key, save(h.kv), wire.jobs_stream(model, target), p.encode_job(job)["m"])
 
 
 def leftovers(job: p.BatchJob, finished: list[str]) -> list[str]:

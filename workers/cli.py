@@ -128,7 +128,7 @@ def run(settings: WorkerSettings) -> None:
     if settings.engine == "echo":
         engine = EchoEngine(tokens=settings.echo_tokens, slots=settings.slots, step_s=settings.echo_step_s,
                             prefill_s=settings.echo_prefill_s)
-        model_name = settings.model_name or "echo"
+        model_name = settings.model_name or model_store.DEFAULT_MODEL_NAME  # it stands in for the default model
     elif settings.engine == "upstream":
         from workers.upstream import UpstreamEngine
 

@@ -46,7 +46,7 @@ class Presence:
         self.fence = fence
         self.model = model
         self.held = held  # a copy of the batches held now (the heartbeat thread calls it)
-        self.stream = wire.jobs_stream(settings.pool)
+        self.stream = wire.jobs_stream(model, settings.pool)
         self.stop = threading.Event()
         self.tokens = 0  # generated since the start, for tokens_per_s
         self.profile: dict[str, Any] = {}  # the engine's measured profile, published with each heartbeat

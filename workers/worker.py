@@ -66,7 +66,7 @@ class Worker:
         self.engine = engine
         self.client = client
         self.model = model
-        self.stream = wire.jobs_stream(settings.pool)
+        self.stream = wire.jobs_stream(model, settings.pool)
         self.bell = wire.bell_stream(settings.worker_id)
         self.fence = Fence(client, self.stream, settings.worker_id)
         self._batches: dict[str, Batch] = {}  # batch_id -> state
@@ -447,7 +447,7 @@ class Worker:
         for h in result.handoffs:
             bid = self._batch_of.get(h.seq.rid)
             if bid is not None:
-                handoffs.setdefault(bid, []).append(handoff_write(self._batches[bid], h))
+                handoffs.setdefault(bid, []).append(handoff_write(self._batches[bid], h, self.model))
                 events.setdefault(bid, [])
         if not events:
             return

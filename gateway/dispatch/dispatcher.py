@@ -110,7 +110,7 @@ class Dispatcher:
 
     async def start(self) -> None:
         try:
-            await keyspace.migrate(self.client)  # a deployment's names from before the hash tag
+            await keyspace.migrate(self.client, self.settings.model_name)  # a deployment's names from before
             await saved_model.load(self.client, self.settings.model_name, self.shell)
             await self.refresh_workers()
             await self.leading.elect()
@@ -169,7 +169,7 @@ class Dispatcher:
 
     def role(self) -> Role:
         """The scheduler this gateway's requests go to now: its own core while it holds the
-        lease, the elected one's through ``wire.ARRIVALS_STREAM`` otherwise (``election``)."""
+        lease, the elected one's through ``wire.arrivals_stream`` otherwise (``election``)."""
         return self.leading if self.leading.leader else self.forwarding  # (queued here while it renews, ``lead``)
 
     async def submit(self, seq: p.SeqJob, who: Origin) -> Pending | Reject:
@@ -314,7 +314,7 @@ class Dispatcher:
         and acknowledge the arrival ``entries`` they answer, in one script (``election.DISPATCH``)
         fenced by the lease when there are entries; False, and this gateway steps down, if it
         no longer schedules."""
-        keys, args = election.dispatch_args(self.settings.gateway_id, writes, entries, worker)
+        keys, args = election.dispatch_args(self.settings.model_name, self.settings.gateway_id, writes, entries, worker)
         try:
             done = await self.batch.call("EVALSHA", election.DISPATCH_SHA, len(keys), *keys, *args)
         except NoScriptError:  # a fresh (or flushed) Redis: the script's text, which it keeps
@@ -343,7 +343,7 @@ class Dispatcher:
                 log.error("batch %s cannot be encoded: %r", send.job.batch_id, exc)
                 self._lost(send, "unencodable", f"The request could not be queued: {exc}")
                 continue
-            stream = wire.jobs_stream(send.pool)
+            stream = wire.jobs_stream(self.settings.model_name, send.pool)
             if send.acks or send.worker:  # to its worker, and forwarded requests' arrivals acknowledged
                 replies.append(self._settle_arrivals([(stream, b"m", fields["m"])], list(send.acks), send.worker))
             else:  # to whichever worker of the pool reads it first
@@ -409,7 +409,7 @@ class Dispatcher:
             if self.leading.leader:  # its queued requests leave the queue, the jobs sent to it their slots
                 dropped = self.shell.origin_gone(wire.replies_stream(gateway_id), time.monotonic())
                 if dropped:
-                    await self.client.xack(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, *dropped)
+                    await self.client.xack(self.leading.arrivals, wire.ARRIVALS_GROUP, *dropped)
         # this gateway's queued work per pool, for whatever scales the workers on it (the time
         # lets a reader skip a stale entry)
         backlog = orjson.dumps({"at": time.time(), **self.backlog()})

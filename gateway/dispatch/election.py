@@ -1,9 +1,9 @@
 """One scheduler for every gateway: the lease that elects it, and what the others send it.
 
-docs/scheduling.md §15 gives the design. One gateway holds ``wire.SCHEDULER_LEASE`` (a key
+docs/scheduling.md §15 gives the design. One gateway holds ``wire.scheduler_lease`` (a key
 with a ``LEASE_MS`` TTL, renewed every ``RENEW_S``) and runs the one scheduling core over
 every queued request. The others (followers) keep their HTTP work, the budget and their
-reply streams, and write what the scheduler needs to ``wire.ARRIVALS_STREAM``:
+reply streams, and write what the scheduler needs to ``wire.arrivals_stream``:
 
 * an **admission** (the tokenized request, who sent it, the follower's reply stream); it
   stays pending in ``wire.ARRIVALS_GROUP`` until the scheduler dispatches or refuses it, in
@@ -90,12 +90,12 @@ return 1
 DISPATCH_SHA = hashlib.sha1(DISPATCH.encode()).hexdigest()
 
 
-def dispatch_args(gateway_id: str, writes: list[tuple[str, bytes, bytes]], entries: list[str],
+def dispatch_args(model: str, gateway_id: str, writes: list[tuple[str, bytes, bytes]], entries: list[str],
                   worker: str = "") -> tuple[list[str], list[bytes | str | int]]:
     """``DISPATCH``'s KEYS and ARGV: write ``(stream, field, payload)`` entries (a job for
     ``worker``: delivered to it, its doorbell rung) and acknowledge the arrival ``entries``
     they answer, fenced by the lease of ``gateway_id`` when there are entries."""
-    keys = [wire.SCHEDULER_LEASE, wire.ARRIVALS_STREAM]
+    keys = [wire.scheduler_lease(model), wire.arrivals_stream(model)]
     args: list[bytes | str | int] = [gateway_id if entries else "", wire.ARRIVALS_GROUP, p.VERSION, len(writes),
                                      wire.GROUP, wire.BELL_MAXLEN]
     for stream, name, payload in writes:

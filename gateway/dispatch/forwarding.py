@@ -1,5 +1,5 @@
 """A follower's side of a gateway (``election``; docs/scheduling.md §15), the remote
-``role.Role``: its requests go to the elected scheduler over ``wire.ARRIVALS_STREAM`` and
+``role.Role``: its requests go to the elected scheduler over ``wire.arrivals_stream`` and
 wait for its decision; what the
 follower learns of them afterwards (the workers' final events and batch reports, a first
 token, an end, a cancel) goes the same way; questions (``explain``) wait for an answer. The
@@ -123,9 +123,9 @@ class Forwarding:
             self.d.route_event(p.Failed(seq.rid, "redis", f"The request could not reach the new scheduler: {exc}"))
 
     async def _arrive(self, seq: p.SeqJob, who: Origin, promised: bool = False) -> None:
-        """The arrival on ``wire.ARRIVALS_STREAM``, answered on this gateway's reply stream."""
+        """The arrival on ``wire.arrivals_stream``, answered on this gateway's reply stream."""
         fields = election.encode_arrival(seq, who, self.d.replies, promised)
-        await self.d.batch.call("XADD", wire.ARRIVALS_STREAM, "*", *flat(fields))
+        await self.d.batch.call("XADD", wire.arrivals_stream(self.d.settings.model_name), "*", *flat(fields))
 
     def _tell(self, note: election.Note) -> None:
         """Tell the scheduler about a request this gateway forwarded."""
@@ -180,7 +180,8 @@ class Forwarding:
             waiting.set_result(explain)
 
     async def _send(self, fields: dict[bytes, bytes]) -> None:
-        await self.d.xadd_or_warn(wire.ARRIVALS_STREAM, fields)  # if lost: the slot comes back with the report
+        arrivals = wire.arrivals_stream(self.d.settings.model_name)
+        await self.d.xadd_or_warn(arrivals, fields)  # if lost: the slot comes back with the report
 
 
 def flat(fields: dict[bytes, bytes] | dict[str, bytes]) -> list[bytes | str]:

@@ -81,6 +81,9 @@ class Leading:
         self.leading = asyncio.Event()
         self._hold = d.client.register_script(election.HOLD)
         self._release = d.client.register_script(election.RELEASE)
+        # this model's: the gateways serving a model elect their scheduler among themselves
+        self.lease = wire.scheduler_lease(d.settings.model_name)
+        self.arrivals = wire.arrivals_stream(d.settings.model_name)
         self._arrivals = AutoPipeline(d.client, timeout_s=d.settings.redis_timeout_s + READ_BLOCK_MS / 1000)
 
     # -- the local role (``role.Role``): this gateway's own requests on its own core ----------
@@ -110,7 +113,7 @@ class Leading:
         await self._arrivals.close()
         if self.leader:
             with contextlib.suppress(RedisError):
-                await self._release(keys=[wire.SCHEDULER_LEASE], args=[self.d.settings.gateway_id])
+                await self._release(keys=[self.lease], args=[self.d.settings.gateway_id])
 
     def lead(self) -> bool:
         """Whether this gateway may act as the scheduler now: dispatch, take up arrivals, say
@@ -125,7 +128,7 @@ class Leading:
         """Hold the lease, or seek it: this gateway takes over scheduling when it gets it,
         goes on when it kept it, and steps down when another holds or held it."""
         sent = time.monotonic()  # Redis counts the lease's time from later: this end lapses first
-        term = await self._hold(keys=[wire.SCHEDULER_LEASE, wire.SCHEDULER_TERM],
+        term = await self._hold(keys=[self.lease, wire.scheduler_term(self.d.settings.model_name)],
                                 args=[self.d.settings.gateway_id, election.LEASE_MS])
         if not term:
             self.step_down("another gateway holds the scheduling lease")
@@ -151,7 +154,7 @@ class Leading:
 
     async def arrivals_group(self) -> None:
         with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists
-            await self.d.client.xgroup_create(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, id="$", mkstream=True)
+            await self.d.client.xgroup_create(self.arrivals, wire.ARRIVALS_GROUP, id="$", mkstream=True)
 
     def step_down(self, why: str) -> None:
         """Another gateway schedules now. Nothing queued here fails: this gateway's own
@@ -176,7 +179,7 @@ class Leading:
         cursor = "0-0"
         while True:
             cursor_raw, entries, *_ = await self.d.client.xautoclaim(
-                wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, self.d.settings.gateway_id, idle_ms, cursor, count=1000
+                self.arrivals, wire.ARRIVALS_GROUP, self.d.settings.gateway_id, idle_ms, cursor, count=1000
             )
             self.take_arrivals(entries, reclaimed=True)
             cursor = wire.text(cursor_raw)
@@ -186,15 +189,15 @@ class Leading:
     async def trim_arrivals(self) -> None:
         """Drop the arrivals already settled: everything before the oldest entry still
         pending, or before the next one to deliver when none is."""
-        groups = await self.d.client.xinfo_groups(wire.ARRIVALS_STREAM)
+        groups = await self.d.client.xinfo_groups(self.arrivals)
         group = next((g for g in groups if wire.text(g["name"]) == wire.ARRIVALS_GROUP), None)
         if group is None:
             return
-        pending = await self.d.client.xpending(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP)
+        pending = await self.d.client.xpending(self.arrivals, wire.ARRIVALS_GROUP)
         oldest = pending["min"] if pending["pending"] else None
         if oldest is None:  # MINID keeps the entry given: the last delivered one stays, a few bytes
             oldest = group["last-delivered-id"]
-        await self.d.client.xtrim(wire.ARRIVALS_STREAM, minid=wire.text(oldest), approximate=False)
+        await self.d.client.xtrim(self.arrivals, minid=wire.text(oldest), approximate=False)
 
     async def election_loop(self) -> None:
         retry = Retrier(BACKOFF, self.d.outage)
@@ -224,7 +227,7 @@ class Leading:
             try:
                 reply = await self._arrivals.call(
                     "XREADGROUP", "GROUP", wire.ARRIVALS_GROUP, self.d.settings.gateway_id, "COUNT", 1000,
-                    "BLOCK", READ_BLOCK_MS, "STREAMS", wire.ARRIVALS_STREAM, ">",
+                    "BLOCK", READ_BLOCK_MS, "STREAMS", self.arrivals, ">",
                 )
             except RedisError as exc:
                 if "NOGROUP" in str(exc) and self.leader:  # the stream was deleted (Redis restarted)
@@ -274,7 +277,7 @@ class Leading:
 
     async def _ack(self, entries: list[bytes]) -> None:
         with contextlib.suppress(RedisError):  # taken up again later, and recognised
-            await self.d.batch.call("XACK", wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP, *entries)
+            await self.d.batch.call("XACK", self.arrivals, wire.ARRIVALS_GROUP, *entries)
 
     def _admit(self, entry: str, arrival: election.Arrival, now: float, promised: bool) -> None:
         seq = arrival.seq

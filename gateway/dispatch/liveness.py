@@ -67,6 +67,7 @@ class Liveness:
         self.client = client
         self.me = settings.gateway_id
         self.dead_after_s = settings.gateway_dead_after_s
+        self.model = settings.model_name
         self._renew = client.register_script(RENEW)
         self._sweep = client.register_script(SWEEP)
         self._joined = False
@@ -105,8 +106,9 @@ class Liveness:
         await self.client.delete(replies)
 
     async def workers(self) -> dict[str, p.Heartbeat]:
-        """Workers with a live heartbeat (their keys expire on Redis's clock); ids whose key
-        expired leave the worker set."""
+        """The live workers of this gateway's model (their heartbeat keys expire on Redis's
+        clock): the scheduling domain's; another model's workers read other streams. Ids whose
+        key expired leave the worker set."""
         members: list[bytes] = await self.client.zrange(wire.WORKERS_ZSET, 0, -1)  # type: ignore[assignment]
         ids = [wire.text(i) for i in members]
         if not ids:
@@ -119,9 +121,12 @@ class Liveness:
                 gone.append(wid)
                 continue
             try:
-                workers[wid] = p.decode_heartbeat(raw)
+                hb = p.decode_heartbeat(raw)
             except p.ProtocolError as exc:
                 log.warning("ignoring worker %s: %s", wid, exc)
+                continue
+            if hb.model == self.model:
+                workers[wid] = hb
         if gone:
             await self.client.zrem(wire.WORKERS_ZSET, *gone)
         return workers

@@ -100,7 +100,7 @@ async def read(gw: Gateway) -> dict[str, Any]:
     pipe = gw.client.pipeline(transaction=False)
     pipe.zrange(wire.GATEWAYS_ZSET, 0, -1)
     pipe.zrange(wire.WORKERS_ZSET, 0, -1, withscores=True)
-    pipe.get(wire.SCHEDULER_LEASE)
+    pipe.get(wire.scheduler_lease(gw.settings.model_name))
     ids, beats, holder = await pipe.execute()
     raws = await gw.client.mget([wire.console_key(wire.text(i)) for i in ids]) if ids else []
     parts = [orjson.loads(raw) for raw in raws if raw is not None]

@@ -14,13 +14,15 @@ from workers.engine import Engine
 from workers.settings import WorkerSettings, connect
 from workers.worker import Worker
 
+MODEL = "test"  # the model the in-process workers serve: their jobs streams are its
+
 
 @contextmanager
-def running_worker(redis_url: str, engine: Engine, **kw: object) -> Iterator[Worker]:
+def running_worker(redis_url: str, engine: Engine, model: str = MODEL, **kw: object) -> Iterator[Worker]:
     settings = WorkerSettings(
         redis_url=redis_url, block_ms=50, heartbeat_s=0.2, claim_idle_s=1.0, claim_every_s=0.2, **kw  # type: ignore[arg-type]
     )
-    worker = Worker(settings, engine, connect(settings), model="test")
+    worker = Worker(settings, engine, connect(settings), model=model)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:
@@ -32,7 +34,7 @@ def running_worker(redis_url: str, engine: Engine, **kw: object) -> Iterator[Wor
 
 
 def send(client: redis.Redis, job: p.BatchJob, pool: str = "cpu") -> None:
-    client.xadd(wire.jobs_stream(pool), p.encode_job(job))
+    client.xadd(wire.jobs_stream(MODEL, pool), p.encode_job(job))
 
 
 def collect(client: redis.Redis, stream: str, until_batches: int, timeout_s: float = 60) -> list[p.Event]:

@@ -17,6 +17,9 @@ import redis
 
 from common import protocol as p
 from common import wire
+from workers.model_store import DEFAULT_MODEL_NAME
+
+JOBS = wire.jobs_stream(DEFAULT_MODEL_NAME, "cpu")  # the default model's, which echo workers stand in for
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -128,7 +131,7 @@ def test_random_kill_9_loses_nothing_and_delivers_nothing_twice(
     thread.start()
     try:
         for rid, stream in rids.items():
-            redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job(rid, stream)))
+            redis_client.xadd(JOBS, p.encode_job(_job(rid, stream)))
             time.sleep(0.01)
         events = _read_all(redis_client, set(rids), timeout_s=120)
     finally:
@@ -136,13 +139,13 @@ def test_random_kill_9_loses_nothing_and_delivers_nothing_twice(
         thread.join()
     assert kills >= 3
     _check_exactly_once(events, rids, tokens=12)
-    assert redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 0
+    assert redis_client.xpending(JOBS, wire.GROUP)["pending"] == 0
 
 
 def test_paused_worker_late_result_is_discarded(redis_client: redis.Redis, workers: Workers) -> None:
     slow = workers.start()
-    redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job("paused-s", True)))
-    redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job("paused-n", False)))
+    redis_client.xadd(JOBS, p.encode_job(_job("paused-s", True)))
+    redis_client.xadd(JOBS, p.encode_job(_job("paused-n", False)))
     # let it stream a few tokens, then freeze it mid-batch
     deadline = time.monotonic() + 20
     while redis_client.xlen(REPLIES) < 3 and time.monotonic() < deadline:
@@ -162,8 +165,8 @@ def test_paused_worker_late_result_is_discarded(redis_client: redis.Redis, worke
 
 def test_cancel_while_queued_and_mid_stream(redis_client: redis.Redis, workers: Workers) -> None:
     workers.start("--slots", "1")
-    redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job("running", True, max_tokens=12)))
-    redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job("queued", False)))
+    redis_client.xadd(JOBS, p.encode_job(_job("running", True, max_tokens=12)))
+    redis_client.xadd(JOBS, p.encode_job(_job("queued", False)))
     time.sleep(0.1)
     # cancel the queued one the way the gateway does: key + message
     redis_client.set(wire.cancel_key("queued"), 1, ex=60)
@@ -174,7 +177,7 @@ def test_cancel_while_queued_and_mid_stream(redis_client: redis.Redis, workers: 
 
     workers.procs[0].kill()
     workers.start("--echo-tokens", "1000")
-    redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job("long", True, max_tokens=1000)))
+    redis_client.xadd(JOBS, p.encode_job(_job("long", True, max_tokens=1000)))
     deadline = time.monotonic() + 20
     while redis_client.xlen(REPLIES) < 8 and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -186,7 +189,7 @@ def test_cancel_while_queued_and_mid_stream(redis_client: redis.Redis, workers: 
     # repeated and late cancels are harmless
     redis_client.publish(wire.CANCEL_CHANNEL, "long")
     redis_client.publish(wire.CANCEL_CHANNEL, "never-existed")
-    redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job("after", False, max_tokens=3)))
+    redis_client.xadd(JOBS, p.encode_job(_job("after", False, max_tokens=3)))
     events = _read_all(redis_client, {"after"}, timeout_s=20)
     assert [e.text for e in events if isinstance(e, p.Finished) and e.rid == "after"] == [PIECE * 3]
 
@@ -199,8 +202,8 @@ def test_poison_entry_goes_to_dead_letter_and_its_client_is_told(
     try:
         ws.start()
         # a token id far outside the vocabulary makes the model's embedding lookup fail
-        redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job("poison", False, 4, prompt=(1, 10**9))))
-        redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job("healthy", False, 4)))
+        redis_client.xadd(JOBS, p.encode_job(_job("poison", False, 4, prompt=(1, 10**9))))
+        redis_client.xadd(JOBS, p.encode_job(_job("healthy", False, 4)))
         events = _read_all(redis_client, {"poison", "healthy"}, timeout_s=120)
     finally:
         ws.stop_all()
@@ -210,21 +213,21 @@ def test_poison_entry_goes_to_dead_letter_and_its_client_is_told(
     assert [e.rid for e in events if isinstance(e, p.Finished)] == ["healthy"]
     dead = redis_client.xrange(wire.DEAD_LETTER_STREAM)
     assert len(dead) == 1 and dead[0][1][b"reason"] == b"failed 3 deliveries"
-    assert redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 0
+    assert redis_client.xpending(JOBS, wire.GROUP)["pending"] == 0
 
 
 def test_sigterm_drains_running_work_then_exits(redis_client: redis.Redis, workers: Workers) -> None:
     proc = workers.start()
     rids = {f"d{i}": i % 2 == 0 for i in range(3)}
     for rid, stream in rids.items():
-        redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(_job(rid, stream)))
+        redis_client.xadd(JOBS, p.encode_job(_job(rid, stream)))
     deadline = time.monotonic() + 20
     while redis_client.xlen(REPLIES) < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 0
     # what it had taken it finished and acked; what it had not read waits for a peer
-    assert redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 0
+    assert redis_client.xpending(JOBS, wire.GROUP)["pending"] == 0
     assert redis_client.get(wire.worker_key("w1")) is None  # deregistered on the way out
     workers.start()
     events = _read_all(redis_client, set(rids), timeout_s=20)
@@ -238,7 +241,7 @@ def test_a_draining_worker_hands_the_jobs_placed_on_it_to_its_peers_at_once(
     hands the job it never started to the next reclaim of a peer, instead of leaving it for
     the claim idle time (30 s here) with no one to run it."""
     draining = workers.start("--claim-idle", "30", "--slots", "1", "--echo-step-ms", "250")
-    stream = wire.jobs_stream("cpu")
+    stream = JOBS
     redis_client.xadd(stream, p.encode_job(_job("running", True)))  # 12 tokens of 250 ms: 3 s
     deadline = time.monotonic() + 20
     while redis_client.xlen(REPLIES) < 1 and time.monotonic() < deadline:  # its first token: it runs
@@ -278,7 +281,7 @@ def test_a_silent_worker_drops_out_of_the_gateway_view(
     async def view() -> set[str]:
         client = aioredis.Redis.from_url(redis_url)
         try:
-            d = Dispatcher(GatewaySettings(redis_url=redis_url, model_name="m"), client)
+            d = Dispatcher(GatewaySettings(redis_url=redis_url, model_name=DEFAULT_MODEL_NAME), client)
             await d.refresh_workers()
             return set(d.workers)
         finally:

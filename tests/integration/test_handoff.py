@@ -50,7 +50,8 @@ def test_handoff_output_equals_one_worker_doing_both(
                 for stream in (False, True):
                     rid = f"{mode}-{i}-{int(stream)}"
                     seq = p.SeqJob(rid, x, greedy, stream=stream, handoff=handoff)
-                    redis_client.xadd(wire.jobs_stream("cpu"), p.encode_job(p.BatchJob(f"b-{rid}", REPLIES, 0, (seq,))))
+                    job = p.BatchJob(f"b-{rid}", REPLIES, 0, (seq,))
+                    redis_client.xadd(wire.jobs_stream(model_spec.name, "cpu"), p.encode_job(job))
                     _read_all(redis_client, {rid}, timeout_s=120)
         rids = {f"{m}-{i}-{s}" for m in ("single", "handoff") for i in range(len(ids)) for s in (0, 1)}
         events = _read_all(redis_client, rids, timeout_s=30)

@@ -15,7 +15,7 @@ import redis
 from common import protocol as p
 from common import wire
 from gateway.cli.embedded_redis import EmbeddedRedis
-from tests.integration.helpers import collect, running_worker, send
+from tests.integration.helpers import MODEL, collect, running_worker, send
 from workers.engine import EchoEngine
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -98,7 +98,7 @@ def test_worker_survives_a_paused_redis_and_finishes_its_stream(
     assert "".join(e.text for e in events if isinstance(e, p.Delta) and e.rid == "long") == " echo" * tokens
     assert done["after"].text == " echo" * 3
     _check_quiet_outage(caplog)
-    assert client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 0
+    assert client.xpending(wire.jobs_stream(MODEL, "cpu"), wire.GROUP)["pending"] == 0
 
 
 def test_work_abandoned_in_a_pause_resumes_when_redis_answers_not_after_the_claim_idle_time(
@@ -135,7 +135,7 @@ def test_worker_recreates_its_group_after_redis_restarts_empty(
         _wait_for(lambda: _records(caplog, logging.WARNING, "Redis unreachable"), 10, "the worker to notice")
         time.sleep(1.0)  # refused connections for a while: several attempts, still one warning
         own_redis.restart()
-        assert not client.exists(wire.jobs_stream("cpu"))  # no persistence: stream and group are gone
+        assert not client.exists(wire.jobs_stream(MODEL, "cpu"))  # no persistence: stream and group are gone
         send(client, _job("after", 2))
         events = collect(client, REPLIES, until_batches=1, timeout_s=30)
         assert [e.rid for e in events if isinstance(e, p.Finished)] == ["after"]

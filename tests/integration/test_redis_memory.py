@@ -9,14 +9,14 @@ import redis
 
 from common import protocol as p
 from common import wire
-from tests.integration.helpers import collect, running_worker, send
+from tests.integration.helpers import MODEL, collect, running_worker, send
 from workers.engine import EchoEngine
 from workers.fencing import Fence
 from workers.trim import trim_jobs_stream
 
 pytestmark = pytest.mark.redis
 
-STREAM = wire.jobs_stream("cpu")
+STREAM = wire.jobs_stream(MODEL, "cpu")
 REPLIES = wire.replies_stream("gw-memory")
 
 

@@ -11,7 +11,7 @@ import redis
 
 from common import protocol as p
 from common import wire
-from tests.integration.helpers import collect, running_worker, send
+from tests.integration.helpers import MODEL, collect, running_worker, send
 from workers.engine import EchoEngine
 
 pytestmark = pytest.mark.redis
@@ -36,7 +36,7 @@ def test_worker_answers_reports_and_acks(redis_client: redis.Redis, redis_url: s
     reports = {e.batch_id: e for e in events if isinstance(e, p.BatchReport)}
     assert reports["b1"].batch_size == 2 and reports["b1"].output_tokens == (3, 3)
     # every entry acknowledged only after its replies
-    assert redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 0
+    assert redis_client.xpending(wire.jobs_stream(MODEL, "cpu"), wire.GROUP)["pending"] == 0
 
 
 def test_a_finished_sequence_says_how_long_it_decoded_after_its_first_token(
@@ -60,7 +60,7 @@ def test_replies_still_go_out_after_redis_lost_its_scripts(redis_client: redis.R
         events = collect(redis_client, REPLIES, until_batches=2)  # from the start of the stream
     assert [e.rid for e in events if isinstance(e, p.Finished)] == ["r1", "r2"]
     assert "".join(e.text for e in events if isinstance(e, p.Delta)) == " echo" * 2  # each delta once
-    assert redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 0
+    assert redis_client.xpending(wire.jobs_stream(MODEL, "cpu"), wire.GROUP)["pending"] == 0
 
 
 def test_heartbeat_announces_and_stop_deregisters(redis_client: redis.Redis, redis_url: str) -> None:
@@ -81,7 +81,7 @@ def test_heartbeat_announces_and_stop_deregisters(redis_client: redis.Redis, red
 
 def test_unreadable_job_is_dropped_not_fatal(redis_client: redis.Redis, redis_url: str) -> None:
     with running_worker(redis_url, EchoEngine(tokens=1)):
-        redis_client.xadd(wire.jobs_stream("cpu"), {"v": str(p.VERSION), "m": b"{broken"})
+        redis_client.xadd(wire.jobs_stream(MODEL, "cpu"), {"v": str(p.VERSION), "m": b"{broken"})
         send(redis_client, _job("b-ok", ["ok"]))
         events = collect(redis_client, REPLIES, until_batches=1)
     assert [e.rid for e in events if isinstance(e, p.Finished)] == ["ok"]
@@ -118,7 +118,8 @@ def test_job_of_a_gone_gateway_is_acked_and_dropped(
         send(redis_client, doomed)
         send(redis_client, _job("b-live", ["r-live"]))
         events = collect(redis_client, REPLIES, until_batches=1)
-        _wait_for(lambda: redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 0, what="acks")
+        jobs = wire.jobs_stream(MODEL, "cpu")
+        _wait_for(lambda: redis_client.xpending(jobs, wire.GROUP)["pending"] == 0, what="acks")
     assert [e.rid for e in events if isinstance(e, p.Finished)] == ["r-live"]
     assert not redis_client.exists(dead)  # nothing generated for it
     assert not redis_client.exists(wire.progress_key("r-gone"))
@@ -127,7 +128,7 @@ def test_job_of_a_gone_gateway_is_acked_and_dropped(
 
 def test_reclaimed_job_of_a_gone_gateway_is_dropped(redis_client: redis.Redis, redis_url: str) -> None:
     dead = wire.replies_stream("gw-dead")
-    stream = wire.jobs_stream("cpu")
+    stream = wire.jobs_stream(MODEL, "cpu")
     redis_client.xgroup_create(stream, wire.GROUP, id="0", mkstream=True)
     send(redis_client, p.BatchJob("b-gone", dead, 0, (p.SeqJob("r-gone", (1,), p.SamplingParams(4)),)))
     # a worker took it and died; its gateway died too and was settled by a survivor
@@ -170,7 +171,7 @@ def test_one_read_takes_as_many_jobs_as_free_slots(redis_client: redis.Redis, re
         send(redis_client, _job(f"b{i}", [f"r{i}"], max_tokens=1000))
     settings = WorkerSettings(redis_url=redis_url, worker_id="w-read", block_ms=50)
     engine = EchoEngine(tokens=1000, slots=3, step_s=1e-4)
-    worker = Worker(settings, engine, connect(settings), model="test")
+    worker = Worker(settings, engine, connect(settings), model=MODEL)
     calls: list[int] = []
     read = worker.client.xreadgroup
 
@@ -181,13 +182,13 @@ def test_one_read_takes_as_many_jobs_as_free_slots(redis_client: redis.Redis, re
     worker.client.xreadgroup = counting  # type: ignore[method-assign]
     assert worker.tick()
     assert calls == [3] and engine.running == 3 and engine.free_slots == 0
-    assert redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 3
+    assert redis_client.xpending(wire.jobs_stream(MODEL, "cpu"), wire.GROUP)["pending"] == 3
     assert worker.tick() and calls == [3]  # no free slot: no read at all
     for rid in ("r0", "r1"):
         engine.cancel(rid)
     assert worker.tick() and calls == [3, 2]  # two slots freed: two jobs in one read
     # the cancelled batches were answered and acked in the same turn
-    assert redis_client.xpending(wire.jobs_stream("cpu"), wire.GROUP)["pending"] == 3
+    assert redis_client.xpending(wire.jobs_stream(MODEL, "cpu"), wire.GROUP)["pending"] == 3
 
 
 def test_a_worker_warms_up_at_start_and_publishes_the_steps_as_telemetry(

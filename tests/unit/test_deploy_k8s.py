@@ -15,6 +15,7 @@ import pytest
 from common import wire
 from tests.deploy_launches import LAUNCHES, k8s_documents, start
 from tests.unit.test_deploy_monitoring import exported_series
+from workers.model_store import DEFAULT_MODEL_NAME
 
 VERSION = kubernetes_validate.latest_version()  # the newest Kubernetes the installed bundle describes
 KEDA = "keda.sh/v1alpha1"
@@ -104,7 +105,8 @@ def test_keda_watches_the_stream_its_target_reads(document: tuple[Path, dict[str
     assert streams, f"{name}: no redis-streams trigger"
     for trigger in streams:
         metadata = trigger["metadata"]
-        assert metadata.get("stream") == wire.jobs_stream(worker.pool), f"{name}: the {worker.pool} pool's stream"
+        model = worker.model_name or DEFAULT_MODEL_NAME  # (the packaged model's name, where it names none)
+        assert metadata.get("stream") == wire.jobs_stream(model, worker.pool), f"{name}: {model}'s {worker.pool} stream"
         assert metadata.get("consumerGroup") == wire.GROUP, f"{name}: the workers' consumer group"
         address = metadata.get("address") or f"{metadata.get('host')}:{metadata.get('port', '6379')}"
         assert address == f"{redis.hostname}:{redis.port or 6379}", f"{name}: not the workers' Redis {redis.netloc}"

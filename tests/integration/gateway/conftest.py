@@ -69,6 +69,7 @@ async def make_harness(
     model: str,
     engine: Engine | None = None,
     client_url: str | None = None,
+    worker_id: str | None = None,
     **settings: Any,
 ) -> AsyncIterator[Harness]:
     """A gateway on ``redis_url`` (its own client may log in as someone else: ``client_url``)
@@ -82,7 +83,8 @@ async def make_harness(
     # no self-profile: an instant echo engine would measure microsecond steps and every contract
     # would read 0 ms; these tests check the contracts' mechanics on the packaged priors (the
     # self-profile's own path is tests/e2e/test_worker_profiles.py)
-    with running_worker(redis_url, engine or EchoEngine(tokens=ECHO_TOKENS), profile_s=0):
+    own = {"worker_id": worker_id} if worker_id else {}  # (two harnesses in one process: two ids)
+    with running_worker(redis_url, engine or EchoEngine(tokens=ECHO_TOKENS), model=model, profile_s=0, **own):
         await gw.dispatcher.start()
         deadline = time.monotonic() + 10
         while not gw.dispatcher.workers:

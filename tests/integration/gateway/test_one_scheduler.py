@@ -68,7 +68,8 @@ async def _outcomes(lead: Harness, component: str) -> float:
 async def _none_pending(lead: Harness, timeout_s: float = 5.0) -> None:
     """Nothing left pending in the arrivals group (notes are acknowledged just after they are read)."""
     deadline = time.monotonic() + timeout_s
-    while (await lead.gw.dispatcher.client.xpending(wire.ARRIVALS_STREAM, wire.ARRIVALS_GROUP))["pending"]:
+    arrivals = lead.gw.dispatcher.leading.arrivals
+    while (await lead.gw.dispatcher.client.xpending(arrivals, wire.ARRIVALS_GROUP))["pending"]:
         assert time.monotonic() < deadline, "arrivals still pending"
         await asyncio.sleep(0.02)
 
@@ -100,10 +101,10 @@ async def test_a_follower_gets_its_contract_from_the_scheduler_and_its_result_fr
             await asyncio.sleep(0.05)
         assert counted == 13
         client = lead.gw.dispatcher.client
-        assert await client.xlen(wire.ARRIVALS_STREAM) >= 12  # the admissions at least
-        group = (await client.xinfo_groups(wire.ARRIVALS_STREAM))[0]
+        assert await client.xlen(lead.gw.dispatcher.leading.arrivals) >= 12  # the admissions at least
+        group = (await client.xinfo_groups(lead.gw.dispatcher.leading.arrivals))[0]
         await lead.gw.dispatcher.leading.trim_arrivals()  # what was settled leaves the stream
-        left = [entry_id for entry_id, _ in await client.xrange(wire.ARRIVALS_STREAM)]
+        left = [entry_id for entry_id, _ in await client.xrange(lead.gw.dispatcher.leading.arrivals)]
         assert all(_id(e) >= _id(group["last-delivered-id"]) for e in left), (left, group)
 
 
@@ -145,7 +146,7 @@ async def test_when_the_scheduler_goes_silent_the_follower_takes_over_and_loses_
         try:
             took = await _until(lambda: other.gw.dispatcher.leading.leader, "the follower took over", timeout_s=3.0)
         except AssertionError:  # say who holds the lease, and whether a loop of the follower stopped
-            holder = await other.gw.client.get(wire.SCHEDULER_LEASE)
+            holder = await other.gw.client.get(wire.scheduler_lease(other.gw.settings.model_name))
             lead_alive = [t.get_name() for t in lead.gw.dispatcher._tasks if not t.done()]
             raise AssertionError(
                 f"the follower did not take over in 3 s: the lease is held by {holder!r} (lead "
@@ -184,7 +185,8 @@ async def test_a_scheduler_whose_lease_lapses_steps_down_and_hands_its_queue_on_
         await _until(lambda: other.gw.dispatcher.leading.leader, "the follower took over", timeout_s=3.0)
         assert not leading.lead()  # still holding in its own eyes, but it acts as the scheduler no more
         await _until(lambda: not leading.leader, "the scheduler stepped down", timeout_s=5.0)
-        assert (await other.gw.client.get(wire.SCHEDULER_LEASE)) == other.gw.settings.gateway_id.encode()
+        lease = wire.scheduler_lease(other.gw.settings.model_name)
+        assert (await other.gw.client.get(lease)) == other.gw.settings.gateway_id.encode()
         responses = await asyncio.gather(*calls)
         assert [r.status_code for r in responses] == [200] * 40, [r.text for r in responses if r.status_code != 200]
         assert len({r.json()["id"] for r in responses}) == 40
@@ -198,7 +200,8 @@ async def test_each_job_goes_to_a_worker_with_a_free_slot_and_no_worker_runs_mor
     (its jobs land in that worker's pending entries), and neither ever runs more than 2."""
     slow = {"tokens": 6, "slots": 2, "step_s": 0.02}
     async with make_harness(redis_url, prompts, model_spec.name, engine=EchoEngine(**slow)) as lead:  # type: ignore[arg-type]
-        with running_worker(redis_url, EchoEngine(**slow), profile_s=0, worker_id="second") as second:  # type: ignore[arg-type]
+        with running_worker(redis_url, EchoEngine(**slow), model_spec.name, profile_s=0,  # type: ignore[arg-type]
+                            worker_id="second") as second:
             await _until(lambda: len(lead.gw.dispatcher.workers) == 2, "two workers in view")
             first = next(w for w in lead.gw.dispatcher.workers if w != "second")
             _, key = await lead.tenant("acme", rate=10**6, burst=10**8)

@@ -87,7 +87,7 @@ def test_malformed_entries_raise_protocol_error(body: bytes) -> None:
 
 
 def test_stream_names() -> None:
-    assert wire.jobs_stream("gpu") == "{tg}:jobs:gpu"
+    assert wire.jobs_stream("m", "gpu") == "{tg}:jobs:m:gpu"
     assert wire.replies_stream("g1") == "{tg}:replies:g1"
 
 

@@ -172,11 +172,11 @@ def test_a_lost_group_is_created_again_at_once(caplog: pytest.LogCaptureFixture)
     worker = _worker(client, clock)
     for _ in range(3):
         assert worker.tick()
-    create = [f"xgroup_create {wire.jobs_stream('cpu')} workers 0 mkstream=True",
+    create = [f"xgroup_create {wire.jobs_stream('m', 'cpu')} workers 0 mkstream=True",
               f"xgroup_create {worker.bell} workers $ mkstream=True"]
     assert client.calls == [*create, "xreadgroup", "xreadgroup", *create, "xreadgroup"]
     assert clock.slept == []  # Redis answered: nothing to wait for
-    gone = f"consumer group workers of {wire.jobs_stream('cpu')} is gone: creating it again"
+    gone = f"consumer group workers of {wire.jobs_stream('m', 'cpu')} is gone: creating it again"
     assert _messages(caplog, logging.WARNING) == [gone]
 
 
