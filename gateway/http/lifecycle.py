@@ -156,8 +156,8 @@ class RequestLife:
             if not gw.dispatcher.alive_pools():
                 down = gw.dispatcher.down_reasons()
                 why = f" (workers are down: {'; '.join(down)})" if down else ""
-                raise Unavailable(f"No worker is alive to serve this request{why}; try again shortly.",
-                                  code="no_worker")
+                raise Unavailable(f"No worker serving the model '{gw.settings.model_name}' is alive{why}; "
+                                  "try again shortly.", code="no_worker")
             sampling = self.gen.sampling(max_tokens, gw.sampling)
             seq = p.SeqJob(secrets.token_hex(12), tuple(ids), sampling, self.gen.stream, **self.gen.source())
             self.rid = seq.rid

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
 
 from common import protocol as p
 from common import wire
 from gateway.dispatch.prompts import PromptBuilder
-from tests.integration.gateway.conftest import make_harness
+from gateway.http.app import create_app
+from gateway.http.services import Gateway, redis_client
+from gateway.settings import GatewaySettings
+from tests.integration.gateway.conftest import ADMIN, make_harness
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 
@@ -48,3 +52,26 @@ async def test_two_models_share_tenants_but_not_jobs_workers_or_schedulers(redis
         for h in (alpha, beta):  # each model elected its own scheduler: the one gateway serving it
             assert await client.get(wire.scheduler_lease(h.model)) == h.gw.settings.gateway_id.encode()
             assert h.gw.dispatcher.leading.leader
+
+
+async def test_a_model_whose_workers_are_all_of_another_model_gets_503_naming_it(redis_url: str,
+                                                                                 prompts: PromptBuilder) -> None:
+    """A worker of ``alpha`` is live; a gateway of ``gamma`` beside it has no worker: 503
+    ``no_worker`` with Retry-After, naming ``gamma``, and nothing on either jobs stream."""
+    async with make_harness(redis_url, prompts, "alpha", worker_id="w-alpha") as alpha:
+        _, key = await alpha.tenant("t", rate=10**6, burst=10**8)
+        config = GatewaySettings(redis_url=redis_url, model_name="gamma", admin_token=ADMIN)
+        gw = Gateway(config, prompts, redis_client(config))
+        await gw.dispatcher.start()
+        await gw.dispatcher.refresh_workers()
+        try:
+            transport = httpx.ASGITransport(app=create_app(gw))
+            async with httpx.AsyncClient(transport=transport, base_url="http://g") as http:
+                r = await http.post("/v1/completions", headers={"authorization": f"Bearer {key}"},
+                                    json={"model": "gamma", "prompt": [1, 2, 3], "max_tokens": 4})
+            assert r.status_code == 503 and r.headers["retry-after"], r.text
+            assert r.json()["error"]["code"] == "no_worker" and "'gamma'" in r.json()["error"]["message"]
+            assert gw.dispatcher.workers == {}  # alpha's worker is not in gamma's view
+            assert not await alpha.gw.client.exists(wire.jobs_stream("gamma", "cpu"))
+        finally:
+            await gw.drain()
