@@ -31,7 +31,7 @@ from bench.harness import ADMIN_TOKEN, OUT, auth, json_lines, save_plot, stack, 
 from common import wire
 
 SAMPLE_S = 0.025
-_BACKLOG = re.compile(r'^tokengate_backlog_(requests|tokens)\{pool="(\w+)"\} (\S+)$', re.MULTILINE)
+_BACKLOG = re.compile(r'^tokengate_backlog_(requests|tokens)\{model="[^"]*",pool="(\w+)"\} (\S+)$', re.MULTILINE)
 
 
 @dataclass

@@ -11,74 +11,80 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 
 
 class Metrics:
-    def __init__(self) -> None:
+    """Every series carries ``model``, the model this gateway serves (several models' gateways
+    share one Prometheus, issue 39); a metric with no other label is held bound to it."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "tokengate_requests",
             "HTTP requests by route and status code",
-            ["route", "status"],
+            ["model", "route", "status"],
             registry=self.registry,
         )
         self.latency = Histogram(
             "tokengate_request_latency_seconds",
             "Time from request received to last byte handed to the server",
-            ["route"],
+            ["model", "route"],
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.ttft = Histogram(
             "tokengate_time_to_first_token_seconds",
             "Time from request received to the first generated text",
-            ["route"],
+            ["model", "route"],
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.tokens = Counter(
             "tokengate_tokens",
             "Tokens processed, by kind (prompt, completion)",
-            ["kind"],
+            ["model", "kind"],
             registry=self.registry,
         )
         self.admitted = Counter(
             "tokengate_admitted",
             "Generation requests admitted (their budget reserved and the scheduler's contract given)",
-            registry=self.registry,
-        )
+            ["model"], registry=self.registry,
+        ).labels(model)
         self.in_flight = Gauge(
-            "tokengate_requests_in_flight", "Generation requests awaiting their result", registry=self.registry
-        )
+            "tokengate_requests_in_flight", "Generation requests awaiting their result", ["model"],
+            registry=self.registry,
+        ).labels(model)
         self.backlog_requests = Gauge(
             "tokengate_backlog_requests",
             "Requests queued in this gateway, by the pool each would go to were both pools staffed "
             "(docs/operations.md, \"Scaling on backlog\")",
-            ["pool"],
+            ["model", "pool"],
             registry=self.registry,
         )
         self.backlog_tokens = Gauge(
             "tokengate_backlog_tokens",
             "Tokens (prompt and expected output) of the requests queued in this gateway, by pool",
-            ["pool"],
+            ["model", "pool"],
             registry=self.registry,
         )
         self.contract_inside = Counter(
             "tokengate_contract_outcomes",
             "Finished requests with a contract, by path, component (ttft: first token; total: last) and "
             "whether it came within its p99 bound",
-            ["path", "component", "within_p99"],
+            ["model", "path", "component", "within_p99"],
             registry=self.registry,
         )
         self.contract_error = Histogram(
             "tokengate_contract_error_ratio",
             "Absolute percentage error of the predicted latency (as a fraction), by path, component and "
             "prediction: calibrated (the promise) or raw (the step-time model before calibration)",
-            ["path", "component", "prediction"],
+            ["model", "path", "component", "prediction"],
             buckets=(0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5),
             registry=self.registry,
         )
         self.workers = Gauge(
-            "tokengate_workers_alive", "Workers with a live heartbeat, by pool", ["pool"], registry=self.registry
+            "tokengate_workers_alive", "Workers with a live heartbeat, by pool", ["model", "pool"],
+            registry=self.registry
         )
-        labels = ["worker", "pool", "device", "dtype", "amx"]
+        labels = ["model", "worker", "pool", "device", "dtype", "amx"]
         self.worker_prefill = Gauge(
             "tokengate_worker_prefill_tokens_per_second",
             "Each live worker's prefill speed on a 512-token prompt, measured by the worker at start",
@@ -98,29 +104,30 @@ class Metrics:
             "tokengate_worker_cpu_starved_ratio",
             "Each live worker's share of thread time spent waiting for a CPU since its last heartbeat "
             "(another program on its CPUs: every step slows)",
-            ["worker", "pool"], registry=self.registry,
+            ["model", "worker", "pool"], registry=self.registry,
         )
         self.budget_wait = Histogram(
             "tokengate_budget_wait_seconds",
             "How long admitted requests waited for their tenant's token budget (waits > 0 only)",
+            ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
-        )
+        ).labels(model)
 
     def observe_workers(self, workers: dict[str, p.Heartbeat], pools: tuple[str, ...]) -> None:
         """The live workers: how many per pool, and their measured profiles
         (workers/selfprofile.py); a gone worker's series go with it."""
         for pool in pools:
-            self.workers.labels(pool).set(sum(1 for w in workers.values() if w.pool == pool))
+            self.workers.labels(self.model, pool).set(sum(1 for w in workers.values() if w.pool == pool))
         gauges = (self.worker_prefill, self.worker_decode, self.worker_profile, self.worker_starved)
         for gauge in gauges:
             gauge.clear()
         for wid, hb in workers.items():
-            self.worker_starved.labels(wid, hb.pool).set(hb.cpu_starved)
+            self.worker_starved.labels(self.model, wid, hb.pool).set(hb.cpu_starved)
             summary, facts = hb.profile_part("summary"), hb.profile_part("facts")
             if not summary or not facts:
                 continue
-            labels = (wid, hb.pool, hb.device, hb.dtype, "true" if facts.get("amx_used") else "false")
+            labels = (self.model, wid, hb.pool, hb.device, hb.dtype, "true" if facts.get("amx_used") else "false")
             try:
                 self.worker_prefill.labels(*labels).set(float(summary["prefill_tokens_per_s"]))
                 self.worker_decode.labels(*labels).set(float(summary["decode_step_ms"]) / 1000.0)
@@ -130,8 +137,8 @@ class Metrics:
 
     def observe_backlog(self, backlog: dict[str, dict[str, int]]) -> None:
         for pool, queued in backlog.items():
-            self.backlog_requests.labels(pool).set(queued["requests"])
-            self.backlog_tokens.labels(pool).set(queued["tokens"])
+            self.backlog_requests.labels(self.model, pool).set(queued["requests"])
+            self.backlog_tokens.labels(self.model, pool).set(queued["tokens"])
 
     def observe_contract(self, acc: Accuracy | None) -> None:
         """How a finished request's promise fared (None: it had none, or did not finish)."""
@@ -141,6 +148,6 @@ class Metrics:
                                               ("total", acc.total_inside, acc.total_ape, acc.raw_total_ape)):
             if inside is None or error is None or raw is None:  # the first token was not seen apart
                 continue
-            self.contract_inside.labels(acc.path, component, "true" if inside else "false").inc()
-            self.contract_error.labels(acc.path, component, "calibrated").observe(error)
-            self.contract_error.labels(acc.path, component, "raw").observe(raw)
+            self.contract_inside.labels(self.model, acc.path, component, "true" if inside else "false").inc()
+            self.contract_error.labels(self.model, acc.path, component, "calibrated").observe(error)
+            self.contract_error.labels(self.model, acc.path, component, "raw").observe(raw)

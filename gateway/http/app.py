@@ -373,11 +373,12 @@ class Instrument:
         finally:
             requests = self._requests.get((route, status))
             if requests is None:  # a labelled child is looked up once per route and status
-                requests = self._requests[route, status] = self.metrics.requests.labels(route, str(status))
+                model = self.metrics.model
+                requests = self._requests[route, status] = self.metrics.requests.labels(model, route, str(status))
             requests.inc()
             latency = self._latency.get(route)
             if latency is None:
-                latency = self._latency[route] = self.metrics.latency.labels(route)
+                latency = self._latency[route] = self.metrics.latency.labels(self.metrics.model, route)
             latency.observe(time.perf_counter() - start)
 
 

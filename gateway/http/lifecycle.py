@@ -255,8 +255,8 @@ class RequestLife:
         if first and self.meter.first_token_s is not None:  # a stream's first token: the contract learns now
             self.gw.dispatcher.first_token(self.rid, self.meter.first_token_s)
         if isinstance(ev, p.Finished):
-            self.gw.metrics.tokens.labels("prompt").inc(ev.prompt_tokens)
-            self.gw.metrics.tokens.labels("completion").inc(ev.completion_tokens)
+            self.gw.metrics.tokens.labels(self.gw.metrics.model, "prompt").inc(ev.prompt_tokens)
+            self.gw.metrics.tokens.labels(self.gw.metrics.model, "completion").inc(ev.completion_tokens)
         return ev
 
     async def body(self) -> Mapping[str, object]:
@@ -300,7 +300,7 @@ class RequestLife:
                     return
                 if isinstance(ev, p.Delta):
                     if first:
-                        self.gw.metrics.ttft.labels(route).observe(self.meter.age())
+                        self.gw.metrics.ttft.labels(self.gw.metrics.model, route).observe(self.meter.age())
                         first = False
                     yield _sse(oai.chunk_body(gen, rid, created, ev.text))
                 elif isinstance(ev, p.Finished):

@@ -71,7 +71,7 @@ class Gateway:
         # what a request that leaves temperature/top_p out gets (default: the settings' alone)
         self.sampling = sampling or oai.SamplingDefaults(settings.default_temperature, settings.default_top_p)
         self.client = client
-        self.metrics = Metrics()
+        self.metrics = Metrics(settings.model_name)
         self.batch = AutoPipeline(client)  # admissions, settlements and jobs of one loop turn: one round trip
         self.dispatcher = Dispatcher(settings, client, config=settings.scheduler, batch=self.batch,
                                      on_workers=lambda found: self.metrics.observe_workers(found, settings.pools),

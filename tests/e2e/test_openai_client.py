@@ -144,5 +144,5 @@ def test_health_ready_metrics(served: Served) -> None:
     ready = httpx.get(served.base_url + "/readyz").json()
     assert ready["ready"] and ready["pools"] == ["cpu"]
     metrics = httpx.get(served.base_url + "/metrics").text
-    assert 'tokengate_requests_total{route="chat",status="200"}' in metrics
+    assert f'tokengate_requests_total{{model="{served.model}",route="chat",status="200"}}' in metrics
     assert "tokengate_request_latency_seconds_bucket" in metrics

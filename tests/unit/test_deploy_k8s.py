@@ -116,14 +116,15 @@ def test_keda_watches_the_stream_its_target_reads(document: tuple[Path, dict[str
 
 @pytest.mark.parametrize("document", _scaled_objects(), ids=_id)
 def test_keda_scales_each_pool_on_its_backlog(document: tuple[Path, dict[str, Any]]) -> None:
-    """A Prometheus trigger sums the gateways' exported backlog of the target's pool (the queue
+    """A Prometheus trigger sums the gateways' exported backlog of the target's model and pool (the queue
     lives in the gateways, so the stream's lag alone stays near zero); a pool that may scale to
     zero wakes on any of it (a pool with no worker still shows the work it would take)."""
     _, doc = document
     namespace, name = _names(doc)
     workload = ("Deployment", namespace, doc["spec"]["scaleTargetRef"]["name"])
-    (pool,) = {started.worker.pool for launch in LAUNCHES if launch.workload == workload
-               if (started := start(launch)).worker is not None}
+    ((pool, model),) = {(started.worker.pool, started.worker.model_name or DEFAULT_MODEL_NAME)
+                        for launch in LAUNCHES if launch.workload == workload
+                        if (started := start(launch)).worker is not None}
     exported = exported_series()
     triggers = [t["metadata"] for t in doc["spec"]["triggers"] if t["type"] == "prometheus"]
     assert len(triggers) == 1, f"{name}: one prometheus trigger on the backlog"
@@ -136,6 +137,8 @@ def test_keda_scales_each_pool_on_its_backlog(document: tuple[Path, dict[str, An
     assert selectors[0].name in exported
     pools = [m.value for m in selectors[0].matchers.matchers if m.name == "pool"]
     assert pools == [pool], f"{name}: the query reads pool {pools}, its workers serve {pool}"
+    models = [m.value for m in selectors[0].matchers.matchers if m.name == "model"]
+    assert models == [model], f"{name}: the query reads model {models}, its workers serve {model}"
     assert float(metadata["threshold"]) > 0 and metadata["serverAddress"].startswith("http")
     if doc["spec"].get("minReplicaCount", 0) == 0:
         assert float(metadata.get("activationThreshold", "1")) == 0.0, f"{name}: must wake on any backlog"

@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 async def _exported(h: Harness) -> dict[tuple[str, str], float]:
     text = (await h.http.get("/metrics")).text
     return {(kind, pool): float(v) for kind, pool, v in
-            re.findall(r'^tokengate_backlog_(requests|tokens)\{pool="(\w+)"\} (\S+)$', text, re.MULTILINE)}
+            re.findall(rf'^tokengate_backlog_(requests|tokens)\{{model="{h.model}",pool="(\w+)"\}} (\S+)$', text,
+                       re.MULTILINE)}
 
 
 async def _stored(h: Harness) -> dict[str, object] | None:

@@ -236,7 +236,7 @@ async def test_a_client_that_leaves_a_plain_request_is_a_499_not_a_500(
         assert sent[0]["status"] == 499
         await _wait_for(lambda: h.gw.in_flight == 0 and _used_slots(h) == 0, 10)
         metrics = (await h.http.get("/metrics")).text
-        assert 'tokengate_requests_total{route="completions",status="499"} 1.0' in metrics
+        assert f'tokengate_requests_total{{model="{h.model}",route="completions",status="499"}} 1.0' in metrics
         assert 'status="500"' not in metrics
         assert "InvalidStateError" not in caplog.text and "Traceback" not in caplog.text
 

@@ -12,18 +12,18 @@ from sched_core.contracts import Accuracy
 
 
 def _metrics() -> Metrics:
-    m = Metrics()
-    m.requests.labels("chat", "200").inc(3)
-    m.requests.labels("completions", "200").inc(2)
-    m.requests.labels("completions", "499").inc()
-    m.requests.labels("chat", "429").inc(4)
-    m.requests.labels("chat", "503").inc()
-    m.requests.labels("admin", "200").inc(50)  # not a generation: not counted
+    m = Metrics("m")
+    m.requests.labels("m", "chat", "200").inc(3)
+    m.requests.labels("m", "completions", "200").inc(2)
+    m.requests.labels("m", "completions", "499").inc()
+    m.requests.labels("m", "chat", "429").inc(4)
+    m.requests.labels("m", "chat", "503").inc()
+    m.requests.labels("m", "admin", "200").inc(50)  # not a generation: not counted
     m.admitted.inc(6)
     m.budget_wait.observe(0.2)
     m.budget_wait.observe(0.3)
-    m.tokens.labels("prompt").inc(100)
-    m.tokens.labels("completion").inc(40)
+    m.tokens.labels("m", "prompt").inc(100)
+    m.tokens.labels("m", "completion").inc(40)
     m.observe_contract(Accuracy("cpu", True, 0.1, 0.3, True, 0.2, 0.4))
     m.observe_contract(Accuracy("cpu", False, 0.5, 0.6, None, None, None))  # first token not seen apart
     m.observe_contract(Accuracy("gpu", True, 0.05, 0.1, False, 0.3, 0.5))
