@@ -314,6 +314,7 @@ class UsageOverview(TypedDict):
 @with_config(_FORBID)
 class GatewayPart(TypedDict):
     gateway: str
+    model: str  # the model it serves (its scheduling domain)
     role: Literal["scheduler", "follower"]
     at: float  # unix time it took its counters (it publishes them every second)
     age_s: Seconds  # since then
@@ -364,6 +365,7 @@ class Cluster(TypedDict):
     object: Literal["cluster"]
     at: float
     gateway: str  # the gateway that answered
+    model: str  # the model it serves: the gateways listed are that model's
     gateways: list[GatewayPart]
     scheduler: dict[str, Any] | None
     workers: list[WorkerView]
@@ -390,6 +392,7 @@ class SchedulerSnapshot(TypedDict):
     per-tenant counters (docs/scheduling.md); its inner shape belongs to ``sched_core``."""
 
     gateway: str
+    model: str  # the model this gateway serves: its scheduling domain
     role: Literal["scheduler", "follower"]  # a follower forwards its requests to the scheduler
     gateways: int  # live gateway processes
     batches_in_flight: int

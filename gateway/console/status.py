@@ -113,6 +113,7 @@ def part(snapshot: dict[str, Any], metrics: Metrics, started: int, in_flight: in
     own = counters(metrics)
     return {
         "gateway": snapshot["gateway"],
+        "model": snapshot.get("model", ""),
         "role": snapshot["role"],
         "at": now,
         "started": started,
@@ -179,7 +180,7 @@ def _add(into: dict[str, Any], more: dict[str, Any]) -> None:
 
 
 def cluster(me: str, parts: list[dict[str, Any]], workers: list[dict[str, Any]], now: float,
-            holder: str | None = None) -> dict[str, Any]:
+            holder: str | None = None, model: str | None = None) -> dict[str, Any]:
     """The cluster view from the gateways' live parts: every gateway with its role and its
     own totals, stamped with the time it took them (``at``: rates come from one gateway's
     successive parts, never from parts read at different moments), the counters summed (and
@@ -187,7 +188,11 @@ def cluster(me: str, parts: list[dict[str, Any]], workers: list[dict[str, Any]],
     ``shapes.Cluster``, takes any key in ``counters``), the scheduler's queues and policy (None
     while no gateway schedules). The scheduler is the lease's ``holder`` ('' none; None: not
     read): a part published before its gateway lost the lease (paused, cut off) says scheduler
-    for up to ``STALE_S`` more, and is read as a follower's."""
+    for up to ``STALE_S`` more, and is read as a follower's. ``model``: the answering gateway's;
+    only the gateways of that model (its scheduling domain) are shown and summed, where several
+    models share the Redis (a part from a release without models counts as this model's)."""
+    if model is not None:
+        parts = [doc for doc in parts if doc.get("model", model) == model]
     total: dict[str, Any] = {"admitted": 0, "responses": {}, "budget_waits": 0, "tokens": {}, "contracts": {}}
     gateways = []
     scheduler = None
@@ -196,14 +201,16 @@ def cluster(me: str, parts: list[dict[str, Any]], workers: list[dict[str, Any]],
         _add(total, own)
         schedules = doc.get("role") == "scheduler" and (holder is None or doc.get("gateway") == holder)
         role = "scheduler" if schedules else "follower"
-        gateways.append({"gateway": doc.get("gateway"), "role": role, "at": doc["at"],
+        gateways.append({"gateway": doc.get("gateway"), "model": doc.get("model", model or ""), "role": role,
+                         "at": doc["at"],
                          "age_s": max(0.0, now - doc["at"]), "in_flight": doc.get("in_flight", 0),
                          "started": doc.get("started"), "admitted": own.get("admitted", 0),
                          "refused": refused(own.get("responses", {})), "budget_waits": own.get("budget_waits", 0)})
         if schedules and doc.get("scheduler") is not None:
             scheduler = {"gateway": doc.get("gateway"), **doc["scheduler"]}
     return {
-        "object": "cluster", "at": now, "gateway": me, "gateways": gateways, "scheduler": scheduler,
+        "object": "cluster", "at": now, "gateway": me, "model": model or "", "gateways": gateways,
+        "scheduler": scheduler,
         "workers": sorted(workers, key=lambda w: (w["pool"], w["worker"])),
         "counters": {**total, "refused": refused(total["responses"]),
                      "traffic": traffic([doc.get("traffic") or [] for doc in parts], now)},

@@ -203,6 +203,7 @@ class Dispatcher:
     def snapshot(self) -> dict[str, object]:
         snap = self.shell.snapshot()
         snap["gateway"] = self.settings.gateway_id
+        snap["model"] = self.settings.model_name  # the scheduling domain it belongs to
         snap["role"] = "scheduler" if self.leading.lead() else "follower"  # a follower's queue is the scheduler's
         snap["gateways"] = self.gateways
         snap["batches_in_flight"] = self.shell.leases

@@ -107,4 +107,5 @@ async def read(gw: Gateway) -> dict[str, Any]:
     now = time.time()
     beat = {wire.text(w): float(score) for w, score in beats}
     workers = [status.worker_view(hb, beat.get(wid), now) for wid, hb in gw.dispatcher.workers.items()]
-    return status.cluster(gw.settings.gateway_id, parts, workers, now, wire.text(holder) if holder else "")
+    return status.cluster(gw.settings.gateway_id, parts, workers, now, wire.text(holder) if holder else "",
+                          gw.settings.model_name)

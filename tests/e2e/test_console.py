@@ -108,7 +108,8 @@ def test_an_operator_runs_a_tenant_from_sign_in_to_revoked_key(page: Page, gatew
     page.wait_for_selector("#live:not([hidden])")
     page.wait_for_function("document.querySelector('#workers').innerText.includes('echo')")
     page.wait_for_function("document.querySelectorAll('#gateways tr').length === 3")  # both, whichever answers
-    assert re.search(r"gateway \S+ \((scheduler|follower)\) · 2 gateway\(s\) · 1 worker\(s\)", _text(page, "#where"))
+    assert re.search(r"model \S+ · gateway \S+ \((scheduler|follower)\) · 2 gateway\(s\) · 1 worker\(s\)",
+                     _text(page, "#where"))
     roles = sorted(row.split("\t")[1] for row in _text(page, "#gateways").splitlines()[1:])
     assert roles == ["follower", "scheduler"]
     page.wait_for_function("document.querySelector('#policy').innerText.includes('macro-state')")

@@ -168,8 +168,8 @@ async function refreshLive() {
   try { c = await api("GET", "/admin/cluster"); } catch (e) { $("live-error").textContent = e.message; throw e; }
   $("live-error").textContent = "";
   const me = c.gateways.find((g) => g.gateway === c.gateway);
-  $("where").textContent = `gateway ${c.gateway} (${me ? me.role : "?"}) · ${c.gateways.length} gateway(s) · ` +
-    `${c.workers.length} worker(s)`;
+  $("where").textContent = `model ${c.model} · gateway ${c.gateway} (${me ? me.role : "?"}) · ` +
+    `${c.gateways.length} gateway(s) · ${c.workers.length} worker(s)`;
   const k = c.counters;
   // the traffic chart: the gateways' rates over the last 2 min, worked out by the gateway that
   // answers from each gateway's own recent samples (gateway/console/status.py, traffic), so the

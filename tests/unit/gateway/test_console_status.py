@@ -75,6 +75,17 @@ def test_only_the_lease_holder_shows_as_the_scheduler() -> None:
     assert [g["role"] for g in nobody["gateways"]] == ["follower", "follower"] and nobody["scheduler"] is None
 
 
+def test_where_several_models_share_the_redis_the_view_is_the_answering_gateway_s_model() -> None:
+    """Each model is its own scheduling domain, with its own scheduler: the view of a gateway of
+    ``a`` lists and sums the gateways of ``a`` only (and takes a part without a model as ``a``'s)."""
+    parts = [{**_part("g1", "scheduler", 99.0, {"admitted": 3}, {"queued": 7}), "model": "a"},
+             {**_part("g2", "scheduler", 99.0, {"admitted": 5}, {"queued": 2}), "model": "b"},
+             _part("g3", "follower", 99.0, {"admitted": 1})]
+    view = status.cluster("g3", parts, [], now=100.0, holder="g1", model="a")
+    assert view["model"] == "a" and [(g["gateway"], g["model"]) for g in view["gateways"]] == [("g1", "a"), ("g3", "a")]
+    assert view["scheduler"] == {"gateway": "g1", "queued": 7} and view["counters"]["admitted"] == 4
+
+
 def test_the_scheduler_view_leaves_out_what_grows_with_the_tenants() -> None:
     snap = {"queued": 1, "buckets": [], "fairness": {"tenants": {"a": {}, "b": {}}, "min_counter": 0.0},
             "paths": {"cpu": {"capacity": 4, "in_flight": 1, "step_model": {"decode_seq": 1.0}}},
