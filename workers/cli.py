@@ -122,13 +122,15 @@ def run(settings: WorkerSettings) -> None:
 
     model_store.offline()
     engine: Engine
-    model_dir: Path | None = None  # the model's files, where this worker has them: its tokenizer is published
-    if settings.model and settings.engine != "hf":  # an echo or upstream worker given one
-        model_dir = model_store.resolve(settings.model, settings.cache_dir or model_store.default_cache_dir()).path
+    # an echo or upstream worker given the model's files: its tokenizer is published (as an hf worker's)
+    given = (model_store.resolve(settings.model, settings.cache_dir or model_store.default_cache_dir(),
+                                 settings.model_name) if settings.model and settings.engine != "hf" else None)
+    model_dir: Path | None = given.path if given is not None else None
     if settings.engine == "echo":
         engine = EchoEngine(tokens=settings.echo_tokens, slots=settings.slots, step_s=settings.echo_step_s,
                             prefill_s=settings.echo_prefill_s)
-        model_name = settings.model_name or model_store.DEFAULT_MODEL_NAME  # it stands in for the default model
+        # it stands in for the model it was given, else for the default model
+        model_name = given.name if given is not None else settings.model_name or model_store.DEFAULT_MODEL_NAME
     elif settings.engine == "upstream":
         from workers.upstream import UpstreamEngine
 
