@@ -11,14 +11,17 @@ the model's files".
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
 
-import redis
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from common import protocol as p
 from common import tokenizer_bundle, wire
+from gateway.dispatch.liveness import live_workers
 from workers import model_store
 
 log = logging.getLogger("tokengate.gateway")
@@ -35,34 +38,19 @@ def announced(workers: list[p.Heartbeat], name: str | None) -> p.Heartbeat | Non
     return min(found, key=lambda hb: (hb.started, hb.worker)) if found else None
 
 
-def live_workers(client: redis.Redis) -> list[p.Heartbeat]:
-    """The heartbeats of the workers alive now (as ``Liveness.workers`` reads them)."""
-    ids: list[bytes] = client.zrange(wire.WORKERS_ZSET, 0, -1)  # type: ignore[assignment]
-    raws: list[bytes | None] = client.mget([wire.worker_key(wire.text(i)) for i in ids]) if ids else []  # type: ignore[assignment]
-    out = []
-    for raw in raws:
-        if raw is None:
-            continue
-        try:
-            out.append(p.decode_heartbeat(raw))
-        except p.ProtocolError:
-            continue  # a worker of another version: not this gateway's to read
-    return out
-
-
-def wait_for(redis_url: str, name: str | None, cache_dir: Path | None) -> model_store.ModelSpec:
+async def wait_for(redis_url: str, name: str | None, cache_dir: Path | None) -> model_store.ModelSpec:
     """The model a live worker serves, its tokenizer files unpacked here; waits (saying so every
     ``SAY_EVERY_S``) until a worker has published them."""
     target = (cache_dir or model_store.cache_root()) / "tokenizers"
-    client = redis.Redis.from_url(redis_url, socket_timeout=5.0, socket_connect_timeout=5.0)
+    client = aioredis.Redis.from_url(redis_url, socket_timeout=5.0, socket_connect_timeout=5.0)
     started = said = time.monotonic()
     what = f"model {name!r}" if name else "a model"
     try:
         while True:
             try:
-                hb = announced(live_workers(client), name)
-                blob = client.get(wire.tokenizer_key(hb.tokenizer)) if hb is not None else None
-            except redis.RedisError as exc:
+                hb = announced(list((await live_workers(client)).values()), name)
+                blob = await client.get(wire.tokenizer_key(hb.tokenizer)) if hb is not None else None
+            except RedisError as exc:
                 hb, blob = None, None
                 log.warning("reading the workers from Redis failed (%s); trying again", exc)
             if hb is not None and isinstance(blob, bytes):
@@ -76,6 +64,6 @@ def wait_for(redis_url: str, name: str | None, cache_dir: Path | None) -> model_
                 log.warning("waiting for a live worker serving %s to publish its tokenizer (%.0f s so far): "
                             "start one with the model's files (`tokengate worker --model ...`)", what,
                             now - started)
-            time.sleep(POLL_S)
+            await asyncio.sleep(POLL_S)
     finally:
-        client.close()
+        await client.aclose()

@@ -221,7 +221,7 @@ def run_gateway(args: argparse.Namespace) -> None:
                 raise ValueError("--model-from-workers counts tokens with the workers' model: not with --model")
             from gateway.cli import fleet_model
 
-            spec = fleet_model.wait_for(args.redis_url, args.model_name, args.cache_dir)
+            spec = asyncio.run(fleet_model.wait_for(args.redis_url, args.model_name, args.cache_dir))
         else:
             spec = _model(args)
         settings = settings_from_args(args, args.redis_url, spec.name, raise_nofile_limit())

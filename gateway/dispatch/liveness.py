@@ -106,27 +106,29 @@ class Liveness:
         await self.client.delete(replies)
 
     async def workers(self) -> dict[str, p.Heartbeat]:
-        """The live workers of this gateway's model (their heartbeat keys expire on Redis's
-        clock): the scheduling domain's; another model's workers read other streams. Ids whose
-        key expired leave the worker set."""
-        members: list[bytes] = await self.client.zrange(wire.WORKERS_ZSET, 0, -1)  # type: ignore[assignment]
-        ids = [wire.text(i) for i in members]
-        if not ids:
-            return {}
-        raws: list[bytes | None] = await self.client.mget([wire.worker_key(i) for i in ids])  # type: ignore[assignment]
-        workers: dict[str, p.Heartbeat] = {}
-        gone: list[str] = []
-        for wid, raw in zip(ids, raws, strict=True):
-            if raw is None:
-                gone.append(wid)
-                continue
-            try:
-                hb = p.decode_heartbeat(raw)
-            except p.ProtocolError as exc:
-                log.warning("ignoring worker %s: %s", wid, exc)
-                continue
-            if hb.model == self.model:
-                workers[wid] = hb
-        if gone:
-            await self.client.zrem(wire.WORKERS_ZSET, *gone)
-        return workers
+        """The live workers of this gateway's model: the scheduling domain's; another model's
+        workers read other streams."""
+        return {wid: hb for wid, hb in (await live_workers(self.client)).items() if hb.model == self.model}
+
+
+async def live_workers(client: aioredis.Redis) -> dict[str, p.Heartbeat]:
+    """Every worker with a live heartbeat, of any model (their keys expire on Redis's clock);
+    ids whose key expired leave the worker set."""
+    members: list[bytes] = await client.zrange(wire.WORKERS_ZSET, 0, -1)  # type: ignore[assignment]
+    ids = [wire.text(i) for i in members]
+    if not ids:
+        return {}
+    raws: list[bytes | None] = await client.mget([wire.worker_key(i) for i in ids])  # type: ignore[assignment]
+    workers: dict[str, p.Heartbeat] = {}
+    gone: list[str] = []
+    for wid, raw in zip(ids, raws, strict=True):
+        if raw is None:
+            gone.append(wid)
+            continue
+        try:
+            workers[wid] = p.decode_heartbeat(raw)
+        except p.ProtocolError as exc:
+            log.warning("ignoring worker %s: %s", wid, exc)
+    if gone:
+        await client.zrem(wire.WORKERS_ZSET, *gone)
+    return workers
