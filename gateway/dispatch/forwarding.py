@@ -52,6 +52,7 @@ class Forwarding:
 
     def __init__(self, d: Host) -> None:
         self.d = d
+        self.arrivals = wire.arrivals_stream(d.settings.model_name)  # this model's scheduler reads it
         self._decisions: dict[str, asyncio.Future[Contract | Reject | None]] = {}  # forwarded, undecided
         self._remote: set[str] = set()  # requests this gateway forwarded, until they end here
         self._asked: dict[str, asyncio.Future[dict[str, object] | None]] = {}  # questions to the scheduler
@@ -125,7 +126,7 @@ class Forwarding:
     async def _arrive(self, seq: p.SeqJob, who: Origin, promised: bool = False) -> None:
         """The arrival on ``wire.arrivals_stream``, answered on this gateway's reply stream."""
         fields = election.encode_arrival(seq, who, self.d.replies, promised)
-        await self.d.batch.call("XADD", wire.arrivals_stream(self.d.settings.model_name), "*", *flat(fields))
+        await self.d.batch.call("XADD", self.arrivals, "*", *flat(fields))
 
     def _tell(self, note: election.Note) -> None:
         """Tell the scheduler about a request this gateway forwarded."""
@@ -180,8 +181,7 @@ class Forwarding:
             waiting.set_result(explain)
 
     async def _send(self, fields: dict[bytes, bytes]) -> None:
-        arrivals = wire.arrivals_stream(self.d.settings.model_name)
-        await self.d.xadd_or_warn(arrivals, fields)  # if lost: the slot comes back with the report
+        await self.d.xadd_or_warn(self.arrivals, fields)  # if lost: the slot comes back with the report
 
 
 def flat(fields: dict[bytes, bytes] | dict[str, bytes]) -> list[bytes | str]:

@@ -83,6 +83,7 @@ class Leading:
         self._release = d.client.register_script(election.RELEASE)
         # this model's: the gateways serving a model elect their scheduler among themselves
         self.lease = wire.scheduler_lease(d.settings.model_name)
+        self.term_key = wire.scheduler_term(d.settings.model_name)
         self.arrivals = wire.arrivals_stream(d.settings.model_name)
         self._arrivals = AutoPipeline(d.client, timeout_s=d.settings.redis_timeout_s + READ_BLOCK_MS / 1000)
 
@@ -128,7 +129,7 @@ class Leading:
         """Hold the lease, or seek it: this gateway takes over scheduling when it gets it,
         goes on when it kept it, and steps down when another holds or held it."""
         sent = time.monotonic()  # Redis counts the lease's time from later: this end lapses first
-        term = await self._hold(keys=[self.lease, wire.scheduler_term(self.d.settings.model_name)],
+        term = await self._hold(keys=[self.lease, self.term_key],
                                 args=[self.d.settings.gateway_id, election.LEASE_MS])
         if not term:
             self.step_down("another gateway holds the scheduling lease")
