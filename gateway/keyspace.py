@@ -28,15 +28,7 @@ async def migrate(client: aioredis.Redis, model: str) -> int:
     renamed = 0
     async for raw in client.scan_iter(match=wire.LEGACY_NS + "*", count=1000):
         old = wire.text(raw)
-        new = wire.NS + old.removeprefix(wire.LEGACY_NS)
-        try:
-            moved = await client.renamenx(old, new)
-        except ResponseError:  # another gateway renamed it first
-            continue
-        if moved:
-            renamed += 1
-        else:
-            log.warning("kept %s: %s exists already", old, new)
+        renamed += await _rename(client, old, wire.NS + old.removeprefix(wire.LEGACY_NS))
     if renamed:
         log.warning("renamed %d keys from %s… to %s… (Redis Cluster hash tag)", renamed, wire.LEGACY_NS, wire.NS)
     return renamed + await _per_model(client, model)
@@ -46,18 +38,24 @@ async def _per_model(client: aioredis.Redis, model: str) -> int:
     """The jobs streams (with their consumer groups and pending entries), the arrivals stream
     and the lease's term of a deployment from before models were scheduling domains (one model
     per Redis): now ``model``'s, the one its gateways serve."""
-    renamed = 0
     pairs = [(f"{wire.NS}jobs:{pool}", wire.jobs_stream(model, pool)) for pool in POOLS]
     pairs += [(f"{wire.NS}arrivals", wire.arrivals_stream(model)),
               (f"{wire.NS}scheduler:term", wire.scheduler_term(model))]
+    renamed = 0
     for old, new in pairs:
-        try:
-            moved = await client.renamenx(old, new)
-        except ResponseError:  # no such key (never there, or another gateway renamed it first)
-            continue
-        if moved:
+        if await _rename(client, old, new):
             renamed += 1
             log.warning("renamed %s to %s: the model %s is a scheduling domain of its own", old, new, model)
-        else:
-            log.warning("kept %s: %s exists already", old, new)
     return renamed
+
+
+async def _rename(client: aioredis.Redis, old: str, new: str) -> bool:
+    """``old`` renamed to ``new`` unless ``new`` exists (then it stays, logged) or ``old`` does
+    not (never there, or another gateway renamed it first)."""
+    try:
+        moved = await client.renamenx(old, new)
+    except ResponseError:
+        return False
+    if not moved:
+        log.warning("kept %s: %s exists already", old, new)
+    return bool(moved)
