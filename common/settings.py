@@ -17,8 +17,7 @@ def env_default(name: str, default: Any = None) -> Any:
 
 def env_flag(name: str) -> bool:
     """An on/off flag's environment variable: set and not "", "0", "false" or "no" means on."""
-    return os.environ.get(f"TOKENGATE_{name.upper().replace('-', '_')}", "").strip().lower() not in ("", "0", "false",
-                                                                                                     "no")
+    return str(env_default(name, "")).strip().lower() not in ("", "0", "false", "no")
 
 
 def field_default(settings: type[Any], name: str) -> Any:

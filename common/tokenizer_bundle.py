@@ -36,7 +36,6 @@ BUNDLE_FILES = (
     "merges.txt",
     "tokenizer.model",
 )
-MAX_BUNDLE_BYTES = 64 << 20  # a tokenizer far past any real one's size is not a tokenizer
 
 
 class BundleError(ValueError):
@@ -57,13 +56,17 @@ def pack(model_dir: Path) -> tuple[str, bytes] | None:
             info.size, info.mtime, info.mode = len(data), 0, 0o644
             tar.addfile(info, io.BytesIO(data))
     blob = out.getvalue()
-    return hashlib.sha256(blob).hexdigest()[:32], blob
+    return _digest(blob), blob
+
+
+def _digest(blob: bytes) -> str:
+    return hashlib.sha256(blob).hexdigest()[:32]
 
 
 def unpack(digest: str, blob: bytes, cache_dir: Path) -> Path:
     """The bundle's files in ``cache_dir / digest`` (written once; a second call finds them),
     after checking that ``blob`` is the bundle ``digest`` names and holds only its files."""
-    if hashlib.sha256(blob).hexdigest()[:32] != digest:
+    if _digest(blob) != digest:
         raise BundleError(f"the tokenizer bundle stored under {digest} does not match its digest")
     target = cache_dir / digest
     if target.is_dir():
