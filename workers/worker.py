@@ -354,7 +354,8 @@ class Worker:
         pipe = self.client.pipeline(transaction=False)
         for a in gone:
             pipe.xack(self.stream, wire.GROUP, a.entry_id)
-            pipe.delete(*[wire.progress_key(s.rid) for s in a.job.seqs], *[wire.kv_key(s.rid) for s in a.job.seqs])
+            if keys := leftovers(a.job, [s.rid for s in a.job.seqs]):
+                pipe.delete(*keys)
         pipe.execute()
         for a in gone:
             log.info("dropped batch %s: its gateway is gone (%s)", a.job.batch_id, a.job.reply_to)
