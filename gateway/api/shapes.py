@@ -169,10 +169,19 @@ class Health(TypedDict):
 
 
 @with_config(_FORBID)
+class ModelReady(TypedDict):
+    pools: list[str]
+    workers: NonNegative
+
+
+@with_config(_FORBID)
 class Ready(TypedDict):
+    """Every model's pools and workers together, then each model's (``models``)."""
+
     ready: Literal[True]
     pools: list[str]
     workers: NonNegative
+    models: dict[str, ModelReady]
 
 
 @with_config(_FORBID)

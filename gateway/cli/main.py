@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_gateway_args(serve)
     serve.add_argument("--gateways", type=_processes, default=env_default("gateways", 1),
                        help="gateway processes sharing the port, one per core you give it (docs/operations.md)")
-    worker_cli.add_model_args(serve)
+    worker_cli.add_model_args(serve, several=True)
     worker_cli.add_worker_args(serve)
 
     gateway = sub.add_parser("gateway", help="the HTTP gateway alone, against a shared Redis", formatter_class=helpful,
@@ -64,12 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "these are gateway processes, not model workers (`serve --gateways`)")
     gateway.add_argument("--reuse-port", action="store_true",
                          help="bind with SO_REUSEPORT, so that other gateway processes can share the port")
-    worker_cli.add_model_args(gateway)
+    worker_cli.add_model_args(gateway, several=True)
     gateway.add_argument("--model-from-workers", action="store_true",
                          default=env_flag("model_from_workers"),
                          help="no local model files: wait for a live worker (serving --model-name, where given) "
-                         "to publish its model's tokenizer in Redis, and count tokens with that "
-                         "(docs/operations.md); not with --model")
+                         "to publish its model's tokenizer in Redis, and count tokens with that; every other "
+                         "model a worker announces is served too, as with --model (docs/operations.md); "
+                         "not with --model")
 
     worker = sub.add_parser("worker", help="one pool worker, against a shared Redis (any host)",
                             formatter_class=helpful, epilog=ENVIRONMENT)

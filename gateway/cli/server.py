@@ -29,7 +29,8 @@ import uvloop
 
 from common import protocol as p
 from common.pools import POOLS
-from gateway.cli import processes, serve_state
+from gateway.cli import banners, processes, serve_state, served
+from gateway.cli.banners import DEMO_TENANT
 from gateway.cli.embedded_redis import EmbeddedRedis, default_data_dir
 from gateway.cli.flags import GATEWAY_FLAGS, SETTING_FLAGS
 from gateway.cli.shutdown import FORCED_EXIT_S, Interrupted, StopSignals, exit_within
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tokengate.serve")
 
-DEMO_TENANT = "demo"
 CHILD_STOP_S = 15.0  # `serve`: workers drain this long before they are killed
 SHUTDOWN_SLACK_S = 10.0  # lifespan shutdown (settling, deregistering) after the grace time
 DRAIN_SLACK_S = 2  # uvicorn's own cancellation waits this long after ``Drain`` has ended requests
@@ -71,15 +71,6 @@ def settings_from_args(args: argparse.Namespace, redis_url: str, model_name: str
     return GatewaySettings(**given)
 
 
-def _model(args: argparse.Namespace) -> model_store.ModelSpec:
-    model_store.offline()
-    cache = args.cache_dir or model_store.default_cache_dir()
-    log.info("model cache directory: %s", cache)
-    spec = model_store.resolve(args.model, Path(cache), args.model_name)
-    log.info("model %s at %s", spec.name, spec.path)
-    return spec
-
-
 def listen_socket(host: str, port: int) -> socket.socket:
     """A listening socket that other gateway processes bind too (SO_REUSEPORT): the kernel
     spreads new connections over them. A port held by anything else is a clear error."""
@@ -98,31 +89,29 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 async def _run_gateway(
     settings: GatewaySettings,
-    model_dir: Path,
+    specs: list[model_store.ModelSpec],
     signals: StopSignals,
     ready: Callable[[dict[str, p.Heartbeat]], None] | None = None,
     supervisor: Supervisor | None = None,
     reuse_port: bool = False,
+    cache_dir: Path | None = None,
 ) -> None:
-    """Serves until a signal (or, under `serve`, until every worker died before the first
-    became ready); ``supervisor`` keeps the children alive from the moment it is ready.
-    ``reuse_port``: share the port with other gateway processes (``--workers``)."""
+    """Serves ``specs`` (the first is ``settings.model_name``) and every model its workers
+    announce (``served.watch``) until a signal (or, under `serve`, until every worker died
+    before the first became ready); ``supervisor`` keeps the children alive from the moment it
+    is ready. ``reuse_port``: share the port with other gateway processes (``--workers``)."""
     import uvicorn
 
-    from gateway.api import openai_protocol as oai
     from gateway.cli.shutdown import Drain, QuietServer, expire_after_grace
-    from gateway.dispatch.prompts import PromptBuilder
     from gateway.http.app import create_app
     from gateway.http.protocol import ConnectionLimits, protocol_class
     from gateway.http.services import Gateway, redis_client
 
-    prompts = PromptBuilder.load(model_dir)
-    shipped = model_store.generation_defaults(model_dir)
-    sampling = oai.SamplingDefaults.of(shipped, settings.default_temperature, settings.default_top_p)
-    log.info("a request without temperature/top_p gets temperature %g (%s), top_p %g (%s)",
-             sampling.temperature, _source(shipped, "temperature"), sampling.top_p, _source(shipped, "top_p"))
     client = redis_client(settings)
+    prompts, sampling = served.tokens(specs[0], settings)
     gw = Gateway(settings, prompts, client, sampling)
+    for spec in specs[1:]:
+        gw.add_model(spec.name, *served.tokens(spec, settings))
     drain = Drain(create_app(gw), settings.shutdown_grace_s)
     limits = ConnectionLimits(settings.header_timeout_s, settings.body_timeout_s, settings.max_connections)
     config = uvicorn.Config(
@@ -147,7 +136,8 @@ async def _run_gateway(
         lost.append(why)
         server.should_exit = True
 
-    gw.dispatcher.on_fatal = fatal
+    for dom in gw.domains.values():
+        dom.dispatcher.on_fatal = fatal
     signals.serving(server, drain)
     # what start-up made (the tokenizer, transformers and torch: ~300,000 objects) lives as long
     # as the process: out of the collector's sight, a full collection takes microseconds
@@ -159,10 +149,14 @@ async def _run_gateway(
         asyncio.create_task(expire_after_grace(server, drain, settings.shutdown_grace_s)),
     ]
     try:
+        while not (server.started or task.done()):  # the lifespan has started the first domains
+            await asyncio.sleep(0.05)
+        background.append(asyncio.create_task(served.watch(gw, cache_dir, fatal)))
         if ready is not None:
             while not task.done():
-                if server.started and gw.dispatcher.workers:
-                    ready(gw.dispatcher.workers)
+                workers = {wid: hb for dom in gw.domains.values() for wid, hb in dom.dispatcher.workers.items()}
+                if server.started and workers:
+                    ready(workers)
                     break
                 if supervisor is not None and supervisor.workers_exited():
                     log.error("every worker exited before becoming ready; stopping")
@@ -178,10 +172,6 @@ async def _run_gateway(
         await client.aclose()
     if lost:
         raise RuntimeError(f"stopped because {lost[0]}")  # `tokengate` exits with status 2
-
-
-def _source(shipped: dict[str, float], name: str) -> str:
-    return "the model's generation_config.json" if name in shipped else f"--default-{name.replace('_', '-')}"
 
 
 async def _arm_watchdog(server: uvicorn.Server, grace_s: float, supervisor: Supervisor | None) -> None:
@@ -219,23 +209,23 @@ def run_gateway(args: argparse.Namespace) -> None:
         if args.model_from_workers:
             if args.model:
                 raise ValueError("--model-from-workers counts tokens with the workers' model: not with --model")
-            from gateway.cli import fleet_model
-
-            spec = asyncio.run(fleet_model.wait_for(args.redis_url, args.model_name, args.cache_dir))
+            name = args.model_name[0] if args.model_name else None
+            specs = [asyncio.run(served.wait_for(args.redis_url, name, args.cache_dir))]
         else:
-            spec = _model(args)
-        settings = settings_from_args(args, args.redis_url, spec.name, raise_nofile_limit())
+            specs = served.local(args)
+        settings = settings_from_args(args, args.redis_url, specs[0].name, raise_nofile_limit())
         log.info("gateway %s on http://%s:%d", settings.gateway_id, settings.host, settings.port)
         if settings.admin_token is None:
             log.warning("no --admin-token: the admin API under /admin is disabled")
-        uvloop.run(_run_gateway(settings, spec.path, signals, reuse_port=args.reuse_port))
+        uvloop.run(_run_gateway(settings, specs, signals, reuse_port=args.reuse_port, cache_dir=args.cache_dir))
     faulthandler.cancel_dump_traceback_later()
 
 
-def gateway_argv(args: argparse.Namespace, redis_url: str, model: str | None, model_name: str | None) -> list[str]:
+def gateway_argv(args: argparse.Namespace, redis_url: str, model: list[str] | None,
+                 model_name: list[str] | None) -> list[str]:
     """The command of one more gateway process like this one, sharing its port: every
-    gateway flag as given (the admin token travels in the environment, not the command
-    line; ``gateway_env``)."""
+    gateway flag as given, each model (``--model``, ``--model-name``: again for each) as given
+    (the admin token travels in the environment, not the command line; ``gateway_env``)."""
     cmd = [sys.executable, "-m", "gateway.cli", "--log-level", args.log_level, "gateway",
            "--redis-url", redis_url, "--reuse-port", "--workers", "1"]  # never TOKENGATE_WORKERS' group
     for flag, name, _help in GATEWAY_FLAGS:
@@ -244,10 +234,12 @@ def gateway_argv(args: argparse.Namespace, redis_url: str, model: str | None, mo
             cmd += [f"--{flag}", str(value)]
     cmd += ["--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms),
             "--aging-tokens", str(args.aging_tokens)]
-    for flag, value in (("--cost-priors", args.cost_priors), ("--model", model), ("--model-name", model_name),
-                        ("--cache-dir", args.cache_dir)):
+    for flag, value in (("--cost-priors", args.cost_priors), ("--cache-dir", args.cache_dir)):
         if value is not None:
             cmd += [flag, str(value)]
+    for flag, values in (("--model", model), ("--model-name", model_name)):
+        for value in values or []:
+            cmd += [flag, value]
     if getattr(args, "model_from_workers", False):  # (`serve` has no such flag: its gateways get --model)
         cmd.append("--model-from-workers")
     return cmd
@@ -266,7 +258,7 @@ def run_gateway_group(args: argparse.Namespace) -> None:
     from gateway.http.protocol import raise_nofile_limit
 
     # a bad flag or a port held by another program stops the group here, not N processes in a loop
-    settings_from_args(args, args.redis_url, args.model_name or "checked", raise_nofile_limit())
+    settings_from_args(args, args.redis_url, "checked", raise_nofile_limit())
     listen_socket(args.host, args.port).close()
     argv = gateway_argv(args, args.redis_url, args.model, args.model_name)
     supervisor = Supervisor([], gateways=[gateway_child(i, argv, gateway_env(args)) for i in range(args.workers)])
@@ -340,41 +332,6 @@ async def _demo_key(redis_url: str, saved: str | None) -> str | None:
         await client.aclose()
 
 
-def worker_line(hb: p.Heartbeat) -> str:
-    """One worker as the banner shows it: the path it took (AMX bf16, bf16, fp32, a GPU) and
-    why, and what it measured of itself at start."""
-    path = "AMX bf16" if hb.profile_part("facts").get("amx_used") else hb.dtype
-    line = f"  {hb.pool} worker {hb.worker}: {hb.engine} on {hb.device}, {path} ({hb.choice})"
-    summary = hb.profile_part("summary")
-    if summary:
-        line += (f"; measured at start ({hb.profile.get('how', '?')}, {hb.profile.get('cost_s', 0.0):.1f} s): "
-                 f"prefill {summary.get('prefill_tokens_per_s', 0.0):.0f} tokens/s, "
-                 f"decode step {summary.get('decode_step_ms', 0.0):.1f} ms")
-        starved = hb.profile.get("starved", 0.0)
-        if isinstance(starved, float) and starved >= p.STARVED_SHARE:
-            line += (f" (starved of CPU: {starved * 100:.0f}% of its time waiting for one, another program is "
-                     "running; the gateway follows the live steps)")
-    return line
-
-
-def _banner(settings: GatewaySettings, pools: list[str], key: str, key_file: Path, token_from: str,
-            workers: dict[str, p.Heartbeat]) -> str:
-    """``token_from``: where the admin token came from (its file, or the flag)."""
-    base = f"http://{settings.host}:{settings.port}"
-    model = settings.model_name
-    body = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Say hello in five words."}}]}}'
-    return (
-        f"\ntokengate is ready at {base}  (model {model}; workers: {', '.join(pools)}; redis {settings.redis_url})\n"
-        + "".join(worker_line(hb) + "\n" for _, hb in sorted(workers.items())) +
-        f"Tenant '{DEMO_TENANT}', API key: {key}  (kept in {key_file})\n"
-        f"Admin token (for /admin and `tokengate tenants|keys`): {settings.admin_token}  ({token_from})\n"
-        f"Console: {base}/console  (sign in with the admin token)\n"
-        f"Try:\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
-        f"-H 'Authorization: Bearer {key}' -d '{body}'\n"
-        "Ctrl-C stops everything.\n"
-    )
-
-
 def _supervise_gateways(settings: GatewaySettings, supervisor: Supervisor,
                         ready: Callable[[dict[str, p.Heartbeat]], None]) -> None:
     """`serve --gateways N` (N > 1): this process serves no request; it keeps the gateway
@@ -421,7 +378,7 @@ def serve(args: argparse.Namespace) -> None:
     supervisor: Supervisor | None = None
     try:
         with _stoppable(signals):
-            spec = _model(args)
+            specs = served.local(args)
             redis_url = args.redis_url
             data_dir = Path(args.data_dir or default_data_dir()).expanduser()
             if not redis_url:
@@ -437,17 +394,19 @@ def serve(args: argparse.Namespace) -> None:
                 args.admin_token = serve_state.admin_token(data_dir)
                 token_from = f"kept in {data_dir / serve_state.ADMIN_TOKEN_FILE}"
             key_file = serve_state.demo_key_file(data_dir, None if embedded is not None else redis_url)
-            settings = settings_from_args(args, redis_url, spec.name, raise_nofile_limit())
+            settings = settings_from_args(args, redis_url, specs[0].name, raise_nofile_limit())
             pools = _pools(args.pools, upstream=bool(args.upstream_url))
+            several = len(specs) > 1  # one worker per model and pool
             workers = [
-                worker_child(pool, _worker_argv(pool, redis_url, args, spec.path, spec.name, args.log_level))
-                for pool in pools
+                worker_child(pool, _worker_argv(pool, redis_url, args, spec.path, spec.name, args.log_level),
+                             spec.name if several else "")
+                for spec in specs for pool in pools
             ]
             # one gateway runs in this process; several are all children, so that a kill -9 of any
             # of them (the elected scheduler included) is a failover, not the supervisor's end
             own = args.gateways == 1
-            gateways = [gateway_child(i, gateway_argv(args, redis_url, str(spec.path), spec.name), gateway_env(args))
-                        for i in range(0 if not own else 1, args.gateways)]
+            argv = gateway_argv(args, redis_url, [str(s.path) for s in specs], [s.name for s in specs])
+            gateways = [gateway_child(i, argv, gateway_env(args)) for i in range(0 if not own else 1, args.gateways)]
             supervisor = Supervisor(workers, embedded, gateways=gateways)
             supervisor.start()
             saved = serve_state.read_secret(key_file)
@@ -459,10 +418,12 @@ def serve(args: argparse.Namespace) -> None:
             assert key is not None
 
             def banner(workers: dict[str, p.Heartbeat]) -> None:
-                print(_banner(settings, pools, key, key_file, token_from, workers), flush=True)
+                print(banners.banner(settings, [s.name for s in specs], pools, key, key_file, token_from, workers),
+                      flush=True)
 
             if own:
-                uvloop.run(_run_gateway(settings, spec.path, signals, ready=banner, supervisor=supervisor))
+                uvloop.run(_run_gateway(settings, specs, signals, ready=banner, supervisor=supervisor,
+                                        cache_dir=args.cache_dir))
             else:
                 _supervise_gateways(settings, supervisor, banner)
     finally:

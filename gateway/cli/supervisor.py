@@ -51,8 +51,8 @@ class Child:
     restart_at: float | None = None  # set while it waits to be started again
 
 
-def worker_child(pool: str, argv: Sequence[str]) -> Child:
-    return Child(f"worker (pool {pool})", lambda: processes.spawn(argv))
+def worker_child(pool: str, argv: Sequence[str], model: str = "") -> Child:
+    return Child(f"worker (pool {pool}{f', model {model}' if model else ''})", lambda: processes.spawn(argv))
 
 
 def redis_child(redis: EmbeddedRedis) -> Child:

@@ -36,15 +36,18 @@ _PATH_KEYS = ("capacity", "in_flight", "slot_limit", "workers", "max_batch", "kv
               "step_s", "step_tokens", "fitted_steps", "drift")
 
 
-def _samples(metric: Any, suffix: str) -> Iterator[Sample]:
-    """A Prometheus metric's samples whose name ends in ``suffix`` (``_total``, ``_sum``, ``_count``)."""
-    return (s for family in metric.collect() for s in family.samples if s.name.endswith(suffix))
+def _samples(metric: Any, suffix: str, model: str) -> Iterator[Sample]:
+    """A Prometheus metric's samples of ``model`` whose name ends in ``suffix`` (``_total``,
+    ``_sum``, ``_count``; "" for a gauge's)."""
+    return (s for family in metric.collect() for s in family.samples
+            if s.name.endswith(suffix) and s.labels.get("model") == model)
 
 
-def counters(metrics: Metrics) -> dict[str, Any]:
-    """This gateway's counters since it started, from its Prometheus metrics (one source)."""
+def counters(metrics: Metrics, model: str) -> dict[str, Any]:
+    """This gateway's counters for ``model`` since it started, from its Prometheus metrics (one
+    source)."""
     statuses: dict[str, int] = defaultdict(int)
-    for s in _samples(metrics.requests, "_total"):
+    for s in _samples(metrics.requests, "_total", model):
         if s.labels["route"] in GENERATION_ROUTES:
             statuses[s.labels["status"]] += int(s.value)
     contracts: dict[str, dict[str, dict[str, float]]] = {}
@@ -53,16 +56,16 @@ def counters(metrics: Metrics) -> dict[str, Any]:
         return contracts.setdefault(labels["path"], {}).setdefault(
             labels["component"], {"inside": 0, "outside": 0, "error_sum": 0.0, "errors": 0})
 
-    for s in _samples(metrics.contract_inside, "_total"):
+    for s in _samples(metrics.contract_inside, "_total", model):
         cell(s.labels)["inside" if s.labels["within_p99"] == "true" else "outside"] += int(s.value)
     for suffix, key in (("_sum", "error_sum"), ("_count", "errors")):
-        for s in _samples(metrics.contract_error, suffix):
+        for s in _samples(metrics.contract_error, suffix, model):
             if s.labels["prediction"] == "calibrated":
                 cell(s.labels)[key] += s.value if key == "error_sum" else int(s.value)
-    return {"admitted": sum(int(s.value) for s in _samples(metrics.admitted, "_total")),
+    return {"admitted": sum(int(s.value) for s in _samples(metrics.admitted, "_total", model)),
             "responses": dict(statuses),
-            "budget_waits": sum(int(s.value) for s in _samples(metrics.budget_wait, "_count")),
-            "tokens": {s.labels["kind"]: int(s.value) for s in _samples(metrics.tokens, "_total")},
+            "budget_waits": sum(int(s.value) for s in _samples(metrics.budget_wait, "_count", model)),
+            "tokens": {s.labels["kind"]: int(s.value) for s in _samples(metrics.tokens, "_total", model)},
             "contracts": contracts}
 
 
@@ -106,18 +109,20 @@ class Traffic:
         return list(self.samples)
 
 
-def part(snapshot: dict[str, Any], metrics: Metrics, started: int, in_flight: int, now: float,
+def part(snapshot: dict[str, Any], metrics: Metrics, started: int, now: float,
          traffic: Traffic | None = None) -> dict[str, Any]:
-    """A gateway's part of the cluster view, from its scheduler's snapshot and its metrics,
-    with its recent traffic where it keeps one."""
-    own = counters(metrics)
+    """A gateway's part of the cluster view for one model (a gateway serving several models
+    publishes one part per model), from that model's scheduler snapshot and the gateway's
+    metrics of it, with its recent traffic where it keeps one."""
+    model = snapshot["model"]
+    own = counters(metrics, model)
     return {
         "gateway": snapshot["gateway"],
-        "model": snapshot.get("model", ""),
+        "model": model,
         "role": snapshot["role"],
         "at": now,
         "started": started,
-        "in_flight": in_flight,
+        "in_flight": sum(int(s.value) for s in _samples(metrics.in_flight, "", model)),
         "counters": own,
         "scheduler": scheduler_view(snapshot) if snapshot["role"] == "scheduler" else None,
         "traffic": traffic.add(now, own) if traffic is not None else [],

@@ -13,6 +13,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.dispatch import records
+from gateway.errors import ModelNotFound
 from gateway.http import console
 from gateway.http.web import ORJSONResponse, read_json
 from gateway.tenancy import admin_protocol as ap
@@ -20,7 +21,7 @@ from gateway.tenancy import usage
 from gateway.tenancy.tenants import to_doc
 
 if TYPE_CHECKING:
-    from gateway.http.services import Gateway
+    from gateway.http.services import Domain, Gateway
 
 _ADMIN_BODY_LIMIT = 64 * 1024
 
@@ -49,7 +50,7 @@ def _list(data: list[dict[str, Any]], **extra: Any) -> Response:
 
 async def create_tenant(request: Request) -> Response:
     gw = _gw(request)  # the burst must hold one request of up to the model's context (docs/tenants.md)
-    tenant = ap.parse_create(await _body(request), context=gw.prompts.context_tokens)
+    tenant = ap.parse_create(await _body(request), context=gw.context_tokens())
     await gw.tenants.create(tenant)
     return ORJSONResponse(to_doc(tenant), status_code=201)
 
@@ -61,14 +62,15 @@ async def list_tenants(request: Request) -> Response:
 async def get_tenant(request: Request) -> Response:
     gw = _gw(request)
     tenant = await gw.tenants.get(request.path_params["tenant"])
-    return ORJSONResponse({**to_doc(tenant), "state": await gw.budget.state(tenant)})
+    state = await gw.domain().budget.state(tenant)  # the tenant's bucket: one for every model
+    return ORJSONResponse({**to_doc(tenant), "state": state})
 
 
 async def update_tenant(request: Request) -> Response:
     change = ap.parse_update(await _body(request))
     gw = _gw(request)
     tenant = await gw.tenants.update(
-        request.path_params["tenant"], lambda t: ap.apply_update(t, change, gw.prompts.context_tokens)
+        request.path_params["tenant"], lambda t: ap.apply_update(t, change, gw.context_tokens())
     )
     gw.auth.cache.forget(tenant_id=tenant.id)
     return ORJSONResponse(to_doc(tenant))
@@ -131,18 +133,31 @@ async def revoke_key(request: Request) -> Response:
 # -- the machinery -------------------------------------------------------------------------
 
 
+def _domain(request: Request) -> Domain:
+    """The domain of ``?model=`` (default: the gateway's first model); 404 for one it does not serve."""
+    gw = _gw(request)
+    model = request.query_params.get("model")
+    if model is not None and model not in gw.domains:
+        raise ModelNotFound(f"This gateway serves no model '{model}' (it serves: {', '.join(gw.domains)}).",
+                            param="model")
+    return gw.domain(model)
+
+
 async def workers(request: Request) -> Response:
-    beats = _gw(request).dispatcher.workers
-    return _list([dataclasses.asdict(hb) for hb in beats.values()])
+    """Every live worker of every model this gateway serves (each names its ``model``)."""
+    doms = _gw(request).domains.values()
+    return _list([dataclasses.asdict(hb) for dom in doms for hb in dom.dispatcher.workers.values()])
 
 
 async def scheduler(request: Request) -> Response:
-    return ORJSONResponse(_gw(request).dispatcher.snapshot())
+    """One model's scheduler (``?model=``; default: the gateway's first model)."""
+    return ORJSONResponse(_domain(request).dispatcher.snapshot())
 
 
 async def cluster(request: Request) -> Response:
-    """The operator console's live view: every gateway, worker and the scheduler's queues."""
-    return ORJSONResponse(await console.read(_gw(request)))
+    """The operator console's live view of one model (``?model=``): every gateway, worker and
+    the scheduler's queues; ``models`` lists the models this gateway serves."""
+    return ORJSONResponse(await console.read(_gw(request), _domain(request).name))
 
 
 async def explain_request(request: Request) -> Response:
@@ -150,9 +165,11 @@ async def explain_request(request: Request) -> Response:
     it, the scheduler's ``explain`` (asked of the scheduling gateway where this one follows)."""
     gw = _gw(request)
     doc = await records.read(gw.client, request.path_params["rid"], None)
-    schedule = await gw.dispatcher.explain_anywhere(doc["id"])
-    if schedule is not None:
-        doc["schedule"] = schedule
+    for dom in gw.domains.values():
+        schedule = await dom.dispatcher.explain_anywhere(doc["id"])
+        if schedule is not None:
+            doc["schedule"] = schedule
+            break
     return ORJSONResponse(doc)
 
 

@@ -168,6 +168,8 @@ async def _generate(gw: Gateway, request: Request, parse: Callable[[Any], oai.Ge
         deadline_s, slo_s = _deadline_s(request), _slo_s(request)
         if held is not None:  # well-formed, and still held
             raise held
+        if gen.model in gw.domains:  # ``Instrument`` labels the request with the model it asked for
+            request.state.model = gen.model
         life = RequestLife(gw, caller, gen, deadline_s, slo_s)
         await life.start()
     except PayloadTooLarge as exc:
@@ -228,7 +230,7 @@ _PARSERS: dict[str, Callable[[Any], oai.Generation]] = {
 async def models(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     tenant = await gw.auth.tenant(request.headers)
-    served = [m for m in (gw.settings.model_name,) if gw.serves(m, tenant)]
+    served = [m for m, d in gw.domains.items() if d.dispatcher.workers and gw.serves(m, tenant)]
     return ORJSONResponse(oai.models_body(served, gw.started))
 
 
@@ -249,9 +251,11 @@ async def get_request(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     tenant = await gw.auth.tenant(request.headers)
     doc = await records.read(gw.client, request.path_params["rid"], tenant.id)
-    schedule = gw.dispatcher.shell.explain(doc["id"])  # only the gateway that admitted it knows
-    if schedule is not None:
-        doc["schedule"] = schedule
+    for dom in gw.domains.values():  # only the gateway that admitted it knows, in the model's domain
+        schedule = dom.dispatcher.shell.explain(doc["id"])
+        if schedule is not None:
+            doc["schedule"] = schedule
+            break
     return ORJSONResponse(doc)
 
 
@@ -267,10 +271,11 @@ def _not_ready(reason: str) -> Response:
 
 async def _unready(gw: Gateway) -> str | None:
     """Why this gateway cannot serve now (None: it can): a dispatch loop stopped, Redis does
-    not answer within ``READY_PROBE_S``, or no worker has a live heartbeat. ``/readyz`` and
-    ``/health`` both judge by it."""
-    if gw.dispatcher.failed:
-        return gw.dispatcher.failed
+    not answer within ``READY_PROBE_S``, or no worker of any model it serves has a live
+    heartbeat. ``/readyz`` and ``/health`` both judge by it."""
+    for dom in gw.domains.values():
+        if dom.dispatcher.failed:
+            return f"model {dom.name}: {dom.dispatcher.failed}"
     try:
         async with asyncio.timeout(READY_PROBE_S):
             await gw.batch.call("PING")
@@ -278,7 +283,7 @@ async def _unready(gw: Gateway) -> str | None:
         return f"redis: {exc}"
     except TimeoutError:
         return f"redis: no answer within {READY_PROBE_S:g} s"
-    if not gw.dispatcher.alive_pools():
+    if not any(dom.dispatcher.alive_pools() for dom in gw.domains.values()):
         return "no worker has a live heartbeat"
     return None
 
@@ -288,7 +293,14 @@ async def readyz(request: Request) -> Response:
     reason = await _unready(gw)
     if reason is not None:
         return _not_ready(reason)
-    ready: Ready = {"ready": True, "pools": sorted(gw.dispatcher.alive_pools()), "workers": len(gw.dispatcher.workers)}
+    doms = gw.domains.values()
+    ready: Ready = {
+        "ready": True,
+        "pools": sorted(set().union(*(d.dispatcher.alive_pools() for d in doms))),
+        "workers": sum(len(d.dispatcher.workers) for d in doms),
+        "models": {d.name: {"pools": sorted(d.dispatcher.alive_pools()), "workers": len(d.dispatcher.workers)}
+                   for d in doms},
+    }
     return ORJSONResponse(ready)
 
 
@@ -302,7 +314,8 @@ async def health(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    gw.metrics.observe_backlog(gw.dispatcher.backlog())
+    for dom in gw.domains.values():
+        dom.metrics.observe_backlog(dom.dispatcher.backlog())
     return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -346,13 +359,15 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 class Instrument:
-    """Counts requests and observes latency per route, as raw ASGI (no per-request task)."""
+    """Counts requests and observes latency per route, as raw ASGI (no per-request task); a
+    generation request is labelled with the model it asked for where it is served, any other
+    with ``model=""``."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
-        self._requests: dict[tuple[str, int], Any] = {}
-        self._latency: dict[str, Any] = {}
+        self._requests: dict[tuple[str, str, int], Any] = {}
+        self._latency: dict[tuple[str, str], Any] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -371,14 +386,15 @@ class Instrument:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            requests = self._requests.get((route, status))
-            if requests is None:  # a labelled child is looked up once per route and status
-                model = self.metrics.model
-                requests = self._requests[route, status] = self.metrics.requests.labels(model, route, str(status))
+            model = scope.get("state", {}).get("model", "")
+            requests = self._requests.get((model, route, status))
+            if requests is None:  # a labelled child is looked up once per model, route and status
+                requests = self._requests[model, route, status] = self.metrics.requests.labels(
+                    model, route, str(status))
             requests.inc()
-            latency = self._latency.get(route)
+            latency = self._latency.get((model, route))
             if latency is None:
-                latency = self._latency[route] = self.metrics.latency.labels(self.metrics.model, route)
+                latency = self._latency[model, route] = self.metrics.latency.labels(model, route)
             latency.observe(time.perf_counter() - start)
 
 
@@ -398,7 +414,8 @@ def _route_label(path: str) -> str:
 def create_app(gw: Gateway) -> ASGIApp:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await gw.dispatcher.start()
+        for dom in list(gw.domains.values()):
+            await dom.dispatcher.start()
         sampler = asyncio.create_task(gw.lag.run(), name="loop-lag")
         publisher = asyncio.create_task(console.publish_loop(gw), name="console")
         try:
@@ -407,7 +424,8 @@ def create_app(gw: Gateway) -> ASGIApp:
             sampler.cancel()
             publisher.cancel()
             await gw.drain()
-            await gw.dispatcher.close()
+            for dom in list(gw.domains.values()):
+                await dom.dispatcher.close()
 
     from starlette.exceptions import HTTPException
 

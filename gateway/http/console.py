@@ -71,15 +71,19 @@ def routes() -> list[BaseRoute]:
     ]
 
 
-# each gateway's recent traffic, kept beside it (a process may hold several: the tests' harnesses)
-_TRAFFIC: weakref.WeakKeyDictionary[Gateway, status.Traffic] = weakref.WeakKeyDictionary()
+# each gateway's recent traffic per model, kept beside it (a process may hold several: the tests' harnesses)
+_TRAFFIC: weakref.WeakKeyDictionary[Gateway, dict[str, status.Traffic]] = weakref.WeakKeyDictionary()
 
 
 async def publish(gw: Gateway) -> None:
-    traffic = _TRAFFIC.setdefault(gw, status.Traffic())
-    doc = status.part(gw.dispatcher.snapshot(), gw.metrics, gw.started, gw.in_flight, time.time(), traffic)
-    await gw.batch.call("SET", wire.console_key(gw.settings.gateway_id), orjson.dumps(doc),
-                        "PX", int(status.STALE_S * 1000))
+    """One part per model this gateway serves, under that domain's gateway id."""
+    traffic = _TRAFFIC.setdefault(gw, {})
+    now = time.time()
+    for dom in list(gw.domains.values()):
+        doc = status.part(dom.dispatcher.snapshot(), gw.metrics, gw.started, now,
+                          traffic.setdefault(dom.name, status.Traffic()))
+        await gw.batch.call("SET", wire.console_key(dom.settings.gateway_id), orjson.dumps(doc),
+                            "PX", int(status.STALE_S * 1000))
 
 
 async def publish_loop(gw: Gateway) -> None:
@@ -93,19 +97,23 @@ async def publish_loop(gw: Gateway) -> None:
         await asyncio.sleep(status.PUBLISH_S)
 
 
-async def read(gw: Gateway) -> dict[str, Any]:
-    """The cluster view now: the live gateways' parts, the workers with their heartbeat ages,
-    the scheduling lease's holder (two round trips: the ids, ages and holder, then the parts;
-    the heartbeats themselves are the dispatcher's, re-read every 0.5 s)."""
+async def read(gw: Gateway, model: str | None = None) -> dict[str, Any]:
+    """The cluster view of ``model`` (default: this gateway's first) now: the live gateways'
+    parts, the workers with their heartbeat ages, the scheduling lease's holder (two round
+    trips: the ids, ages and holder, then the parts; the heartbeats themselves are the
+    dispatcher's, re-read every 0.5 s). KeyError for a model this gateway does not serve."""
+    dom = gw.domain(model)
     pipe = gw.client.pipeline(transaction=False)
     pipe.zrange(wire.GATEWAYS_ZSET, 0, -1)
     pipe.zrange(wire.WORKERS_ZSET, 0, -1, withscores=True)
-    pipe.get(wire.scheduler_lease(gw.settings.model_name))
+    pipe.get(wire.scheduler_lease(dom.name))
     ids, beats, holder = await pipe.execute()
     raws = await gw.client.mget([wire.console_key(wire.text(i)) for i in ids]) if ids else []
     parts = [orjson.loads(raw) for raw in raws if raw is not None]
     now = time.time()
     beat = {wire.text(w): float(score) for w, score in beats}
-    workers = [status.worker_view(hb, beat.get(wid), now) for wid, hb in gw.dispatcher.workers.items()]
-    return status.cluster(gw.settings.gateway_id, parts, workers, now, wire.text(holder) if holder else "",
-                          gw.settings.model_name)
+    workers = [status.worker_view(hb, beat.get(wid), now) for wid, hb in dom.dispatcher.workers.items()]
+    view = status.cluster(dom.settings.gateway_id, parts, workers, now, wire.text(holder) if holder else "",
+                          dom.name)
+    view["models"] = list(gw.domains)
+    return view

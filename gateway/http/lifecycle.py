@@ -56,7 +56,7 @@ from gateway.tenancy.budget import Admission
 from sched_core import Reject
 
 if TYPE_CHECKING:
-    from gateway.http.services import Gateway
+    from gateway.http.services import Domain, Gateway
     from gateway.tenancy.auth import Caller
     from gateway.tenancy.tenants import Tenant
 
@@ -126,6 +126,7 @@ class RequestLife:
         wait_ms = tenant.max_queue_wait_ms if tenant.max_queue_wait_ms is not None else gw.settings.max_queue_wait_ms
         self.max_wait_s = wait_ms / 1000 if wait_ms > 0.0 else None
         self.meter = Meter(0)
+        self.dom: Domain | None = None  # the model's, once it is known to be served
         self.rid = ""
         self.admission: Admission | None = None
         self.pending: Pending | None = None
@@ -148,24 +149,25 @@ class RequestLife:
             if not gw.serves(self.gen.model, tenant):
                 mine = " or is not among your tenant's allowed_models" if tenant.limits.allowed_models else ""
                 raise ModelNotFound(f"The model '{self.gen.model}' does not exist{mine}.", param="model")
-            context = fleet.served_context(gw.dispatcher.workers, gw.prompts.context_tokens)
-            ids = await self._token_ids(context)
+            dom = self.dom = gw.domain(self.gen.model)
+            context = fleet.served_context(dom.dispatcher.workers, dom.prompts.context_tokens)
+            ids = await self._token_ids(dom, context)
             max_tokens = limits.output_tokens(
-                self.gen, len(ids), context, gw.settings.default_max_tokens, tenant, own=gw.prompts.context_tokens
+                self.gen, len(ids), context, gw.settings.default_max_tokens, tenant, own=dom.prompts.context_tokens
             )
-            if not gw.dispatcher.alive_pools():
-                down = gw.dispatcher.down_reasons()
+            if not dom.dispatcher.alive_pools():
+                down = dom.dispatcher.down_reasons()
                 why = f" (workers are down: {'; '.join(down)})" if down else ""
-                raise Unavailable(f"No worker serving the model '{gw.settings.model_name}' is alive{why}; "
-                                  "try again shortly.", code="no_worker")
-            sampling = self.gen.sampling(max_tokens, gw.sampling)
+                raise Unavailable(f"No worker serving the model '{dom.name}' is alive{why}; try again shortly.",
+                                  code="no_worker")
+            sampling = self.gen.sampling(max_tokens, dom.sampling)
             seq = p.SeqJob(secrets.token_hex(12), tuple(ids), sampling, self.gen.stream, **self.gen.source())
             self.rid = seq.rid
             self.meter.prompt_tokens = len(ids)
             # a budget wait past the first-token SLO would miss it: refused now, not after the wait
             wait_limit = min((s for s in (self.deadline_s, self.slo_ttft_s) if s is not None), default=None)
             admit = asyncio.ensure_future(
-                gw.budget.admit(tenant, seq.rid, len(ids), max_tokens, key=self.caller.key, deadline_s=wait_limit)
+                dom.budget.admit(tenant, seq.rid, len(ids), max_tokens, key=self.caller.key, deadline_s=wait_limit)
             )
             try:
                 self.admission = await asyncio.shield(admit)
@@ -173,10 +175,10 @@ class RequestLife:
                 admit.add_done_callback(self._settle_orphan)
                 raise
             except RedisError:  # the script may have run without its reply reaching us
-                refund_if_admitted(gw, tenant, seq.rid, len(ids) + max_tokens)
+                refund_if_admitted(gw, dom, tenant, seq.rid, len(ids) + max_tokens)
                 raise
             if self.admission.wait_s > 0.0:
-                gw.metrics.budget_wait.observe(self.admission.wait_s)
+                dom.metrics.budget_wait.observe(self.admission.wait_s)
                 await asyncio.sleep(self.admission.wait_s)
             who = Origin(
                 tenant=tenant.id,
@@ -188,7 +190,7 @@ class RequestLife:
                 slo_tpot_s=self.slo_tpot_s,
                 max_wait_s=self.max_wait_s,
             )
-            decision = await gw.dispatcher.submit(seq, who)
+            decision = await dom.dispatcher.submit(seq, who)
             if isinstance(decision, Reject):
                 raise refused(seq.rid, decision, self._bounds())
         except BaseException:
@@ -201,8 +203,8 @@ class RequestLife:
         self.meter.started = True
         self.meter.contract = decision.contract
         self.timeout_at = decision.created + gw.settings.request_timeout_s
-        gw.metrics.admitted.inc()
-        gw.metrics.in_flight.inc()
+        dom.metrics.admitted.inc()
+        dom.metrics.in_flight.inc()
 
     def _bounds(self) -> tuple[str, str]:
         """The limits a scheduler's refusal held the request to, named for its message: where
@@ -214,7 +216,7 @@ class RequestLife:
                 else "the gateway's --max-queue-wait-ms")
         return slo, wait
 
-    async def _token_ids(self, context: int) -> tuple[int, ...]:
+    async def _token_ids(self, dom: Domain, context: int) -> tuple[int, ...]:
         """The prompt's token ids, bounded by what the tenant may send and ``context``, the
         smallest its workers' engines serve (``fleet.served_context``; ``gateway.dispatch.prompts``).
         A long prompt is tokenized on the gateway's tokenizing thread, in one of its tenant's
@@ -223,12 +225,12 @@ class RequestLife:
         limit = limits.prompt_limit(context, tenant)
         try:
             if PromptBuilder.chars(self.gen) <= LARGE_PROMPT_CHARS:
-                return gw.prompts.token_ids(self.gen, limit)
+                return dom.prompts.token_ids(self.gen, limit)
             with gw.long_prompts.held(tenant):
-                return await gw.long_prompts.run(gw.prompts, self.gen, limit)
+                return await gw.long_prompts.run(dom.prompts, self.gen, limit)
         except PromptTooLong as exc:
             raise limits.prompt_too_long(self.gen, exc.tokens, exc.exact, context, tenant,
-                                         own=gw.prompts.context_tokens) from None
+                                         own=dom.prompts.context_tokens) from None
 
     def headers(self) -> dict[str, str]:
         assert self.admission is not None and self.pending is not None
@@ -237,7 +239,7 @@ class RequestLife:
     # -- events -----------------------------------------------------------------------------
 
     async def _next(self) -> p.Event:
-        assert self.pending is not None
+        assert self.pending is not None and self.dom is not None
         events = self.pending.events
         if not events.empty():
             ev = events.get_nowait()
@@ -253,10 +255,9 @@ class RequestLife:
         first = self.meter.first_token_s is None
         self.meter.observe(ev)
         if first and self.meter.first_token_s is not None:  # a stream's first token: the contract learns now
-            self.gw.dispatcher.first_token(self.rid, self.meter.first_token_s)
+            self.dom.dispatcher.first_token(self.rid, self.meter.first_token_s)
         if isinstance(ev, p.Finished):
-            self.gw.metrics.tokens.labels(self.gw.metrics.model, "prompt").inc(ev.prompt_tokens)
-            self.gw.metrics.tokens.labels(self.gw.metrics.model, "completion").inc(ev.completion_tokens)
+            self.dom.metrics.tokens(ev.prompt_tokens, ev.completion_tokens)
         return ev
 
     async def body(self) -> Mapping[str, object]:
@@ -285,7 +286,8 @@ class RequestLife:
     async def chunks(self) -> AsyncIterator[bytes]:
         """The SSE stream; an error after the stream began arrives as a final error event.
         However the stream stops (done, error, client gone, shutdown), the request ends."""
-        gen, rid = self.gen, self.rid
+        gen, rid, dom = self.gen, self.rid, self.dom
+        assert dom is not None
         created = int(time.time())
         route = "chat" if gen.kind == "chat" else "completions"
         try:
@@ -300,7 +302,7 @@ class RequestLife:
                     return
                 if isinstance(ev, p.Delta):
                     if first:
-                        self.gw.metrics.ttft.labels(self.gw.metrics.model, route).observe(self.meter.age())
+                        dom.metrics.ttft(route, self.meter.age())
                         first = False
                     yield _sse(oai.chunk_body(gen, rid, created, ev.text))
                 elif isinstance(ev, p.Finished):
@@ -329,16 +331,16 @@ class RequestLife:
         if self._ended:
             return
         self._ended = True
-        gw = self.gw
+        gw, dom = self.gw, self.dom
         if self._counted:
             gw.in_flight -= 1
-        if self.pending is not None:
-            gw.metrics.in_flight.dec()
-        if self.admission is None:
+        if self.admission is None or dom is None:
             return  # nothing reserved, nothing to settle
+        if self.pending is not None:
+            dom.metrics.in_flight.dec()
         if self.pending is None or over:
             self.settled()
-        elif gw.dispatcher.cancel(self.rid):  # still queued: it will never run and costs nothing
+        elif dom.dispatcher.cancel(self.rid):  # still queued: it will never run and costs nothing
             self.meter.started = False
             self.settled()
         else:
@@ -373,37 +375,37 @@ class RequestLife:
     def settled(self) -> asyncio.Future[bool]:
         """Settles the request's budget once; later calls return the same future. It runs as
         its own task, so a handler cancelled by a disconnect cannot stop it half-way."""
-        assert self.admission is not None
+        assert self.admission is not None and self.dom is not None
         if self.meter.settling is not None:
             return self.meter.settling
-        admission, meter, gw = self.admission, self.meter, self.gw
+        admission, meter, gw, dom = self.admission, self.meter, self.gw, self.dom
         prompt, completion = meter.charge()
         state, record = meter.outcome, meter.record()
         slo = usage.slo_verdict(state, meter.first_token_s, meter.total_s, meter.completion_tokens,
                                 self.slo_ttft_s, self.slo_tpot_s)
 
         async def settle() -> bool:
-            gw.metrics.observe_contract(gw.dispatcher.end(admission.rid, record.get("ttft_s"),
-                                                          record.get("total_s"), completion))
-            return await until_settled(gw, admission.rid,
-                                       lambda: gw.budget.settle(admission, state, prompt, completion, record, slo))
+            dom.metrics.observe_contract(dom.dispatcher.end(admission.rid, record.get("ttft_s"),
+                                                            record.get("total_s"), completion))
+            return await until_settled(gw, dom, admission.rid,
+                                       lambda: dom.budget.settle(admission, state, prompt, completion, record, slo))
 
         settling = meter.settling = gw.tasks.spawn(settle())
         return settling
 
 
-def refund_if_admitted(gw: Gateway, tenant: Tenant, rid: str, reserved: int) -> None:
+def refund_if_admitted(gw: Gateway, dom: Domain, tenant: Tenant, rid: str, reserved: int) -> None:
     """An admission whose reply was lost (Redis failed mid-call) may or may not have run:
     settling it as failed refunds it if it did, and does nothing if it did not."""
-    gw.tasks.spawn(until_settled(gw, rid, lambda: gw.budget.settle_raw(tenant, rid, -reserved, "failed", 0, 0)))
+    gw.tasks.spawn(until_settled(gw, dom, rid, lambda: dom.budget.settle_raw(tenant, rid, -reserved, "failed", 0, 0)))
 
 
-async def until_settled(gw: Gateway, rid: str, attempt: Callable[[], Awaitable[bool]]) -> bool:
+async def until_settled(gw: Gateway, dom: Domain, rid: str, attempt: Callable[[], Awaitable[bool]]) -> bool:
     """Settling is idempotent (only the call that ends the lease changes anything), so a
     settlement that Redis failed is tried again, with backoff, for as long as its lease
     can last; a refund is never silently lost to a Redis hiccup."""
     give_up = time.monotonic() + gw.settings.request_timeout_s + 30.0
-    retry = Retrier(BACKOFF, gw.dispatcher.outage)
+    retry = Retrier(BACKOFF, dom.dispatcher.outage)
     while True:
         started = time.monotonic()
         try:

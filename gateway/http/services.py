@@ -1,14 +1,16 @@
 """The gateway's services, built once per process and shared by every request: Redis, the
-budget, the dispatcher, the tenant store, authentication, metrics, the long-prompt thread,
-background tasks. ``Gateway`` only holds them: ``gateway.http.app`` routes requests to them,
-and ``gateway.http.lifecycle`` drives one request through them (its tokenizing, its
-settlement)."""
+tenant store, authentication, metrics, the long-prompt thread, background tasks, and one
+``Domain`` per model it serves (its tokenizer, its dispatcher, its budget's books). ``Gateway``
+only holds them: ``gateway.http.app`` routes requests to them, and ``gateway.http.lifecycle``
+drives one request through them (its tokenizing, its settlement)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -17,7 +19,7 @@ from gateway.api import openai_protocol as oai
 from gateway.dispatch.dispatcher import Dispatcher
 from gateway.dispatch.prompts import LongPrompts, PromptBuilder
 from gateway.http.saturation import LoopLag
-from gateway.metrics import Metrics
+from gateway.metrics import Metrics, ModelMetrics
 from gateway.redis_batch import AutoPipeline
 from gateway.settings import GatewaySettings
 from gateway.tenancy import limits
@@ -61,35 +63,73 @@ class Tasks:
             await asyncio.wait(set(self._running), timeout=timeout_s)
 
 
+@dataclass(slots=True)
+class Domain:
+    """One model this gateway serves: its own scheduling domain (issue 39). It acts as a
+    gateway of its own on the shared Redis: its dispatcher elects (or follows) the model's
+    scheduler, reads the model's workers and has its own reply stream, gateway entry and list
+    of requests to settle, under ``settings.gateway_id`` (the process's id for its first model,
+    ``<id>/<model>`` for the others); tenants, keys and budgets are the process's."""
+
+    name: str
+    settings: GatewaySettings  # the gateway's, with this model's name and the domain's gateway id
+    prompts: PromptBuilder
+    sampling: oai.SamplingDefaults  # what a request that leaves temperature/top_p out gets
+    dispatcher: Dispatcher
+    budget: Budget  # admits and settles against the tenant's bucket; keeps this domain's books
+    metrics: ModelMetrics
+
+
 class Gateway:
     """Everything a request handler needs, built once at start-up; no behaviour of its own."""
 
     def __init__(self, settings: GatewaySettings, prompts: PromptBuilder, client: aioredis.Redis,
                  sampling: oai.SamplingDefaults | None = None) -> None:
         self.settings = settings
-        self.prompts = prompts
-        # what a request that leaves temperature/top_p out gets (default: the settings' alone)
-        self.sampling = sampling or oai.SamplingDefaults(settings.default_temperature, settings.default_top_p)
         self.client = client
-        self.metrics = Metrics(settings.model_name)
+        self.metrics = Metrics()
         self.batch = AutoPipeline(client)  # admissions, settlements and jobs of one loop turn: one round trip
-        self.dispatcher = Dispatcher(settings, client, config=settings.scheduler, batch=self.batch,
-                                     on_workers=lambda found: self.metrics.observe_workers(found, settings.pools),
-                                     on_accuracy=self.metrics.observe_contract)
+        self.domains: dict[str, Domain] = {}  # by model name, in the order they were added
         self.tenants = TenantStore(client)
         self.auth = Authenticator(self.tenants, settings.auth_cache_s)
-        self.budget = Budget(client, settings, self.batch)
         self.started = int(time.time())
         self.in_flight = 0  # requests between admission and their end (RequestLife)
         self.tasks = Tasks()
         self.long_prompts = LongPrompts()
         self.refusals = limits.RefusalBucket()  # refusals for size, per tenant: bursts allowed, floods held
         self.lag = LoopLag()  # how far behind the event loop runs: this process saturated
+        self.add_model(settings.model_name, prompts, sampling)
+
+    def add_model(self, name: str, prompts: PromptBuilder, sampling: oai.SamplingDefaults | None = None) -> Domain:
+        """A model's domain (not started: ``Domain.dispatcher.start``); its first is the process's
+        own gateway id, the others' ``<id>/<model>``."""
+        gid = self.settings.gateway_id if not self.domains else f"{self.settings.gateway_id}/{name}"
+        settings = dataclasses.replace(self.settings, model_name=name, gateway_id=gid)
+        metrics = self.metrics.of(name)
+        dispatcher = Dispatcher(settings, self.client, config=settings.scheduler, batch=self.batch,
+                                on_workers=lambda found: metrics.observe_workers(found, settings.pools),
+                                on_accuracy=metrics.observe_contract)
+        domain = self.domains[name] = Domain(
+            name, settings, prompts,
+            sampling or oai.SamplingDefaults(settings.default_temperature, settings.default_top_p),
+            dispatcher, Budget(self.client, settings, self.batch), metrics,
+        )
+        return domain
+
+    def domain(self, model: str | None = None) -> Domain:
+        """``model``'s domain; the first model's (``--model``'s first) where None. KeyError for a
+        model this gateway does not serve."""
+        return self.domains[model] if model is not None else next(iter(self.domains.values()))
 
     def serves(self, model: str, tenant: Tenant) -> bool:
-        """Whether this gateway serves ``model`` to ``tenant`` (a model it runs, in the tenant's
-        allowed models)."""
-        return model == self.settings.model_name and tenant.may_use(model)
+        """Whether this gateway serves ``model`` to ``tenant`` (a model it has a domain for, in
+        the tenant's allowed models)."""
+        return model in self.domains and tenant.may_use(model)
+
+    def context_tokens(self) -> int:
+        """The largest context among the models served: the largest request a tenant may send
+        (``tenancy.admin_protocol``'s burst rule)."""
+        return max(d.prompts.context_tokens for d in self.domains.values())
 
     async def drain(self) -> None:
         """At shutdown: waits for settlements still in flight, then closes what was opened."""

@@ -85,17 +85,17 @@ async def make_harness(
     # self-profile's own path is tests/e2e/test_worker_profiles.py)
     own = {"worker_id": worker_id} if worker_id else {}  # (two harnesses in one process: two ids)
     with running_worker(redis_url, engine or EchoEngine(tokens=ECHO_TOKENS), model=model, profile_s=0, **own):
-        await gw.dispatcher.start()
+        await gw.domain().dispatcher.start()
         deadline = time.monotonic() + 10
-        while not gw.dispatcher.workers:
+        while not gw.domain().dispatcher.workers:
             assert time.monotonic() < deadline, "the echo worker never sent a heartbeat"
             await asyncio.sleep(0.05)
-            await gw.dispatcher.refresh_workers()
+            await gw.domain().dispatcher.refresh_workers()
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
             yield Harness(gw, http, model)
         await gw.drain()
-        await gw.dispatcher.close()
+        await gw.domain().dispatcher.close()
     await client.aclose()
 
 

@@ -250,7 +250,7 @@ async def test_any_request_is_explained_while_queued_and_its_record_after(
     async with make_harness(redis_url, prompts, model_spec.name, engine=slow) as h:
         _, key = await h.tenant("acme", rate=10**6, burst=10**7)
         sent = [asyncio.create_task(h.complete(key, max_tokens=4)) for _ in range(3)]
-        shell = h.gw.dispatcher.shell
+        shell = h.gw.domain().dispatcher.shell
         deadline = time.monotonic() + 5
         while not shell.queued_ids():
             assert time.monotonic() < deadline, "nothing queued"
@@ -279,7 +279,7 @@ async def test_no_tenant_is_locked_out_by_its_own_burst(harness: Harness) -> Non
     """Issue 38: `--rate 63` gave a burst of 630, and every 892-token request was refused, forever.
     Now the default burst holds one request of up to the model's context, and a burst given
     that cannot is refused at create and at update, naming the fix."""
-    context = harness.gw.prompts.context_tokens
+    context = harness.gw.domain().prompts.context_tokens
     r = await harness.admin("POST", "/tenants", {"name": "noisy", "rate": 63, "burst": 630})
     assert r.status_code == 400, r.text
     err = r.json()["error"]

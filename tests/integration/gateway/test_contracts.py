@@ -160,7 +160,7 @@ async def test_an_slo_that_cannot_be_met_is_refused_at_once_and_not_charged(
         assert "x-tokengate-latency-ms" not in r.headers  # no contract was made
         assert elapsed < 0.5
         await _remaining_is_burst(harness, tenant)
-    assert harness.gw.dispatcher.shell.driver.queued == 0 and not harness.gw.dispatcher.pending
+    assert harness.gw.domain().dispatcher.shell.driver.queued == 0 and not harness.gw.domain().dispatcher.pending
 
 
 async def test_a_tenant_default_slo_applies_to_requests_without_one(harness: Harness) -> None:
@@ -229,7 +229,7 @@ async def test_the_model_and_calibration_are_saved_and_a_new_dispatcher_starts_f
     for _ in range(4):
         r = await harness.complete(key, stream=True)
         assert r.status_code == 200, r.text
-    dispatcher = harness.gw.dispatcher
+    dispatcher = harness.gw.domain().dispatcher
     deadline = time.monotonic() + 10  # the worker's step telemetry comes on its own stream
     while "cpu" not in (dispatcher.shell.model_state() or {}).get("step_model", {}):
         assert time.monotonic() < deadline, "no step telemetry was fitted"

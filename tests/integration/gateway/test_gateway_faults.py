@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 
 
 def _used_slots(h: Harness) -> int:
-    return sum(int(path["in_flight"]) for path in h.gw.dispatcher.snapshot()["paths"].values())  # type: ignore[index]
+    return sum(int(path["in_flight"]) for path in h.gw.domain().dispatcher.snapshot()["paths"].values())  # type: ignore[index]
 
 
 async def _wait_for(cond, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
@@ -49,11 +49,11 @@ async def test_a_job_that_cannot_be_encoded_fails_alone_and_gives_its_slot_back(
     _, key = await harness.tenant("acme")
     # past validation nothing can build such a job; the dispatcher must still survive one
     bad = p.SeqJob("bad-seed", (1, 2, 3), p.SamplingParams(4, seed=2**70))
-    pending = await harness.gw.dispatcher.submit(bad, Origin("t", 1000.0))
+    pending = await harness.gw.domain().dispatcher.submit(bad, Origin("t", 1000.0))
     assert not isinstance(pending, type(None))
     ev = await asyncio.wait_for(pending.events.get(), 5)  # type: ignore[union-attr]
     assert isinstance(ev, p.Failed) and ev.code == "unencodable"
-    harness.gw.dispatcher.end("bad-seed", None, None, 0)
+    harness.gw.domain().dispatcher.end("bad-seed", None, None, 0)
     r = await harness.complete(key)
     assert r.status_code == 200
     assert _used_slots(harness) == 0
@@ -81,7 +81,7 @@ async def test_batches_that_cannot_be_queued_fail_with_a_503_and_free_their_slot
     for r in replies:
         assert r.status_code == 503 and r.json()["error"]["code"] == "redis", r.text
         assert r.headers["retry-after"]
-    assert _used_slots(h) == 0 and h.gw.dispatcher.shell.leases == 0
+    assert _used_slots(h) == 0 and h.gw.domain().dispatcher.shell.leases == 0
     await admin.execute_command("ACL", "SETUSER", "gw", "+xadd")
     replies = await asyncio.gather(*(h.complete(key) for _ in range(20)))
     assert [r.status_code for r in replies] == [200] * 20
@@ -90,12 +90,12 @@ async def test_batches_that_cannot_be_queued_fail_with_a_503_and_free_their_slot
 async def test_a_loop_that_stops_makes_the_gateway_unready_and_asks_to_exit(harness: Harness) -> None:
     _, key = await harness.tenant("acme")
     fatal: list[str] = []
-    harness.gw.dispatcher.on_fatal = fatal.append
+    harness.gw.domain().dispatcher.on_fatal = fatal.append
 
     def broken(now: float) -> None:
         raise RuntimeError("scheduler bug")
 
-    harness.gw.dispatcher.shell.tick = broken  # type: ignore[method-assign,assignment]
+    harness.gw.domain().dispatcher.shell.tick = broken  # type: ignore[method-assign,assignment]
     r = await harness.complete(key)
     assert r.status_code == 503 and r.json()["error"]["code"] == "gateway_error", r.text
     ready = await harness.http.get("/readyz")
@@ -174,7 +174,7 @@ async def test_redis_away_is_a_503_with_retry_after_within_the_redis_timeout(
                 assert ready.json()["reason"].startswith("redis"), ready.text
             finally:
                 server._proc.send_signal(18)  # SIGCONT
-            await _wait_for(lambda: bool(h.gw.dispatcher.workers), 10)
+            await _wait_for(lambda: bool(h.gw.domain().dispatcher.workers), 10)
             deadline = time.monotonic() + 15
             while (r := await h.complete(key)).status_code != 200:
                 assert time.monotonic() < deadline, r.text
@@ -301,7 +301,7 @@ async def test_an_admission_whose_reply_was_lost_is_refunded_exactly_once(harnes
     compensating settlement refunds it if it did and changes nothing if it did not."""
     tenant_doc, _ = await harness.tenant("acme", rate=0.001, burst=10_000)
     tenant = await harness.gw.tenants.get(tenant_doc["id"])
-    budget = harness.gw.budget
+    budget = harness.gw.domain().budget
     full = (await budget.state(tenant))["remaining_tokens"]
     await budget.admit(tenant, "ran", 40, 60)  # the script ran; say its reply was lost
     assert (await budget.state(tenant))["remaining_tokens"] == full - 100
@@ -352,7 +352,7 @@ async def test_close_stops_a_loop_whose_cancel_was_reported_as_a_redis_timeout(
     from redis.exceptions import TimeoutError as RedisTimeout
 
     async with make_harness(redis_url, prompts, model_spec.name) as h:
-        dispatcher = h.gw.dispatcher
+        dispatcher = h.gw.domain().dispatcher
 
         async def renew_swallowing_cancel(replies: str, now: float | None = None) -> None:
             try:

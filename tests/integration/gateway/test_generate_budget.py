@@ -107,11 +107,11 @@ async def test_requests_larger_than_the_burst_are_400(harness: Harness) -> None:
 async def test_the_concurrency_limit_is_429(harness: Harness) -> None:
     t, key = await harness.tenant("acme", limits={"max_concurrent": 1})
     tenant = await harness.gw.tenants.get(t["id"])
-    held = await harness.gw.budget.admit(tenant, "held", 1, 1)  # a request in flight elsewhere
+    held = await harness.gw.domain().budget.admit(tenant, "held", 1, 1)  # a request in flight elsewhere
     r = await harness.complete(key)
     assert r.status_code == 429 and r.json()["error"]["type"] == "requests"
     assert r.headers["x-ratelimit-remaining-requests"] == "0"
-    await harness.gw.budget.settle(held, "done", 1, 1)
+    await harness.gw.domain().budget.settle(held, "done", 1, 1)
     assert (await harness.complete(key)).status_code == 200
 
 

@@ -34,7 +34,7 @@ async def test_not_ready_is_503_as_readyz_judges(
     harness: Harness, monkeypatch: pytest.MonkeyPatch, cause: str
 ) -> None:
     conformance = Conformance((await harness.http.get("/openapi.json")).json())
-    dispatcher = harness.gw.dispatcher
+    dispatcher = harness.gw.domain().dispatcher
     if cause == "loop stopped":
         monkeypatch.setattr(dispatcher, "failed", "the send loop stopped: RuntimeError('test')")
     elif cause == "no worker":

@@ -36,7 +36,8 @@ async def test_two_models_share_tenants_but_not_jobs_workers_or_schedulers(redis
                                                                            prompts: PromptBuilder) -> None:
     async with make_harness(redis_url, prompts, "alpha", worker_id="w-alpha") as alpha, \
             make_harness(redis_url, prompts, "beta", worker_id="w-beta") as beta:
-        assert set(alpha.gw.dispatcher.workers) == {"w-alpha"} and set(beta.gw.dispatcher.workers) == {"w-beta"}
+        assert set(alpha.gw.domain().dispatcher.workers) == {"w-alpha"}
+        assert set(beta.gw.domain().dispatcher.workers) == {"w-beta"}
         _, key = await alpha.tenant("shared", rate=10**6, burst=10**8)  # made through alpha, used on both
         replies = await asyncio.gather(*(h.complete(key) for h in (alpha, beta) for _ in range(REQUESTS)))
         refused = [r.text for r in replies if r.status_code != 200]
@@ -51,7 +52,7 @@ async def test_two_models_share_tenants_but_not_jobs_workers_or_schedulers(redis
         assert alpha_readers == {"w-alpha"} and beta_readers == {"w-beta"}  # 0 jobs to the other model's worker
         for h in (alpha, beta):  # each model elected its own scheduler: the one gateway serving it
             assert await client.get(wire.scheduler_lease(h.model)) == h.gw.settings.gateway_id.encode()
-            assert h.gw.dispatcher.leading.leader
+            assert h.gw.domain().dispatcher.leading.leader
 
 
 async def test_a_model_whose_workers_are_all_of_another_model_gets_503_naming_it(redis_url: str,
@@ -62,8 +63,8 @@ async def test_a_model_whose_workers_are_all_of_another_model_gets_503_naming_it
         _, key = await alpha.tenant("t", rate=10**6, burst=10**8)
         config = GatewaySettings(redis_url=redis_url, model_name="gamma", admin_token=ADMIN)
         gw = Gateway(config, prompts, redis_client(config))
-        await gw.dispatcher.start()
-        await gw.dispatcher.refresh_workers()
+        await gw.domain().dispatcher.start()
+        await gw.domain().dispatcher.refresh_workers()
         try:
             transport = httpx.ASGITransport(app=create_app(gw))
             async with httpx.AsyncClient(transport=transport, base_url="http://g") as http:
@@ -71,7 +72,7 @@ async def test_a_model_whose_workers_are_all_of_another_model_gets_503_naming_it
                                     json={"model": "gamma", "prompt": [1, 2, 3], "max_tokens": 4})
             assert r.status_code == 503 and r.headers["retry-after"], r.text
             assert r.json()["error"]["code"] == "no_worker" and "'gamma'" in r.json()["error"]["message"]
-            assert gw.dispatcher.workers == {}  # alpha's worker is not in gamma's view
+            assert gw.domain().dispatcher.workers == {}  # alpha's worker is not in gamma's view
             assert not await alpha.gw.client.exists(wire.jobs_stream("gamma", "cpu"))
         finally:
             await gw.drain()

@@ -37,11 +37,11 @@ async def follower(redis_url: str, prompts: PromptBuilder, model: str) -> AsyncI
     config = GatewaySettings(redis_url=redis_url, model_name=model, admin_token=ADMIN, request_timeout_s=10)
     client = redis_client(config)
     gw = Gateway(config, prompts, client)
-    await gw.dispatcher.start()
+    await gw.domain().dispatcher.start()
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(gw)), base_url="http://follower") as http:
         yield Harness(gw, http, model)
     await gw.drain()
-    await gw.dispatcher.close()
+    await gw.domain().dispatcher.close()
     await client.aclose()
 
 
@@ -68,8 +68,8 @@ async def _outcomes(lead: Harness, component: str) -> float:
 async def _none_pending(lead: Harness, timeout_s: float = 5.0) -> None:
     """Nothing left pending in the arrivals group (notes are acknowledged just after they are read)."""
     deadline = time.monotonic() + timeout_s
-    arrivals = lead.gw.dispatcher.leading.arrivals
-    while (await lead.gw.dispatcher.client.xpending(arrivals, wire.ARRIVALS_GROUP))["pending"]:
+    arrivals = lead.gw.domain().dispatcher.leading.arrivals
+    while (await lead.gw.domain().dispatcher.client.xpending(arrivals, wire.ARRIVALS_GROUP))["pending"]:
         assert time.monotonic() < deadline, "arrivals still pending"
         await asyncio.sleep(0.02)
 
@@ -79,7 +79,7 @@ async def test_a_follower_gets_its_contract_from_the_scheduler_and_its_result_fr
 ) -> None:
     async with make_harness(redis_url, prompts, model_spec.name) as lead, \
             follower(redis_url, prompts, model_spec.name) as other:
-        assert lead.gw.dispatcher.leading.leader and not other.gw.dispatcher.leading.leader
+        assert lead.gw.domain().dispatcher.leading.leader and not other.gw.domain().dispatcher.leading.leader
         assert (await other.admin("GET", "/scheduler")).json()["role"] == "follower"
         _, key = await lead.tenant("acme", rate=10**6, burst=10**8)
         responses = await asyncio.gather(*(other.complete(key) for _ in range(12)), lead.complete(key))
@@ -88,7 +88,7 @@ async def test_a_follower_gets_its_contract_from_the_scheduler_and_its_result_fr
             assert float(r.headers["x-tokengate-p99-ms"]) > 0  # a contract, made by the scheduler
         assert {r.json()["choices"][0]["text"] for r in responses[:12]} == {responses[0].json()["choices"][0]["text"]}
         # the scheduler saw every request (one view) and has every slot back
-        driver = lead.gw.dispatcher.shell.driver
+        driver = lead.gw.domain().dispatcher.shell.driver
         await _until(lambda: driver.running("cpu") == 0 and not driver.open_batches(), "slots came back")
         # every forwarded admission was dispatched and acknowledged once, and the followers'
         # notes (their requests' ends, read after the answers went out) are acknowledged too
@@ -100,11 +100,11 @@ async def test_a_follower_gets_its_contract_from_the_scheduler_and_its_result_fr
             assert time.monotonic() < deadline, f"{counted} outcomes counted by the scheduler"
             await asyncio.sleep(0.05)
         assert counted == 13
-        client = lead.gw.dispatcher.client
-        assert await client.xlen(lead.gw.dispatcher.leading.arrivals) >= 12  # the admissions at least
-        group = (await client.xinfo_groups(lead.gw.dispatcher.leading.arrivals))[0]
-        await lead.gw.dispatcher.leading.trim_arrivals()  # what was settled leaves the stream
-        left = [entry_id for entry_id, _ in await client.xrange(lead.gw.dispatcher.leading.arrivals)]
+        client = lead.gw.domain().dispatcher.client
+        assert await client.xlen(lead.gw.domain().dispatcher.leading.arrivals) >= 12  # the admissions at least
+        group = (await client.xinfo_groups(lead.gw.domain().dispatcher.leading.arrivals))[0]
+        await lead.gw.domain().dispatcher.leading.trim_arrivals()  # what was settled leaves the stream
+        left = [entry_id for entry_id, _ in await client.xrange(lead.gw.domain().dispatcher.leading.arrivals)]
         assert all(_id(e) >= _id(group["last-delivered-id"]) for e in left), (left, group)
 
 
@@ -131,27 +131,29 @@ async def test_when_the_scheduler_goes_silent_the_follower_takes_over_and_loses_
     engine = EchoEngine(tokens=8, step_s=0.05)  # slow enough that a queue builds
     async with make_harness(redis_url, prompts, model_spec.name, engine=engine) as lead, \
             follower(redis_url, prompts, model_spec.name) as other:
-        assert lead.gw.dispatcher.leading.leader and not other.gw.dispatcher.leading.leader
+        assert lead.gw.domain().dispatcher.leading.leader and not other.gw.domain().dispatcher.leading.leader
         _, key = await lead.tenant("acme", rate=10**6, burst=10**8)
         calls = [asyncio.create_task(other.complete(key)) for _ in range(40)]
-        await _until(lambda: lead.gw.dispatcher.shell.driver.queued > 0, "a queue at the scheduler")
+        await _until(lambda: lead.gw.domain().dispatcher.shell.driver.queued > 0, "a queue at the scheduler")
         # the scheduler dies: no release, no more dispatches. Its loops also stop at their next
         # turn (``closing``, as ``close`` does): a cancel that lands as a Redis call's own time-out
         # fires reads as that time-out, which a loop retries; its election loop would then renew
         # the lease it still holds and take over again, and the follower would never get it
-        lead.gw.dispatcher.closing = True
-        for task in lead.gw.dispatcher._tasks:
+        lead.gw.domain().dispatcher.closing = True
+        for task in lead.gw.domain().dispatcher._tasks:
             task.cancel()
-        lead.gw.dispatcher.leading.leader = False
+        lead.gw.domain().dispatcher.leading.leader = False
         try:
-            took = await _until(lambda: other.gw.dispatcher.leading.leader, "the follower took over", timeout_s=3.0)
+            took = await _until(lambda: other.gw.domain().dispatcher.leading.leader, "the follower took over",
+                                timeout_s=3.0)
         except AssertionError:  # say who holds the lease, and whether a loop of the follower stopped
             holder = await other.gw.client.get(wire.scheduler_lease(other.gw.settings.model_name))
-            lead_alive = [t.get_name() for t in lead.gw.dispatcher._tasks if not t.done()]
+            lead_alive = [t.get_name() for t in lead.gw.domain().dispatcher._tasks if not t.done()]
             raise AssertionError(
                 f"the follower did not take over in 3 s: the lease is held by {holder!r} (lead "
                 f"{lead.gw.settings.gateway_id}, follower {other.gw.settings.gateway_id}); the follower's "
-                f"failure: {other.gw.dispatcher.failed}; the lead's loops still running: {lead_alive}") from None
+                f"failure: {other.gw.domain().dispatcher.failed}; the lead's loops still running: "
+                f"{lead_alive}") from None
         assert took <= election.LEASE_MS / 1000 + 1.0  # the lease lapses, then the next renewal takes it
         responses = await asyncio.gather(*calls)
         assert [r.status_code for r in responses] == [200] * 40, [r.text for r in responses if r.status_code != 200]
@@ -172,8 +174,8 @@ async def test_a_scheduler_whose_lease_lapses_steps_down_and_hands_its_queue_on_
             follower(redis_url, prompts, model_spec.name) as other:
         _, key = await lead.tenant("acme", rate=10**6, burst=10**8)
         calls = [asyncio.create_task((lead if i % 2 else other).complete(key)) for i in range(40)]
-        await _until(lambda: lead.gw.dispatcher.shell.driver.queued > 4, "a queue at the scheduler")
-        leading = lead.gw.dispatcher.leading
+        await _until(lambda: lead.gw.domain().dispatcher.shell.driver.queued > 4, "a queue at the scheduler")
+        leading = lead.gw.domain().dispatcher.leading
         renew = leading._hold
 
         async def cut_off(*args: object, **kwargs: object) -> object:
@@ -182,7 +184,7 @@ async def test_a_scheduler_whose_lease_lapses_steps_down_and_hands_its_queue_on_
             return await renew(*args, **kwargs)  # type: ignore[arg-type]
 
         leading._hold = cut_off  # type: ignore[method-assign,assignment]
-        await _until(lambda: other.gw.dispatcher.leading.leader, "the follower took over", timeout_s=3.0)
+        await _until(lambda: other.gw.domain().dispatcher.leading.leader, "the follower took over", timeout_s=3.0)
         assert not leading.lead()  # still holding in its own eyes, but it acts as the scheduler no more
         await _until(lambda: not leading.leader, "the scheduler stepped down", timeout_s=5.0)
         lease = wire.scheduler_lease(other.gw.settings.model_name)
@@ -202,14 +204,14 @@ async def test_each_job_goes_to_a_worker_with_a_free_slot_and_no_worker_runs_mor
     async with make_harness(redis_url, prompts, model_spec.name, engine=EchoEngine(**slow)) as lead:  # type: ignore[arg-type]
         with running_worker(redis_url, EchoEngine(**slow), model_spec.name, profile_s=0,  # type: ignore[arg-type]
                             worker_id="second") as second:
-            await _until(lambda: len(lead.gw.dispatcher.workers) == 2, "two workers in view")
-            first = next(w for w in lead.gw.dispatcher.workers if w != "second")
+            await _until(lambda: len(lead.gw.domain().dispatcher.workers) == 2, "two workers in view")
+            first = next(w for w in lead.gw.domain().dispatcher.workers if w != "second")
             _, key = await lead.tenant("acme", rate=10**6, burst=10**8)
             calls = asyncio.gather(*(lead.complete(key, max_tokens=6) for _ in range(12)))
             most = {first: 0, "second": 0}
             ran = {first: 0, "second": 0}
             while not calls.done():
-                for wid, held in lead.gw.dispatcher.shell.placement.held().items():  # type: ignore[union-attr]
+                for wid, held in lead.gw.domain().dispatcher.shell.placement.held().items():  # type: ignore[union-attr]
                     most[wid] = max(most[wid], held)
                     ran[wid] += held > 0
                 most["second"] = max(most["second"], second.engine.running)
@@ -235,12 +237,12 @@ async def test_a_follower_s_console_shows_the_cluster_and_explains_what_the_sche
         assert view["scheduler"]["gateway"] == lead.gw.settings.gateway_id  # the queues are the scheduler's
         assert [w["engine"] for w in view["workers"]] == ["echo"]
         sent = [asyncio.create_task(other.complete(key, max_tokens=4)) for _ in range(3)]
-        shell = lead.gw.dispatcher.shell
+        shell = lead.gw.domain().dispatcher.shell
         await _until(lambda: bool(shell.queued_ids()), "a forwarded request queued at the scheduler")
         rid = shell.queued_ids()[-1]
         doc = (await other.admin("GET", f"/requests/{rid}")).json()  # asked of the scheduler, answered by it
         assert doc["id"] == rid and doc["schedule"]["state"] == "queued", doc
-        there = lead.gw.dispatcher.shell.explain(rid)
+        there = lead.gw.domain().dispatcher.shell.explain(rid)
         assert there is not None and set(doc["schedule"]) == set(there)
         assert all(doc["schedule"][k] == there[k] for k in ("request_id", "tenant", "bucket", "max_prompt"))
         assert [r.status_code for r in await asyncio.gather(*sent)] == [200] * 3

@@ -12,26 +12,28 @@ from sched_core.contracts import Accuracy
 
 
 def _metrics() -> Metrics:
-    m = Metrics("m")
-    m.requests.labels("m", "chat", "200").inc(3)
-    m.requests.labels("m", "completions", "200").inc(2)
-    m.requests.labels("m", "completions", "499").inc()
-    m.requests.labels("m", "chat", "429").inc(4)
-    m.requests.labels("m", "chat", "503").inc()
-    m.requests.labels("m", "admin", "200").inc(50)  # not a generation: not counted
+    metrics = Metrics()
+    m = metrics.of("m")
+    metrics.requests.labels("m", "chat", "200").inc(3)
+    metrics.requests.labels("m", "completions", "200").inc(2)
+    metrics.requests.labels("m", "completions", "499").inc()
+    metrics.requests.labels("m", "chat", "429").inc(4)
+    metrics.requests.labels("m", "chat", "503").inc()
+    metrics.requests.labels("m", "admin", "200").inc(50)  # not a generation: not counted
     m.admitted.inc(6)
     m.budget_wait.observe(0.2)
     m.budget_wait.observe(0.3)
-    m.tokens.labels("m", "prompt").inc(100)
-    m.tokens.labels("m", "completion").inc(40)
+    m.tokens(100, 40)
+    metrics.of("other").tokens(7, 7)  # another model's: not counted as m's
+    metrics.requests.labels("other", "chat", "200").inc(9)
     m.observe_contract(Accuracy("cpu", True, 0.1, 0.3, True, 0.2, 0.4))
     m.observe_contract(Accuracy("cpu", False, 0.5, 0.6, None, None, None))  # first token not seen apart
     m.observe_contract(Accuracy("gpu", True, 0.05, 0.1, False, 0.3, 0.5))
-    return m
+    return metrics
 
 
 def test_a_gateway_s_counters_come_from_its_metrics() -> None:
-    c = status.counters(_metrics())
+    c = status.counters(_metrics(), "m")
     assert c["admitted"] == 6 and c["responses"] == {"200": 5, "499": 1, "429": 4, "503": 1}
     assert c["budget_waits"] == 2 and c["tokens"] == {"prompt": 100, "completion": 40}
     cpu, gpu = c["contracts"]["cpu"], c["contracts"]["gpu"]
@@ -47,7 +49,7 @@ def _part(gid: str, role: str, at: float, counters: dict[str, Any], scheduler: d
 
 
 def test_the_cluster_sums_every_gateway_and_shows_the_scheduler_s_queues() -> None:
-    one = status.counters(_metrics())
+    one = status.counters(_metrics(), "m")
     other = {"admitted": 1, "responses": {"200": 1, "413": 2}, "budget_waits": 1, "tokens": {"prompt": 5},
              "contracts": {"cpu": {"total": {"inside": 3, "outside": 0, "error_sum": 0.3, "errors": 3}}}}
     parts = [_part("g2", "follower", 99.5, other), _part("g1", "scheduler", 99.0, one, {"queued": 7})]
@@ -137,7 +139,7 @@ def test_a_gateway_keeps_its_recent_traffic_in_its_part() -> None:
     assert samples[-1] == [1199.0, 199, 99, 0]
     span = samples[-1][0] - samples[0][0]
     assert status.HISTORY_S + status.RATE_S <= span <= status.HISTORY_S + status.RATE_S + 2  # bounded
-    part = status.part({"gateway": "g1", "role": "follower"}, _metrics(), 1, 0, 1200.0, traffic)
+    part = status.part({"gateway": "g1", "model": "m", "role": "follower"}, _metrics(), 1, 1200.0, traffic)
     assert part["traffic"][-1] == [1200.0, 6, 5, 2]  # the counters it publishes, sampled
 
 

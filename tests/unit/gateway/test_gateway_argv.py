@@ -121,11 +121,12 @@ def test_without_an_admin_token_the_environment_adds_nothing() -> None:
 
 def test_serve_builds_the_same_command_for_its_extra_gateway_processes() -> None:
     parent = build_parser().parse_args(["serve", "--port", "9000", "--admin-token", TOKEN, "--gateways", "2"])
-    child = _child(gateway_argv(parent, "redis://127.0.0.1:7000/0", "/srv/models/tiny", "tiny-chat"))
+    child = _child(gateway_argv(parent, "redis://127.0.0.1:7000/0", ["/srv/models/tiny", "/srv/models/big"],
+                                ["tiny-chat", "big-chat"]))
     assert (child.command, child.port, child.redis_url, child.reuse_port) == (
         "gateway", 9000, "redis://127.0.0.1:7000/0", True)
     assert (child.model, child.model_name, child.admin_token, child.workers) == (
-        "/srv/models/tiny", "tiny-chat", None, 1)
+        ["/srv/models/tiny", "/srv/models/big"], ["tiny-chat", "big-chat"], None, 1)
 
 
 def test_a_gateway_process_supervises_nothing_even_when_the_environment_says_workers(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common import protocol as p
-from gateway.cli.fleet_model import announced
+from gateway.cli.served import announced
 
 
 def _hb(worker: str, model: str, tokenizer: str, started: float, down: str = "") -> p.Heartbeat:
