@@ -379,6 +379,7 @@ class Cluster(TypedDict):
     scheduler: dict[str, Any] | None
     workers: list[WorkerView]
     counters: dict[str, Any]
+    models: list[str]  # every model the answering gateway serves (``?model=`` picks the view)
 
 
 @with_config(_FORBID)

@@ -109,6 +109,16 @@ def _query_seconds(name: str, default: str) -> dict[str, Any]:
     }
 
 
+_MODEL_QUERY = {
+    "name": "model",
+    "in": "query",
+    "required": False,
+    "description": "The model whose scheduling domain to show; default the gateway's first model.",
+    "schema": {"type": "string"},
+}
+_NO_MODEL = "`model_not_found`: this gateway serves no such model."
+
+
 DEADLINE_PARAM = {
     "name": DEADLINE_HEADER,
     "in": "header",
@@ -254,16 +264,17 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "Live worker heartbeats", "admin", "AdminToken", (200, "WorkerList"), {401: _ADMIN_401},
     ),
     ("GET", "/admin/scheduler"): Operation(
-        "This gateway's scheduler: queues, cost curves, thresholds, tenants", "admin", "AdminToken",
-        (200, "SchedulerSnapshot"), {401: _ADMIN_401},
+        "One model's scheduler as this gateway sees it: queues, cost curves, thresholds, tenants", "admin",
+        "AdminToken", (200, "SchedulerSnapshot"), {401: _ADMIN_401, 404: _NO_MODEL}, parameters=(_MODEL_QUERY,),
     ),
     ("GET", "/admin/usage"): Operation(
         "Every tenant's usage in the current minute and the last hour", "admin", "AdminToken",
         (200, "UsageOverview"), {401: _ADMIN_401, 503: REDIS_DOWN},
     ),
     ("GET", "/admin/cluster"): Operation(
-        "The cluster now: gateways and their counters, workers, the scheduler's queues and policy", "admin",
-        "AdminToken", (200, "Cluster"), {401: _ADMIN_401, 503: REDIS_DOWN},
+        "One model's cluster now: gateways and their counters, workers, the scheduler's queues and policy",
+        "admin", "AdminToken", (200, "Cluster"), {401: _ADMIN_401, 404: _NO_MODEL, 503: REDIS_DOWN},
+        parameters=(_MODEL_QUERY,),
     ),
     ("GET", "/admin/requests/{rid}"): Operation(
         "Any tenant's request: its record and, while queued or running, the scheduler's explanation", "admin",

@@ -18,11 +18,13 @@ MODEL = "test"  # the model the in-process workers serve: their jobs streams are
 
 
 @contextmanager
-def running_worker(redis_url: str, engine: Engine, model: str = MODEL, **kw: object) -> Iterator[Worker]:
+def running_worker(redis_url: str, engine: Engine, model: str = MODEL, tokenizer: tuple[str, bytes] | None = None,
+                   **kw: object) -> Iterator[Worker]:
+    """A worker of ``model`` in a thread (publishing ``tokenizer``, a ``tokenizer_bundle.pack``, where given)."""
     settings = WorkerSettings(
         redis_url=redis_url, block_ms=50, heartbeat_s=0.2, claim_idle_s=1.0, claim_every_s=0.2, **kw  # type: ignore[arg-type]
     )
-    worker = Worker(settings, engine, connect(settings), model=model)
+    worker = Worker(settings, engine, connect(settings), model=model, tokenizer=tokenizer)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:

@@ -305,8 +305,8 @@ async def test_an_admission_whose_reply_was_lost_is_refunded_exactly_once(harnes
     full = (await budget.state(tenant))["remaining_tokens"]
     await budget.admit(tenant, "ran", 40, 60)  # the script ran; say its reply was lost
     assert (await budget.state(tenant))["remaining_tokens"] == full - 100
-    refund_if_admitted(harness.gw, tenant, "ran", 100)
-    refund_if_admitted(harness.gw, tenant, "never-ran", 100)
+    refund_if_admitted(harness.gw, harness.gw.domain(), tenant, "ran", 100)
+    refund_if_admitted(harness.gw, harness.gw.domain(), tenant, "never-ran", 100)
     await harness.gw.drain()
     state = await budget.state(tenant)
     assert state["remaining_tokens"] == full and state["in_flight"] == 0
