@@ -1,12 +1,11 @@
 """A second real model built at test time (``bench.second_model``: a small random-weights Llama
-beside SmolLM2's tokenizer) served by a real worker, through a gateway that has no model files
-(``--model-from-workers``): it serves the worker's model name and counts tokens as SmolLM2's."""
+beside SmolLM2's tokenizer) served beside the packaged SmolLM2 by one `tokengate serve` (issue
+39): one endpoint, one worker per model, each request answered by its model's worker."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -14,42 +13,50 @@ import pytest
 
 from bench import second_model
 from gateway.dispatch.prompts import PromptBuilder
-from tests.e2e.conftest import ADMIN_TOKEN, launch, wait_ready
+from tests.e2e.conftest import ADMIN_TOKEN, banner_match, start
 from workers.model_store import ModelSpec
 
-pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.model]
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 
-def test_a_random_llama_built_here_is_served_by_a_real_worker(redis_url: str, model_spec: ModelSpec,
-                                                             tmp_path: Path) -> None:
+def test_serve_runs_two_models_behind_one_endpoint(model_spec: ModelSpec, tmp_path: Path) -> None:
     spec = second_model.build(tmp_path / "second", model_spec.path, layers=2, hidden=128)
     config, packaged = (json.loads((d / "config.json").read_text()) for d in (spec.path, model_spec.path))
     assert config["num_hidden_layers"] == 2 < packaged["num_hidden_layers"]  # another shape, the same vocabulary
     assert config["hidden_size"] == 128 < packaged["hidden_size"] and config["vocab_size"] == packaged["vocab_size"]
-    with open(tmp_path / "worker.log", "wb") as log:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "workers", "--redis-url", redis_url, "--model", str(spec.path),
-             "--model-name", spec.name, "--slots", "2", "--profile-s", "3"], stdout=log, stderr=subprocess.STDOUT)
-    served = launch(["gateway", "--model-from-workers", "--redis-url", redis_url, "--admin-token", ADMIN_TOKEN,
-                     "--cache-dir", str(tmp_path / "gateway-cache")], tmp_path)
+    served = start(["serve", "--admin-token", ADMIN_TOKEN, "--slots", "2", "--profile-s", "3",
+                    "--model", str(model_spec.path), "--model-name", model_spec.name,
+                    "--model", str(spec.path), "--model-name", spec.name], tmp_path, timeout_s=300)
     try:
-        wait_ready(served, timeout_s=180)
+        banner_match(served, rf"models {model_spec.name}, {spec.name};", timeout_s=120)
         admin = served.auth(ADMIN_TOKEN)
+        deadline = time.monotonic() + 180  # /readyz answers once the first worker is up; the other follows
+        while {m for m, v in httpx.get(served.base_url + "/readyz").json()["models"].items() if v["workers"]} != {
+                model_spec.name, spec.name}:
+            assert time.monotonic() < deadline, served.log.read_text()[-4000:]
+            time.sleep(0.5)
+        workers = httpx.get(served.base_url + "/admin/workers", headers=admin).json()
+        assert sorted(w["model"] for w in workers["data"]) == sorted([model_spec.name, spec.name]), workers
         assert httpx.post(served.base_url + "/admin/tenants", json={"name": "t", "rate": 1e6, "burst": 10**8},
                           headers=admin).status_code == 201
         key = httpx.post(served.base_url + "/admin/tenants/t/keys", headers=admin).json()["key"]
+        listed = httpx.get(served.base_url + "/v1/models", headers=served.auth(key)).json()
+        assert [m["id"] for m in listed["data"]] == [model_spec.name, spec.name]
         chat = [{"role": "user", "content": "Say hello."}]
-        r = httpx.post(served.base_url + "/v1/chat/completions", headers=served.auth(key), timeout=120,
-                       json={"model": spec.name, "messages": chat, "max_tokens": 8, "temperature": 0})
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["model"] == spec.name and 0 < body["usage"]["completion_tokens"] <= 8
         local = PromptBuilder.load(model_spec.path)
-        assert body["usage"]["prompt_tokens"] == len(local._ids((("user", "Say hello."),)))
-        workers = httpx.get(served.base_url + "/admin/workers", headers=admin).json()
-        assert {w["model"] for w in workers["data"]} == {spec.name}, workers
+        for name in (model_spec.name, spec.name):
+            r = httpx.post(served.base_url + "/v1/chat/completions", headers=served.auth(key), timeout=120,
+                           json={"model": name, "messages": chat, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["model"] == name and 0 < body["usage"]["completion_tokens"] <= 8
+            assert body["usage"]["prompt_tokens"] == len(local._ids((("user", "Say hello."),)))
+        for name in (model_spec.name, spec.name):  # each model's scheduler sent its job to its own worker
+            view = httpx.get(served.base_url + "/admin/scheduler", params={"model": name}, headers=admin).json()
+            assert view["model"] == name and view["role"] == "scheduler"
+        metrics = httpx.get(served.base_url + "/metrics").text
+        for name in (model_spec.name, spec.name):
+            assert f'tokengate_admitted_total{{model="{name}"}} 1.0' in metrics
     finally:
-        worker.terminate()
-        worker.wait(timeout=60)
         served.proc.terminate()
         served.proc.wait(timeout=60)
