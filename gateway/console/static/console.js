@@ -163,10 +163,22 @@ function contractCells(counters) {
   return out;
 }
 
+function showModels(models, current) {
+  const select = $("model");
+  if ([...select.options].map((o) => o.value).join("\n") !== models.join("\n")) {
+    select.replaceChildren(...models.map((m) => new Option(m, m)));
+  }
+  select.value = current;
+  select.hidden = models.length < 2;
+}
+
 async function refreshLive() {
   let c;
-  try { c = await api("GET", "/admin/cluster"); } catch (e) { $("live-error").textContent = e.message; throw e; }
+  const chosen = $("model").value;  // a gateway serving several models: one model's domain at a time
+  const path = chosen ? `/admin/cluster?model=${encodeURIComponent(chosen)}` : "/admin/cluster";
+  try { c = await api("GET", path); } catch (e) { $("live-error").textContent = e.message; throw e; }
   $("live-error").textContent = "";
+  showModels(c.models || [c.model], c.model);
   const me = c.gateways.find((g) => g.gateway === c.gateway);
   $("where").textContent = `model ${c.model} · gateway ${c.gateway} (${me ? me.role : "?"}) · ` +
     `${c.gateways.length} gateway(s) · ${c.workers.length} worker(s)`;
@@ -365,6 +377,10 @@ function wire() {
     show(location.hash.slice(1) || "live");
   });
   $("logout").addEventListener("click", () => signOut("Signed out."));
+  $("model").addEventListener("change", () => {  // another model's domain: its own counters from now on
+    Object.assign(live, { prev: null, traffic: [[], [], []], contracts: {}, samples: [] });
+    refreshLive().catch(() => {});
+  });
   window.addEventListener("hashchange", () => show(location.hash.slice(1)));
   document.addEventListener("visibilitychange", () => { if (!document.hidden && view) show(view); });
 
