@@ -1,11 +1,13 @@
 """Two models on one Redis, each its own scheduling domain (issue 39).
 
-    python -m bench.models [--duration 10] [--clients 32] [--json]
+    python -m bench.models [--shared] [--duration 10] [--clients 32] [--json]
 
 Redis; model ``alpha`` with two echo workers and two gateway processes, model ``beta`` with one
 echo worker and one gateway process (echo workers: 8 slots, 16 tokens at 5 ms a step, about 100
-requests/s each); tenants A and B send to alpha, C and D to beta, from closed-loop streaming
-clients (each model's in a process of its own). Phases, in one run:
+requests/s each); with ``--shared``, three gateway processes instead, each serving both models
+behind its one endpoint (each model's scheduler elected among all three). Tenants A and B send
+to alpha, C and D to beta, from closed-loop streaming clients (each model's in a process of its
+own), spread over the gateways that serve the model. Phases, in one run:
 
 1. ``alpha alone``: ``--clients`` on alpha (A and B, half each, spread over its gateways);
 2. ``beta alone``: 4 light clients on beta (C and D);
@@ -44,10 +46,12 @@ from bench.replicas import jain, tenant_keys, watch_workers
 from common import protocol as p
 from common import wire
 from gateway.cli.embedded_redis import free_port
+from workers import model_store
 
 MODELS = {"alpha": ("A", "B"), "beta": ("C", "D")}  # model -> its tenants
 WORKERS = {"alpha": 2, "beta": 1}
 GATEWAYS = {"alpha": 2, "beta": 1}
+SHARED = 3  # ``--shared``: gateway processes, each serving both models
 LIGHT = 4  # beta's clients in the light load
 
 
@@ -59,9 +63,10 @@ class Load:
 
 
 @contextmanager
-def fleet(redis_url: str, pin: bool) -> Iterator[dict[str, list[str]]]:
-    """The workers and gateways of each model (``pin``: alpha's on CPU 0, beta's on CPU 1);
-    yields model -> its gateways' base URLs."""
+def fleet(redis_url: str, pin: bool, shared: bool = False) -> Iterator[dict[str, list[str]]]:
+    """The workers and gateways of each model (``pin``: alpha's on CPU 0, beta's on CPU 1;
+    ``shared``: ``SHARED`` gateways serving both models, unpinned); yields model -> the base URLs
+    of the gateways that serve it."""
     procs, bases = [], {}
     try:
         for k, (model, n) in enumerate(WORKERS.items()):
@@ -70,7 +75,16 @@ def fleet(redis_url: str, pin: bool) -> Iterator[dict[str, list[str]]]:
                              "--slots", "8", "--echo-step-ms", "5", "--model-name", model,
                              "--worker-id", f"{model}-{i}"], OUT / f"models-{model}-worker-{i}.log", cpus)
                       for i in range(n)]
-        for k, (model, n) in enumerate(GATEWAYS.items()):
+        if shared:  # every gateway serves both, counting tokens with the packaged model's tokenizer
+            packaged = str(model_store.resolve(None, model_store.default_cache_dir()).path)
+            ports = [free_port() for _ in range(SHARED)]
+            both = [arg for m in MODELS for arg in ("--model", packaged)] + [
+                arg for m in MODELS for arg in ("--model-name", m)]
+            procs += [spawn(["-m", "gateway.cli", "--log-level", "WARNING", "gateway", "--redis-url", redis_url,
+                             "--port", str(port), "--admin-token", ADMIN_TOKEN, *both],
+                            OUT / f"models-shared-gateway-{i}.log", ()) for i, port in enumerate(ports)]
+            bases = {m: [f"http://127.0.0.1:{port}" for port in ports] for m in MODELS}
+        for k, (model, n) in enumerate(() if shared else GATEWAYS.items()):
             ports = [free_port() for _ in range(n)]
             procs += [spawn(["-m", "gateway.cli", "--log-level", "WARNING", "gateway", "--redis-url", redis_url,
                              "--port", str(port), "--admin-token", ADMIN_TOKEN, "--model-name", model],
@@ -200,19 +214,24 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32, help="closed-loop clients of the flood")
     parser.add_argument("--pin", action="store_true",
                         help="alpha's processes on CPU 0, beta's on CPU 1 (Redis and the clients unpinned)")
+    parser.add_argument("--shared", action="store_true",
+                        help=f"{SHARED} gateway processes, each serving both models (not with --pin)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.shared and args.pin:
+        parser.error("--shared gateways serve both models: they cannot be pinned by model")
     phases = {"alpha alone": {"alpha": args.clients}, "beta alone": {"beta": LIGHT},
               "both": {"alpha": args.clients, "beta": LIGHT},
               "half each": {"alpha": args.clients // 2, "beta": args.clients // 2}}
     rows = []
-    with backend("echo", workers=0) as (url, _), fleet(url, args.pin) as bases:
+    with backend("echo", workers=0) as (url, _), fleet(url, args.pin, args.shared) as bases:
         keys = tenant_keys(bases["alpha"][0])  # (A-D, made through one gateway: tenants are shared)
         for name, clients in phases.items():
             rows.append(summary(name, *phase(bases, keys, clients, args.duration, url)))
         seen = asyncio.run(domains(url))
     alone, both = rows[1]["beta"]["ttft_p99_s"], rows[2]["beta"]["ttft_p99_s"]
     result = {
+        "layout": f"{SHARED} gateways serving both models" if args.shared else "a gateway deployment per model",
         "phases": rows, "domains": seen,
         "crossed": sum(1 for m, d in seen.items() for r in d["readers"] if not r.startswith(f"{m}-")),
         "beta_p99_flooded_over_alone": both / alone if alone and both else None,
@@ -222,7 +241,9 @@ def main() -> None:
     if args.json:
         json_lines([result])
         return
-    table(f"two models on one Redis: alpha (2 workers, 2 gateways) and beta (1, 1); flood {args.clients} clients"
+    layout = (f"{SHARED} gateways serving both, alpha 2 workers, beta 1" if args.shared
+              else "alpha (2 workers, 2 gateways) and beta (1, 1)")
+    table(f"two models on one Redis: {layout}; flood {args.clients} clients"
           f"{'; alpha on CPU 0, beta on CPU 1' if args.pin else ''}",
           ["phase", "alpha req/s", "alpha TTFT p50 / p99 ms", "beta req/s", "beta TTFT p50 / p99 ms",
            "Jain alpha / beta", "overcommit", "errors"],
