@@ -159,9 +159,12 @@ def start(launch: Launch) -> Started:
             gateway = worker = None
             if args.command in ("gateway", "serve"):  # `serve` starts its own Redis when given none
                 redis_url = args.redis_url or "redis://127.0.0.1:6379/0"
-                gateway = gateway_settings(args, redis_url, args.model_name or "model", 1 << 20)
-            if args.command in ("worker", "serve"):
+                gateway = gateway_settings(args, redis_url, (args.model_name or ["model"])[0], 1 << 20)
+            if args.command == "worker":
                 worker = worker_cli.settings_from_args(args)
+            elif args.command == "serve":  # one worker per --model and pool: the first model's stands for them
+                first = {name: (getattr(args, name) or [None])[0] for name in ("model", "model_name")}
+                worker = worker_cli.settings_from_args(argparse.Namespace(**{**vars(args), **first}))
         except SystemExit:
             raise StartError(f"{launch.where}: the CLI refuses {command}: {stderr.getvalue().strip()}") from None
         except ValueError as exc:

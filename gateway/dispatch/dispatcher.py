@@ -416,11 +416,14 @@ class Dispatcher:
         # lets a reader skip a stale entry)
         backlog = orjson.dumps({"at": time.time(), **self.backlog()})
         await self.batch.call("HSET", wire.BACKLOG_HASH, self.settings.gateway_id, backlog)
-        workers = await self.liveness.workers()
-        self.workers = workers
         self.gateways = max(1, view.alive)
-        self.capacity(workers)
+        self.seen(await self.liveness.workers())
+        self.capacity(self.workers)
         self.wake.set()
+
+    def seen(self, workers: dict[str, p.Heartbeat]) -> None:
+        """The live workers as just read: the view and its metrics change together."""
+        self.workers = workers
         if self._on_workers is not None:
             self._on_workers(workers)
 

@@ -54,6 +54,7 @@ class Host(Protocol):
     def new_shell(self) -> SchedulerShell: ...
 
     def capacity(self, workers: dict[str, p.Heartbeat]) -> None: ...
+    def seen(self, workers: dict[str, p.Heartbeat]) -> None: ...
 
     def handle(self, events: list[p.Event]) -> None: ...
 
@@ -144,7 +145,7 @@ class Leading:
         """Schedule for every gateway from now on: the workers' running sequences are the
         previous scheduler's until they end, and the arrivals it left are taken up."""
         await self.arrivals_group()
-        self.d.workers = await self.d.liveness.workers()
+        self.d.seen(await self.d.liveness.workers())
         self.d.shell.take_over(self.d.workers)
         self.d.capacity(self.d.workers)
         self.leader = True
