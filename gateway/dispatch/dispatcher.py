@@ -418,18 +418,16 @@ class Dispatcher:
         await self.batch.call("HSET", wire.BACKLOG_HASH, self.settings.gateway_id, backlog)
         self.gateways = max(1, view.alive)
         self.seen(await self.liveness.workers())
-        self.capacity(self.workers)
         self.wake.set()
 
     def seen(self, workers: dict[str, p.Heartbeat]) -> None:
-        """The live workers as just read: the view and its metrics change together."""
+        """The live workers as just read: the view, the scheduler's capacity and the metrics
+        change together."""
         self.workers = workers
-        if self._on_workers is not None:
-            self._on_workers(workers)
-
-    def capacity(self, workers: dict[str, p.Heartbeat]) -> None:
         for note in self.shell.capacity(workers, time.monotonic()):
             log.info("%s", note)
+        if self._on_workers is not None:
+            self._on_workers(workers)
 
     async def _watch_loop(self) -> None:
         retry = Retrier(BACKOFF, self.outage)

@@ -53,7 +53,6 @@ class Host(Protocol):
 
     def new_shell(self) -> SchedulerShell: ...
 
-    def capacity(self, workers: dict[str, p.Heartbeat]) -> None: ...
     def seen(self, workers: dict[str, p.Heartbeat]) -> None: ...
 
     def handle(self, events: list[p.Event]) -> None: ...
@@ -145,9 +144,9 @@ class Leading:
         """Schedule for every gateway from now on: the workers' running sequences are the
         previous scheduler's until they end, and the arrivals it left are taken up."""
         await self.arrivals_group()
-        self.d.seen(await self.d.liveness.workers())
-        self.d.shell.take_over(self.d.workers)
-        self.d.capacity(self.d.workers)
+        workers = await self.d.liveness.workers()
+        self.d.shell.take_over(workers)
+        self.d.seen(workers)
         self.leader = True
         self.leading.set()
         log.info("this gateway schedules for all gateways now")
