@@ -14,6 +14,7 @@ from sched_core.driver import MAX_QUEUE_WAIT_MS
 from sched_core.policies import make_policy
 
 ADMIN_TOKEN_MIN_CHARS = 16
+TOKEN_WEIGHT_MAX = 1000.0  # a token of one model may cost at most this many budget tokens
 ROUTINGS = ("worker", "pool")  # where a dispatched job goes (--routing)
 
 
@@ -55,6 +56,12 @@ class GatewaySettings:
     body_timeout_s: float = 30.0  # to send the whole body, from the end of the headers
     max_connections: int = 16384  # open client connections (capped below the open-file limit); beyond: a fast 503
     keep_alive_timeout_s: int = 75  # an idle keep-alive connection is closed after this
+    # (model, weight): a token of that model costs this many tokens of a tenant's budget (1 for the others)
+    token_weights: tuple[tuple[str, float], ...] = ()
+
+    def token_weight(self, model: str) -> float:
+        """What a token of ``model`` costs a tenant's budget, in tokens (``--token-weight``)."""
+        return dict(self.token_weights).get(model, 1.0)
 
     def __post_init__(self) -> None:
         # an unknown policy stops start-up, naming the forms; so does one that waits for an end
@@ -98,5 +105,7 @@ class GatewaySettings:
             raise ValueError("the longest queue wait must be 0 (no bound) to 600000 ms")
         if self.max_connections < 1:
             raise ValueError("max connections must be at least 1")
+        if any(not 0.0 < w <= TOKEN_WEIGHT_MAX for _m, w in self.token_weights):
+            raise ValueError(f"a token weight must be in (0, {TOKEN_WEIGHT_MAX:g}]")
         if self.usage_retention_s < 60 or self.request_record_ttl_s < 1:
             raise ValueError("usage retention must be >= 60 s and the request record TTL positive")

@@ -283,6 +283,7 @@ class UsageTotals(TypedDict):
     slo_met: NonNegative  # settled requests with an SLO that met it
     slo_missed: NonNegative
     total_tokens: NonNegative
+    charged_tokens: int  # what the budget was charged: the tokens at their models' token weights
 
 
 @with_config(_FORBID)

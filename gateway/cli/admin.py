@@ -279,11 +279,11 @@ def usage_table(tenant: str, rows: list[dict[str, Any]]) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    from gateway.tenancy.usage import FIELDS
+    from gateway.tenancy.usage import DERIVED, FIELDS
 
     if not rows:
         return f"tenant {tenant}: no traffic in that window"
-    names = (*FIELDS, "total_tokens")
+    names = (*FIELDS, *DERIVED)
     table = Table(title=f"usage of tenant {tenant}", show_footer=True)
     table.add_column("minute (UTC)", footer="total")
     for n in names:

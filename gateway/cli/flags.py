@@ -78,8 +78,23 @@ SETTING_FLAGS = frozenset(name for _flag, name, _help in GATEWAY_FLAGS)
 setting_default = functools.partial(field_default, GatewaySettings)  # a GatewaySettings field's default
 
 
+def token_weight(text: str) -> tuple[str, float]:
+    """``MODEL=W`` as (model, weight); the weight's range is checked with the settings."""
+    model, sep, weight = text.rpartition("=")
+    try:
+        if sep and model:
+            return model, float(weight)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected MODEL=WEIGHT (a number), got {text!r}")
+
+
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, GatewaySettings, GATEWAY_FLAGS, dest=lambda _flag, name: name)
+    parser.add_argument("--token-weight", action="append", type=token_weight, metavar="MODEL=W",
+                        default=[token_weight(x) for x in (env_default("token_weight") or "").split(",") if x],
+                        help="a token of MODEL costs W tokens of a tenant's budget (default 1); again for each "
+                        "model; TOKENGATE_TOKEN_WEIGHT takes a comma-separated list (docs/tenants.md)")
     parser.add_argument("--cost-priors", default=env_default("cost_priors"),
                         help="JSON file of measured per-path cost priors for the scheduler "
                         "(docs/scheduling.md); default: the packaged measured profiles, refitted online")

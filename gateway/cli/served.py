@@ -138,18 +138,23 @@ def new_models(workers: list[p.Heartbeat], served: set[str]) -> list[p.Heartbeat
     return [hb for hb in (announced(workers, m) for m in models) if hb is not None]
 
 
-async def watch(gw: Gateway, cache_dir: Path | None, on_fatal: Callable[[str], None]) -> None:
-    """Until cancelled: every model a live worker announces gets a domain in ``gw``, started at
-    once (its dispatcher's fatal errors go to ``on_fatal``, as the first model's). A model whose
-    tokenizer cannot be read is tried again at the next look."""
+async def watch(gw: Gateway, cache_dir: Path | None, on_fatal: Callable[[str], None],
+                stopping: Callable[[], bool]) -> None:
+    """Until ``stopping()`` (checked every look: a cancellation can be swallowed by the Redis
+    client as a connection error, as the dispatcher's loops know): every model a live worker
+    announces gets a domain in ``gw``, started at once (its dispatcher's fatal errors go to
+    ``on_fatal``, as the first model's). A model whose tokenizer cannot be read is tried again
+    at the next look."""
     target = _target(cache_dir)
-    while True:
+    while not stopping():
         try:
             for hb in new_models(list((await live_workers(gw.client)).values()), set(gw.domains)):
                 spec = await _fetch(gw.client, hb, target)
                 if spec is None or spec.name in gw.domains:
                     continue
                 prompts, sampling = await asyncio.to_thread(tokens, spec, gw.settings)
+                if stopping():  # shutting down: no domain the lifespan would not close
+                    return
                 dom = gw.add_model(spec.name, prompts, sampling)
                 dom.dispatcher.on_fatal = on_fatal
                 await dom.dispatcher.start()

@@ -63,6 +63,7 @@ def settings_from_args(args: argparse.Namespace, redis_url: str, model_name: str
         "redis_url": redis_url,
         "model_name": model_name,
         "max_connections": max_connections,
+        "token_weights": tuple(args.token_weight or ()),
         # a bad file or SLO stops start-up, naming it
         "scheduler": scheduler_config(args.cost_priors, ttft_p99_slo_s=args.slo_ttft_ms / 1000,
                                       tpot_slo_s=args.slo_tpot_ms / 1000,
@@ -144,6 +145,7 @@ async def _run_gateway(
     # instead of holding the event loop for ~150 ms (issue 23: 1 request in 100 stalled)
     gc.freeze()
     task = asyncio.create_task(server.serve([listen_socket(settings.host, settings.port)] if reuse_port else None))
+    stopped = asyncio.Event()  # the watch for announced models ends at its next look
     background = [
         asyncio.create_task(_arm_watchdog(server, settings.shutdown_grace_s, supervisor)),
         asyncio.create_task(expire_after_grace(server, drain, settings.shutdown_grace_s)),
@@ -151,7 +153,8 @@ async def _run_gateway(
     try:
         while not (server.started or task.done()):  # the lifespan has started the first domains
             await asyncio.sleep(0.05)
-        background.append(asyncio.create_task(served.watch(gw, cache_dir, fatal)))
+        ending = lambda: server.should_exit or stopped.is_set()  # noqa: E731
+        background.append(asyncio.create_task(served.watch(gw, cache_dir, fatal, ending)))
         if ready is not None:
             while not task.done():
                 workers = {wid: hb for dom in gw.domains.values() for wid, hb in dom.dispatcher.workers.items()}
@@ -167,6 +170,7 @@ async def _run_gateway(
             background.append(asyncio.create_task(supervisor.run()))
         await task
     finally:
+        stopped.set()
         for t in background:
             t.cancel()
         await client.aclose()
@@ -237,7 +241,8 @@ def gateway_argv(args: argparse.Namespace, redis_url: str, model: list[str] | No
     for flag, value in (("--cost-priors", args.cost_priors), ("--cache-dir", args.cache_dir)):
         if value is not None:
             cmd += [flag, str(value)]
-    for flag, values in (("--model", model), ("--model-name", model_name)):
+    for flag, values in (("--model", model), ("--model-name", model_name),
+                         ("--token-weight", [f"{m}={w!r}" for m, w in args.token_weight or ()])):
         for value in values or []:
             cmd += [flag, value]
     if getattr(args, "model_from_workers", False):  # (`serve` has no such flag: its gateways get --model)

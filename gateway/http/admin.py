@@ -50,7 +50,7 @@ def _list(data: list[dict[str, Any]], **extra: Any) -> Response:
 
 async def create_tenant(request: Request) -> Response:
     gw = _gw(request)  # the burst must hold one request of up to the model's context (docs/tenants.md)
-    tenant = ap.parse_create(await _body(request), context=gw.context_tokens())
+    tenant = ap.parse_create(await _body(request), context=gw.served())
     await gw.tenants.create(tenant)
     return ORJSONResponse(to_doc(tenant), status_code=201)
 
@@ -70,7 +70,7 @@ async def update_tenant(request: Request) -> Response:
     change = ap.parse_update(await _body(request))
     gw = _gw(request)
     tenant = await gw.tenants.update(
-        request.path_params["tenant"], lambda t: ap.apply_update(t, change, gw.context_tokens())
+        request.path_params["tenant"], lambda t: ap.apply_update(t, change, gw.served())
     )
     gw.auth.cache.forget(tenant_id=tenant.id)
     return ORJSONResponse(to_doc(tenant))

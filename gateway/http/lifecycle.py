@@ -153,7 +153,8 @@ class RequestLife:
             context = fleet.served_context(dom.dispatcher.workers, dom.prompts.context_tokens)
             ids = await self._token_ids(dom, context)
             max_tokens = limits.output_tokens(
-                self.gen, len(ids), context, gw.settings.default_max_tokens, tenant, own=dom.prompts.context_tokens
+                self.gen, len(ids), context, gw.settings.default_max_tokens, tenant, own=dom.prompts.context_tokens,
+                weight=dom.budget.weight,
             )
             if not dom.dispatcher.alive_pools():
                 down = dom.dispatcher.down_reasons()
@@ -175,7 +176,7 @@ class RequestLife:
                 admit.add_done_callback(self._settle_orphan)
                 raise
             except RedisError:  # the script may have run without its reply reaching us
-                refund_if_admitted(gw, dom, tenant, seq.rid, len(ids) + max_tokens)
+                refund_if_admitted(gw, dom, tenant, seq.rid, dom.budget.charge(len(ids) + max_tokens))
                 raise
             if self.admission.wait_s > 0.0:
                 dom.metrics.budget_wait.observe(self.admission.wait_s)

@@ -126,10 +126,10 @@ class Gateway:
         the tenant's allowed models)."""
         return model in self.domains and tenant.may_use(model)
 
-    def context_tokens(self) -> int:
-        """The largest context among the models served: the largest request a tenant may send
-        (``tenancy.admin_protocol``'s burst rule)."""
-        return max(d.prompts.context_tokens for d in self.domains.values())
+    def served(self) -> list[tuple[int, float]]:
+        """Each model's (context, token weight): the largest request a tenant may send, for the
+        burst rule (``tenancy.tenants.largest_request``)."""
+        return [(d.prompts.context_tokens, d.budget.weight) for d in self.domains.values()]
 
     async def drain(self) -> None:
         """At shutdown: waits for settlements still in flight, then closes what was opened."""

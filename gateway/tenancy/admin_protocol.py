@@ -19,6 +19,7 @@ from gateway.tenancy.tenants import (
     NAME_PATTERN,
     SLO_MS_MIN,
     Limits,
+    Served,
     Tenant,
     burst_shortfall,
     default_burst,
@@ -172,18 +173,19 @@ class KeyCreate(_Model):
     name: Annotated[str, Field(max_length=128)] = ""
 
 
-def holding_one_request(tenant: Tenant, context: int | None, creating: bool = False) -> Tenant:
+def holding_one_request(tenant: Tenant, context: Served, creating: bool = False) -> Tenant:
     """``tenant``, or the 400 (``param`` ``burst``, code ``burst_too_small``) when its burst
     cannot hold one request within its limits (``tenants.burst_shortfall``): such a tenant's
-    every request of that size would be refused, forever. ``context``: the model's, in tokens
-    (None: unknown, and only the tenant's own prompt and output limits count)."""
+    every request of that size would be refused, forever. ``context``: the model's, in tokens,
+    or each served model's (context, token weight) (None: unknown, and only the tenant's own
+    prompt and output limits count)."""
     why = burst_shortfall(tenant, context, creating)
     if why is not None:
         raise InvalidRequest(why, param="burst", code="burst_too_small")
     return tenant
 
 
-def parse_create(body: Any, now: float | None = None, context: int | None = None) -> Tenant:
+def parse_create(body: Any, now: float | None = None, context: Served = None) -> Tenant:
     """The new tenant, its burst defaulting to ten seconds of its rate and at least one
     largest request within its limits (``tenants.default_burst``); a burst given that cannot
     hold one such request is refused."""
@@ -211,7 +213,7 @@ def parse_update(body: Any) -> TenantUpdate:
     return upd
 
 
-def apply_update(tenant: Tenant, upd: TenantUpdate, context: int | None = None) -> Tenant:
+def apply_update(tenant: Tenant, upd: TenantUpdate, context: Served = None) -> Tenant:
     """``tenant`` with the update's fields; refused (400) where the result's burst could not
     hold one request within its limits, whichever field made it so (``holding_one_request``)."""
     t = with_rate(tenant, upd.rate) if upd.rate is not None else tenant

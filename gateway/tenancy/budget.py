@@ -9,6 +9,7 @@ reserved and used tokens, and counts the tokens. Both take an explicit ``now`` f
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -105,14 +106,14 @@ end
 
 # KEYS: budget, leases, request record, usage minute, the gateway's requests
 # ARGV: rate, rid, delta tokens, state, charged prompt tokens, charged completion tokens,
-#       usage ttl s, SLO ('1' met, '0' missed, '' none), then field/value pairs for the request
-#       record, now ('' for Redis TIME)
+#       usage ttl s, SLO ('1' met, '0' missed, '' none), budget tokens charged (the tokens at the
+#       model's token weight), then field/value pairs for the request record, now ('' for Redis TIME)
 SETTLE = (
     CLOCK
     + _SETTLE_ONE
     + """
-local fields = {'state', ARGV[4], 'finished_at', num(now), 'charged_tokens', tonumber(ARGV[5]) + tonumber(ARGV[6])}
-for i = 9, #ARGV - 1 do  -- extra record fields: the contract and what happened
+local fields = {'state', ARGV[4], 'finished_at', num(now), 'charged_tokens', ARGV[9]}
+for i = 10, #ARGV - 1 do  -- extra record fields: the contract and what happened
   fields[#fields + 1] = ARGV[i]
 end
 if settle_one(now, KEYS[1], KEYS[2], KEYS[3], KEYS[5], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[3]),
@@ -122,6 +123,9 @@ end
 -- the usage minute's TTL is set by whichever call makes a field of it (and so any that makes the key)
 local new = redis.call('HINCRBY', KEYS[4], 'prompt_tokens', ARGV[5]) == tonumber(ARGV[5])
 redis.call('HINCRBY', KEYS[4], 'completion_tokens', ARGV[6])
+if tonumber(ARGV[9]) ~= tonumber(ARGV[5]) + tonumber(ARGV[6]) then  -- a token weight: the difference
+  redis.call('HINCRBY', KEYS[4], 'weighted_extra_tokens', tonumber(ARGV[9]) - tonumber(ARGV[5]) - tonumber(ARGV[6]))
+end
 if ARGV[8] ~= '' then
   redis.call('HINCRBY', KEYS[4], ARGV[8] == '1' and 'slo_met' or 'slo_missed', 1)
 end
@@ -239,6 +243,7 @@ class Budget:
 
     def __init__(self, client: aioredis.Redis, settings: GatewaySettings, batch: AutoPipeline | None = None) -> None:
         self.settings = settings
+        self.weight = settings.token_weight(settings.model_name)  # budget tokens per token of the model
         self.client = client
         self.batch = batch or AutoPipeline(client)
         self._admit = client.register_script(ADMIT)
@@ -304,7 +309,7 @@ class Budget:
 
         The request may wait for its budget up to the tenant's ``max_queue_delay_s`` and,
         when given, ``deadline_s`` (seconds from now); the caller sleeps ``wait_s``."""
-        cost = prompt_tokens + max_tokens
+        cost = self.charge(prompt_tokens + max_tokens)
         max_wait = tenant.max_queue_delay_s
         if deadline_s is not None:
             max_wait = max(0.0, min(max_wait, deadline_s))
@@ -326,10 +331,15 @@ class Budget:
         reservation); False when it was settled already or its lease ran out, and then
         nothing changes. ``record`` adds fields to the request's record; ``slo``: whether it
         met its SLO (None: it had none), counted in the tenant's usage."""
-        delta = prompt_tokens + completion_tokens - admission.reserved
+        charged = self.charge(prompt_tokens + completion_tokens)
         return await self.settle_raw(
-            admission.tenant, admission.rid, delta, state, prompt_tokens, completion_tokens, record=record, slo=slo
+            admission.tenant, admission.rid, charged - admission.reserved, state, prompt_tokens, completion_tokens,
+            record=record, slo=slo, charged=charged,
         )
+
+    def charge(self, tokens: int) -> int:
+        """What ``tokens`` of this budget's model cost the tenant's budget (its token weight)."""
+        return tokens if self.weight == 1.0 else math.ceil(tokens * self.weight)
 
     async def settle_raw(
         self,
@@ -344,7 +354,10 @@ class Budget:
         wall: float | None = None,
         record: dict[str, float] | None = None,
         slo: bool | None = None,
+        charged: int | None = None,
     ) -> bool:
+        """``charged``: the budget tokens the request cost (default: its prompt and completion
+        tokens, a weight of 1), counted in the record and the tenant's usage."""
         pairs = [x for item in (record or {}).items() for x in item]
         reply = await self._run(
             self._settle,
@@ -358,6 +371,7 @@ class Budget:
                 completion_tokens,
                 self.settings.usage_retention_s,
                 "" if slo is None else int(slo),
+                prompt_tokens + completion_tokens if charged is None else charged,
                 *pairs,
                 now,
             ),

@@ -8,6 +8,8 @@ for a context smaller than the model's says whose it is."""
 
 from __future__ import annotations
 
+import math
+
 from gateway.api.openai_protocol import Generation
 from gateway.errors import InvalidRequest
 from gateway.tenancy.tenants import Tenant
@@ -19,10 +21,11 @@ def _context_length(context: int, own: int | None) -> str:
 
 
 def output_tokens(gen: Generation, prompt: int, context: int, default: int, tenant: Tenant,
-                  own: int | None = None) -> int:
+                  own: int | None = None, weight: float = 1.0) -> int:
     """The request's ``max_tokens``: as given, else the gateway's default trimmed to what the
     context, the tenant's output limit and its burst leave. Checked in this order: the
-    tenant's prompt limit, the context, the tenant's output limit, the burst."""
+    tenant's prompt limit, the context, the tenant's output limit, the burst (which holds
+    ``burst / weight`` tokens of a model of token weight ``weight``)."""
     prompt_param = "messages" if gen.kind == "chat" else "prompt"
     lim = tenant.limits
     if lim.max_prompt_tokens is not None and prompt > lim.max_prompt_tokens:
@@ -35,7 +38,7 @@ def output_tokens(gen: Generation, prompt: int, context: int, default: int, tena
     room = context - prompt
     max_tokens = gen.max_tokens
     if max_tokens is None:
-        caps = (default, lim.max_output_tokens or default, tenant.burst - prompt)
+        caps = (default, lim.max_output_tokens or default, math.floor(tenant.burst / weight) - prompt)
         max_tokens = max(1, min(room, *caps))
     if prompt + max_tokens > context:
         raise InvalidRequest(
@@ -52,10 +55,9 @@ def output_tokens(gen: Generation, prompt: int, context: int, default: int, tena
             param="max_tokens",
             code="max_tokens_exceeded",
         )
-    if prompt + max_tokens > tenant.burst:
-        raise over_burst(
-            tenant, prompt + max_tokens, "max_tokens" if gen.max_tokens else prompt_param
-        )
+    cost = prompt + max_tokens if weight == 1.0 else math.ceil((prompt + max_tokens) * weight)
+    if cost > tenant.burst:
+        raise over_burst(tenant, cost, "max_tokens" if gen.max_tokens else prompt_param, weight)
     return max_tokens
 
 
@@ -84,13 +86,14 @@ def prompt_too_long(gen: Generation, tokens: int, exact: bool, context: int, ten
     )
 
 
-def over_burst(tenant: Tenant, cost: int, param: str = "max_tokens") -> InvalidRequest:
+def over_burst(tenant: Tenant, cost: int, param: str = "max_tokens", weight: float = 1.0) -> InvalidRequest:
     """A request larger than the burst could never be admitted: 400, not 429. The admin API
     refuses a burst that cannot hold one request within the tenant's limits, so this one
     meets tenants stored before that rule, or a larger context than the one they were checked
     against (docs/tenants.md, "The burst holds one request")."""
     return InvalidRequest(
-        f"This request needs {cost} tokens (prompt plus max_tokens), more than your tenant's burst "
+        f"This request needs {cost} tokens (prompt plus max_tokens"
+        f"{'' if weight == 1.0 else f', at the model token weight {weight:g}'}), more than your tenant's burst "
         f"of {tenant.burst} tokens, the most its budget can ever hold at once; lower max_tokens or "
         f"shorten the prompt, or have an admin raise the burst to at least {cost} "
         f"(tokengate tenants update {tenant.name} --burst {cost}).",

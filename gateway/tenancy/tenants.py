@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -77,16 +78,31 @@ def is_id(ref: str) -> bool:
     return _ID.fullmatch(ref) is not None
 
 
-def largest_request(limits: Limits, context: int | None) -> int | None:
-    """The most tokens one request within these limits reserves at admission (prompt +
-    ``max_tokens``, ``gateway.tenancy.limits.output_tokens``): the model's ``context``, or less
-    where both ``max_prompt_tokens`` and ``max_output_tokens`` are set and sum to less. None
-    where neither bounds it (no context given and a limit unset)."""
+# what the gateway serves, for the burst rule: a model's context (tokens), or each served model's
+# (context, token weight): a token of a model costs its weight in budget tokens (--token-weight)
+Served = int | Sequence[tuple[int, float]] | None
+
+
+def _served(context: Served) -> list[tuple[int, float]]:
+    return [(context, 1.0)] if isinstance(context, int) else list(context or [])
+
+
+def _heaviest(limits: Limits, context: Served) -> tuple[int | None, float]:
+    """(the most budget tokens one request within ``limits`` reserves at admission, the token
+    weight of the model it asks for): ``largest_request`` and its weight."""
     p, o = limits.max_prompt_tokens, limits.max_output_tokens
     own = None if p is None or o is None else p + o
-    if context is None:
-        return own
-    return context if own is None else min(context, own)
+    sizes = [(math.ceil(w * (ctx if own is None else min(ctx, own))), w) for ctx, w in _served(context)]
+    return max(sizes) if sizes else (own, 1.0)
+
+
+def largest_request(limits: Limits, context: Served) -> int | None:
+    """The most budget tokens one request within these limits reserves at admission (prompt +
+    ``max_tokens``, ``gateway.tenancy.limits.output_tokens``, times the model's token weight):
+    the model's ``context``, or less where both ``max_prompt_tokens`` and ``max_output_tokens``
+    are set and sum to less; with several models, the most of any. None where neither bounds it
+    (no context given and a limit unset)."""
+    return _heaviest(limits, context)[0]
 
 
 def default_burst(rate: float, largest: int | None = None) -> int:
@@ -95,27 +111,30 @@ def default_burst(rate: float, largest: int | None = None) -> int:
     return max(1, math.ceil(rate * DEFAULT_BURST_SECONDS), largest or 0)
 
 
-def burst_shortfall(tenant: Tenant, context: int | None, creating: bool = False) -> str | None:
+def burst_shortfall(tenant: Tenant, context: Served, creating: bool = False) -> str | None:
     """Why ``tenant``'s burst cannot hold one request within its limits (every request that
     large would be refused with 400 ``budget_exceeded``, forever), naming the fix; None when
     it can. ``creating``: the burst was given at create, where leaving it out is a fix too."""
-    largest = largest_request(tenant.limits, context)
+    largest, weight = _heaviest(tenant.limits, context)
     if largest is None or tenant.burst >= largest:
         return None
     p, o = tenant.limits.max_prompt_tokens, tenant.limits.max_output_tokens
-    if p is not None and o is not None and largest == p + o:
+    if p is not None and o is not None and largest == math.ceil(weight * (p + o)):
         what, verb = f"max_prompt_tokens {p} + max_output_tokens {o}", "lower"
     elif p is not None and o is not None:
         what, verb = f"the model's context; max_prompt_tokens {p} + max_output_tokens {o} exceed it", "lower"
     else:
         what, verb = "the model's context, which one request may fill without both max_prompt_tokens and " \
                      "max_output_tokens", "set"
+    if weight != 1.0:
+        what += f", at the model's token weight {weight:g}"
     fix = f"raise burst (--burst) to at least {largest}"
     if creating:
         fix += " or leave it out (the default burst holds one such request)"
-    if tenant.burst >= 2:  # a request has at least one prompt and one output token
+    room = math.floor(tenant.burst / weight)
+    if room >= 2:  # a request has at least one prompt and one output token
         fix += (f", or {verb} limits.max_prompt_tokens + limits.max_output_tokens (--max-prompt-tokens, "
-                f"--max-output-tokens) to at most {tenant.burst} in all")
+                f"--max-output-tokens) to at most {room} in all")
     return (f"burst {tenant.burst} cannot hold one request of up to {largest} tokens ({what}): every "
             f"request that large would be refused with 400 budget_exceeded. To fix it, {fix}.")
 

@@ -2,7 +2,8 @@
 
 One hash per tenant and minute (``{tg}:usage:{id}:{unix_minute}``) with the fields below;
 each expires after the usage retention. The admission script counts ``requests`` and
-``rate_limited`` (429s); the settle script counts the tokens charged and, for a request with
+``rate_limited`` (429s); the settle script counts the tokens charged (prompt, completion, and
+what a model's token weight adds: ``weighted_extra_tokens``) and, for a request with
 an SLO (the tenant's or its headers'), whether it met it (``slo_met``, ``slo_missed``:
 ``slo_verdict``).
 """
@@ -17,6 +18,7 @@ from common import wire
 from gateway.errors import InvalidRequest
 
 FIELDS = ("requests", "rate_limited", "prompt_tokens", "completion_tokens", "slo_met", "slo_missed")
+DERIVED = ("total_tokens", "charged_tokens")  # worked out from the counters (``row``)
 MAX_MINUTES = 7 * 24 * 60
 
 
@@ -51,6 +53,9 @@ def row(minute: int, counters: dict[bytes, bytes]) -> dict[str, Any]:
     for name in FIELDS:
         out[name] = int(counters.get(name.encode(), 0))
     out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    # what the budget was charged: the tokens at their models' token weights (the settle script
+    # counts only the difference, where a weight is not 1)
+    out["charged_tokens"] = out["total_tokens"] + int(counters.get(b"weighted_extra_tokens", 0))
     return out
 
 
@@ -72,7 +77,7 @@ async def series_of(client: aioredis.Redis, tids: list[str], first: int, last: i
 
 
 def totals(rows: list[dict[str, Any]]) -> dict[str, int]:
-    keys = (*FIELDS, "total_tokens")
+    keys = (*FIELDS, *DERIVED)
     return {k: sum(r[k] for r in rows) for k in keys}
 
 

@@ -164,6 +164,7 @@ async def test_usage_per_minute(harness: Harness) -> None:
         "slo_met": 0,
         "slo_missed": 0,
         "total_tokens": 13,
+        "charged_tokens": 13,
     }
     assert sum(row["requests"] for row in body["data"]) == 1
 
@@ -209,7 +210,7 @@ async def test_every_tenant_s_usage_in_the_minute_and_the_hour_with_its_slo_atta
     acme = by_name["acme"]
     for window in (acme["minute"], acme["hour"]):  # both made this minute
         assert window == {"requests": 1, "rate_limited": 1, "prompt_tokens": 5, "completion_tokens": 8,
-                          "slo_met": 1, "slo_missed": 0, "total_tokens": 13}
+                          "slo_met": 1, "slo_missed": 0, "total_tokens": 13, "charged_tokens": 13}
     assert by_name["idle"]["hour"]["requests"] == 0
     # (a missed SLO is counted by the same script: tests/unit/gateway/test_usage.py judges the verdicts)
 

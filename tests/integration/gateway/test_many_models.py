@@ -10,6 +10,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -41,10 +42,11 @@ async def _until(check: Callable[[], bool], what: str, timeout_s: float = 10.0) 
 
 
 @contextlib.asynccontextmanager
-async def _gateway(redis_url: str, prompts: PromptBuilder,
-                   *more: str) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient]]:
+async def _gateway(redis_url: str, prompts: PromptBuilder, *more: str,
+                   **settings: Any) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient]]:
     """A gateway serving ``alpha`` and ``more``, every domain started, with an HTTP client."""
-    config = GatewaySettings(redis_url=redis_url, model_name="alpha", admin_token=ADMIN, request_timeout_s=10)
+    config = GatewaySettings(redis_url=redis_url, model_name="alpha", admin_token=ADMIN, request_timeout_s=10,
+                             **settings)
     gw = Gateway(config, prompts, redis_client(config))
     for name in more:
         gw.add_model(name, prompts)
@@ -138,7 +140,8 @@ async def test_a_model_its_workers_announce_is_served_as_it_appears(redis_url: s
     assert bundle is not None
     fatal: list[str] = []
     async with _gateway(redis_url, prompts) as (gw, http):
-        watch = asyncio.create_task(served.watch(gw, tmp_path, fatal.append))
+        stop = asyncio.Event()
+        watch = asyncio.create_task(served.watch(gw, tmp_path, fatal.append, stop.is_set))
         try:
             with running_worker(redis_url, EchoEngine(tokens=4), model="delta", worker_id="w-delta", profile_s=0,
                                 tokenizer=bundle):
@@ -155,5 +158,32 @@ async def test_a_model_its_workers_announce_is_served_as_it_appears(redis_url: s
                 assert r.json()["usage"]["prompt_tokens"] == len(prompts.token_ids(asked, 10_000))
                 assert "delta" in [m["id"] for m in (await http.get("/v1/models", headers=auth)).json()["data"]]
         finally:
+            stop.set()
             watch.cancel()
     assert not fatal
+
+
+async def test_a_token_of_a_heavier_model_costs_the_budget_its_weight(redis_url: str, prompts: PromptBuilder) -> None:
+    """``--token-weight beta=3``: the same request costs the tenant's budget three times as much
+    on beta as on alpha, and usage shows the tokens and what was charged."""
+    with running_worker(redis_url, EchoEngine(tokens=TOKENS["alpha"]), model="alpha", worker_id="w-alpha",
+                        profile_s=0), \
+            running_worker(redis_url, EchoEngine(tokens=TOKENS["beta"]), model="beta", worker_id="w-beta",
+                           profile_s=0):
+        async with _gateway(redis_url, prompts, "beta", token_weights=(("beta", 3.0),)) as (gw, http):
+            await _until(lambda: all(d.dispatcher.workers for d in gw.domains.values()), "both workers")
+            admin = {"authorization": f"Bearer {ADMIN}"}
+            key = await _key(http)
+            auth = {"authorization": f"Bearer {key}"}
+            charged = {}
+            for model in ("alpha", "beta"):
+                r = await http.post("/v1/completions", headers=auth,
+                                    json={"model": model, "prompt": [1, 2, 3, 4], "max_tokens": 8})
+                assert r.status_code == 200, r.text
+                record = (await http.get(f"/v1/requests/{r.headers['x-request-id']}", headers=auth)).json()
+                charged[model] = (record["reserved_tokens"], record["charged_tokens"])
+            assert charged == {"alpha": (4 + 8, 4 + TOKENS["alpha"]), "beta": (3 * (4 + 8), 3 * (4 + TOKENS["beta"]))}
+            usage = (await http.get("/admin/tenants/t/usage", headers=admin)).json()
+            totals = usage["totals"]
+            assert totals["total_tokens"] == 8 + TOKENS["alpha"] + TOKENS["beta"]
+            assert totals["charged_tokens"] == (4 + TOKENS["alpha"]) + 3 * (4 + TOKENS["beta"])

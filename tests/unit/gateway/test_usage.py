@@ -36,8 +36,12 @@ def test_rows_and_totals() -> None:
         "slo_met": 0,
         "slo_missed": 0,
         "total_tokens": 15,
+        "charged_tokens": 15,  # no token weight: what the tokens are
     }
     assert totals([r, r])["total_tokens"] == 30
+    weighted = row(3, {b"prompt_tokens": b"10", b"completion_tokens": b"5", b"weighted_extra_tokens": b"30"})
+    assert (weighted["total_tokens"], weighted["charged_tokens"]) == (15, 45)  # a model of token weight 3
+    assert totals([r, weighted])["charged_tokens"] == 60
 
 
 @pytest.mark.parametrize(
