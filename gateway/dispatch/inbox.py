@@ -38,6 +38,7 @@ class Host(Protocol):
     outage: Outage
     leading: Leading
     forwarding: Forwarding
+    workers: dict[str, p.Heartbeat]  # the model's live workers: whose telemetry it learns from
 
     def handle(self, events: list[p.Event]) -> None: ...
 
@@ -101,10 +102,16 @@ class Inbox:
         return entry_id if isinstance(entry_id, bytes) else b"0-0"
 
     def _observe(self, fields: dict[bytes, bytes]) -> None:
+        """One worker's telemetry, learnt from only where the worker serves this gateway's model
+        (is in its view): every model's workers share the stream, and a model's step-time
+        model must not learn another model's steps."""
         try:
-            self.d.shell.telemetry(p.decode_telemetry(fields), time.monotonic())
+            telemetry = p.decode_telemetry(fields)
         except p.ProtocolError as exc:
             log.warning("dropping unreadable worker telemetry: %s", exc)
+            return
+        if telemetry.worker in self.d.workers:
+            self.d.shell.telemetry(telemetry, time.monotonic())
 
     def _route(self, fields: dict[bytes, bytes]) -> None:
         if self.d.forwarding.answered(fields):

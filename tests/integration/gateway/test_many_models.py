@@ -187,3 +187,29 @@ async def test_a_token_of_a_heavier_model_costs_the_budget_its_weight(redis_url:
             totals = usage["totals"]
             assert totals["total_tokens"] == 8 + TOKENS["alpha"] + TOKENS["beta"]
             assert totals["charged_tokens"] == (4 + TOKENS["alpha"]) + 3 * (4 + TOKENS["beta"])
+
+
+async def test_a_model_s_step_time_model_learns_only_its_own_workers_steps(redis_url: str,
+                                                                           prompts: PromptBuilder) -> None:
+    """Every model's workers publish their steps on one telemetry stream: traffic on alpha refits
+    alpha's step-time model and leaves beta's as it was."""
+    with running_worker(redis_url, EchoEngine(tokens=TOKENS["alpha"]), model="alpha", worker_id="w-alpha",
+                        profile_s=0), \
+            running_worker(redis_url, EchoEngine(tokens=TOKENS["beta"]), model="beta", worker_id="w-beta",
+                           profile_s=0):
+        async with _gateway(redis_url, prompts, "beta") as (gw, http):
+            await _until(lambda: all(d.dispatcher.workers for d in gw.domains.values()), "both workers")
+
+            def fitted(model: str) -> int:
+                return int(gw.domain(model).dispatcher.snapshot()["paths"]["cpu"]["fitted_steps"])
+
+            await asyncio.sleep(1.0)  # the workers' warm-up telemetry is in
+            before = {m: fitted(m) for m in ("alpha", "beta")}
+            key = await _key(http)
+            for _ in range(10):
+                r = await http.post("/v1/completions", headers={"authorization": f"Bearer {key}"},
+                                    json={"model": "alpha", "prompt": [1, 2, 3], "max_tokens": 8})
+                assert r.status_code == 200, r.text
+            await _until(lambda: fitted("alpha") > before["alpha"], "alpha's steps fitted")
+            await asyncio.sleep(1.0)  # any step of alpha's worker that beta could have read is in by now
+            assert fitted("beta") == before["beta"], (before, fitted("alpha"), fitted("beta"))
