@@ -9,7 +9,6 @@ reserved and used tokens, and counts the tokens. Both take an explicit ``now`` f
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +25,7 @@ from gateway.settings import GatewaySettings
 from gateway.tenancy import gcra
 from gateway.tenancy.keys import KeyRef
 from gateway.tenancy.limits import over_burst
-from gateway.tenancy.tenants import Tenant
+from gateway.tenancy.tenants import Tenant, weighted
 
 _PRELUDE = (
     CLOCK
@@ -339,7 +338,7 @@ class Budget:
 
     def charge(self, tokens: int) -> int:
         """What ``tokens`` of this budget's model cost the tenant's budget (its token weight)."""
-        return tokens if self.weight == 1.0 else math.ceil(tokens * self.weight)
+        return weighted(tokens, self.weight)
 
     async def settle_raw(
         self,

@@ -12,7 +12,7 @@ import math
 
 from gateway.api.openai_protocol import Generation
 from gateway.errors import InvalidRequest
-from gateway.tenancy.tenants import Tenant
+from gateway.tenancy.tenants import Tenant, weighted
 
 
 def _context_length(context: int, own: int | None) -> str:
@@ -55,7 +55,7 @@ def output_tokens(gen: Generation, prompt: int, context: int, default: int, tena
             param="max_tokens",
             code="max_tokens_exceeded",
         )
-    cost = prompt + max_tokens if weight == 1.0 else math.ceil((prompt + max_tokens) * weight)
+    cost = weighted(prompt + max_tokens, weight)
     if cost > tenant.burst:
         raise over_burst(tenant, cost, "max_tokens" if gen.max_tokens else prompt_param, weight)
     return max_tokens

@@ -87,12 +87,17 @@ def _served(context: Served) -> list[tuple[int, float]]:
     return [(context, 1.0)] if isinstance(context, int) else list(context or [])
 
 
+def weighted(tokens: int, weight: float) -> int:
+    """What ``tokens`` of a model of token weight ``weight`` cost a tenant's budget."""
+    return tokens if weight == 1.0 else math.ceil(tokens * weight)
+
+
 def _heaviest(limits: Limits, context: Served) -> tuple[int | None, float]:
     """(the most budget tokens one request within ``limits`` reserves at admission, the token
     weight of the model it asks for): ``largest_request`` and its weight."""
     p, o = limits.max_prompt_tokens, limits.max_output_tokens
     own = None if p is None or o is None else p + o
-    sizes = [(math.ceil(w * (ctx if own is None else min(ctx, own))), w) for ctx, w in _served(context)]
+    sizes = [(weighted(ctx if own is None else min(ctx, own), w), w) for ctx, w in _served(context)]
     return max(sizes) if sizes else (own, 1.0)
 
 
@@ -119,7 +124,7 @@ def burst_shortfall(tenant: Tenant, context: Served, creating: bool = False) -> 
     if largest is None or tenant.burst >= largest:
         return None
     p, o = tenant.limits.max_prompt_tokens, tenant.limits.max_output_tokens
-    if p is not None and o is not None and largest == math.ceil(weight * (p + o)):
+    if p is not None and o is not None and largest == weighted(p + o, weight):
         what, verb = f"max_prompt_tokens {p} + max_output_tokens {o}", "lower"
     elif p is not None and o is not None:
         what, verb = f"the model's context; max_prompt_tokens {p} + max_output_tokens {o} exceed it", "lower"
