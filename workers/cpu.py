@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -88,6 +89,30 @@ class Idle:
         return (idle - last_idle) / (at - last_at) if at > last_at else 0.0
 
 
+#: A worker measures its engine at start once the machine has had its threads' worth of CPUs
+#: idle (less ``IDLE_CORES``) over one look of ``QUIET_LOOK_S``, waiting at most
+#: ``QUIET_WAIT_S`` for it: a program busy for a moment at start (another process starting or
+#: ending beside it) would otherwise be timed into the profile, and with it, a thread given up
+#: meanwhile (a profile of one thread that serves on two is 1.5-2x slow for good).
+QUIET_LOOK_S = 0.25
+QUIET_WAIT_S = 5.0
+
+
+def wait_for_idle(cores: float, max_s: float, look: Callable[[], float], sleep: Callable[[float], None] = time.sleep,
+                  look_s: float = QUIET_LOOK_S) -> tuple[bool, float]:
+    """Wait, at most ``max_s``, until one look of ``look_s`` saw ``cores`` idle CPUs (``look``:
+    the idle CPUs since its last call): (whether it saw them, seconds waited)."""
+    look()
+    waited = 0.0
+    while True:
+        sleep(look_s)
+        waited += look_s
+        if look() >= cores:
+            return True, waited
+        if waited >= max_s:
+            return False, waited
+
+
 #: Giving up a thread: the share of thread time spent waiting for a CPU over an interval in
 #: which the engine's threads ran or waited at least ``BUSY_S``; a thread is tried back once
 #: the share is under ``STARVED_SHARE``, ``backoff`` has passed since the last change, and
@@ -145,11 +170,31 @@ class EngineThreads:
     def __init__(self, governor: ThreadGovernor | None, threads: int, set_threads: Callable[[int], None],
                  clock: Callable[[], float]) -> None:
         self.governor = governor
+        self.maximum = threads  # the most it runs
         self.threads = threads  # the engine's now
         self._set = set_threads
         self._clock = clock
         self._cpu = Starvation()  # the threads' time since the governor last looked
         self._idle = Idle()  # and the machine's idle CPUs
+
+    def settle(self, max_s: float = QUIET_WAIT_S, sleep: Callable[[float], None] = time.sleep,
+               look: Callable[[], float] | None = None) -> tuple[bool, float]:
+        """Wait, at most ``max_s``, for the machine to have as many idle CPUs as the engine
+        runs threads at most; then run them all again (a neighbour busy for a moment may have
+        taken one): (whether it was quiet, seconds waited). ``look``: the idle CPUs since its
+        last call (the machine's); where the machine shows no CPU times, it is taken as quiet."""
+        if look is None:
+            if idle_cpus()[1] <= 0:
+                return True, 0.0
+            look = self._idle.cores
+        quiet, waited = wait_for_idle(self.maximum - IDLE_CORES, max_s, look, sleep)
+        governor = self.governor
+        if quiet and governor is not None and governor.threads < governor.maximum:
+            governor.threads = governor.maximum
+            governor.changed_at = governor.raised_at = self._clock()
+        self._cpu = Starvation()
+        self.between_steps()
+        return quiet, waited
 
     def between_steps(self) -> None:
         governor = self.governor

@@ -111,6 +111,7 @@ class Worker:
 
     def run(self) -> None:
         startup.warm_up(self.engine, self.settings.warm_up_tokens, self.threads.between_steps, self.presence)
+        startup.settle(self.engine, self.threads, self.settings)
         self.presence.profile = startup.measure(self.engine, self.settings, self.model)
         threads = [
             threading.Thread(target=self.presence.loop, name="heartbeat", daemon=True),

@@ -9,7 +9,18 @@ import time
 
 import pytest
 
-from workers.cpu import BACKOFF_MAX_S, BACKOFF_S, GIVE_UP, Idle, Starvation, ThreadGovernor, cpu_times, idle_cpus
+from workers.cpu import (
+    BACKOFF_MAX_S,
+    BACKOFF_S,
+    GIVE_UP,
+    EngineThreads,
+    Idle,
+    Starvation,
+    ThreadGovernor,
+    cpu_times,
+    idle_cpus,
+    wait_for_idle,
+)
 
 
 def _spin(until: float) -> None:
@@ -98,3 +109,28 @@ def test_the_idle_cores_are_read_from_the_machine() -> None:
     for hog in hogs:
         hog.join()
     assert busy < 0.5 < quiet or quiet < 0.5  # a quiet machine may be busy elsewhere; a hogged one is not idle
+
+
+def test_the_wait_for_idle_cpus_ends_at_the_first_quiet_look_or_at_its_limit() -> None:
+    looks = iter([0.0, 0.3, 1.0, 1.8, 1.9])  # the first call only starts the look
+    slept: list[float] = []
+    quiet, waited = wait_for_idle(1.5, 5.0, lambda: next(looks), slept.append, look_s=0.25)
+    assert quiet and waited == pytest.approx(0.75) and slept == [0.25] * 3
+    quiet, waited = wait_for_idle(1.5, 1.0, lambda: 0.4, lambda _s: None, look_s=0.25)
+    assert not quiet and waited == pytest.approx(1.0)  # a neighbour that stays: measured beside it
+
+
+def test_settling_runs_every_thread_again_once_the_cpus_are_idle() -> None:
+    governor = ThreadGovernor(maximum=2)
+    set_to: list[int] = []
+    threads = EngineThreads(governor, 2, set_to.append, time.monotonic)
+    governor.observe(1.0, 1.0, now=0.0)  # a neighbour busy for a moment took a thread
+    threads.between_steps()
+    assert set_to == [1]
+    quiet, _ = threads.settle(max_s=1.0, sleep=lambda _s: None, look=lambda: 2.0)  # the neighbour is gone
+    assert quiet and set_to == [1, 2] and threads.threads == governor.threads == 2
+    governor.observe(1.0, 1.0, now=1.0)
+    threads.between_steps()
+    # still busy after the wait: the engine is measured as it will run beside the neighbour
+    quiet, _ = threads.settle(max_s=0.5, sleep=lambda _s: None, look=lambda: 0.2)
+    assert not quiet and threads.threads == 1
