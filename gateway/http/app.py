@@ -418,11 +418,13 @@ def create_app(gw: Gateway) -> ASGIApp:
             await dom.dispatcher.start()
         sampler = asyncio.create_task(gw.lag.run(), name="loop-lag")
         publisher = asyncio.create_task(console.publish_loop(gw), name="console")
+        usage = asyncio.create_task(gw.usage.run(), name="usage")
         try:
             yield
         finally:
             sampler.cancel()
             publisher.cancel()
+            usage.cancel()
             await gw.drain()
             for dom in list(gw.domains.values()):
                 await dom.dispatcher.close()

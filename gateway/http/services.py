@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from gateway.api import openai_protocol as oai
 from gateway.dispatch.dispatcher import Dispatcher
@@ -27,8 +29,11 @@ from gateway.tenancy.auth import Authenticator
 from gateway.tenancy.budget import Budget
 from gateway.tenancy.tenant_store import TenantStore
 from gateway.tenancy.tenants import Tenant
+from gateway.tenancy.usage import UsageBook
 
 CANCEL_DRAIN_S = 5.0  # how long a cancelled request's final token count is awaited
+
+log = logging.getLogger("tokengate.gateway")
 
 
 def redis_client(settings: GatewaySettings) -> aioredis.Redis:
@@ -91,6 +96,7 @@ class Gateway:
         self.batch = AutoPipeline(client)  # admissions, settlements and jobs of one loop turn: one round trip
         self.domains: dict[str, Domain] = {}  # by model name, in the order they were added
         self.tenants = TenantStore(client)
+        self.usage = UsageBook(client, settings.usage_retention_s)  # every model's requests' usage, written each second
         self.auth = Authenticator(self.tenants, settings.auth_cache_s)
         self.started = int(time.time())
         self.in_flight = 0  # requests between admission and their end (RequestLife)
@@ -112,7 +118,7 @@ class Gateway:
         domain = self.domains[name] = Domain(
             name, settings, prompts,
             sampling or oai.SamplingDefaults(settings.default_temperature, settings.default_top_p),
-            dispatcher, Budget(self.client, settings, self.batch), metrics,
+            dispatcher, Budget(self.client, settings, self.batch, self.usage), metrics,
         )
         return domain
 
@@ -134,5 +140,9 @@ class Gateway:
     async def drain(self) -> None:
         """At shutdown: waits for settlements still in flight, then closes what was opened."""
         await self.tasks.drain(CANCEL_DRAIN_S + 1)
+        try:
+            await self.usage.flush()
+        except RedisError as exc:
+            log.warning("the last usage counts were not written: %s", exc)
         await self.batch.close()
         self.long_prompts.close()

@@ -2,14 +2,15 @@
 
 The scripts implement ``gateway.tenancy.gcra`` (the specification, with the formulas) on Redis's
 clock, so every gateway replica shares one budget per tenant. Admission also takes a
-concurrency lease, writes the request's ownership record and counts usage, all in the
-same atomic call; settlement ends the lease, refunds (or charges) the difference between
-reserved and used tokens, and counts the tokens. Both take an explicit ``now`` for tests.
+lease and writes the request's ownership record, in the same atomic call; settlement ends
+the lease and refunds (or charges) the difference between reserved and used tokens. Both
+take an explicit ``now`` for tests. The usage they make is counted by the gateway
+(``gateway.tenancy.usage.UsageBook``), not by the scripts: a second's worth of requests is
+one write per tenant instead of three per request.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from gateway.tenancy import gcra
 from gateway.tenancy.keys import KeyRef
 from gateway.tenancy.limits import over_burst
 from gateway.tenancy.tenants import Tenant, weighted
+from gateway.tenancy.usage import UsageBook
 
 _PRELUDE = (
     CLOCK
@@ -36,24 +38,26 @@ if tat and tat > now then start = tat end
 """
 )
 
-# KEYS: budget, leases, request record, usage minute, the gateway's requests, API key record
+# KEYS: budget, leases, request record, the gateway's requests, API key record
 # ARGV: rate, burst, cost, max_wait, max_concurrent (0: none), lease_s, rid, tenant id,
-#       prompt tokens, record ttl s, usage ttl s, key digest ('' to skip the key check),
-#       now ('' for Redis TIME)
+#       prompt tokens, record ttl s, key digest ('' to skip the key check), now ('' for Redis TIME)
+# Expired leases are dropped, and the live ones counted, only for a tenant with a concurrency
+# limit (``gcra.BucketModel.admit``): the others' in-flight count is 0 here, and their leases
+# end when settled (or with the key, ``lease_s`` + 60 s after the last admission).
 ADMIT = (
     _PRELUDE
     + """
-if ARGV[12] ~= '' and redis.call('HGET', KEYS[6], 'digest') ~= ARGV[12] then
+if ARGV[11] ~= '' and redis.call('HGET', KEYS[5], 'digest') ~= ARGV[11] then
   return {'revoked', num(now), num(start), '0', 0}
 end
 local rate, burst, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_wait, max_concurrent, lease = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', num(now))
-local in_flight = redis.call('ZCARD', KEYS[2])
+local in_flight = 0
+if max_concurrent > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', num(now))
+  in_flight = redis.call('ZCARD', KEYS[2])
+end
 local function refuse(status, wait)
-  if status ~= 'too_large' and redis.call('HINCRBY', KEYS[4], 'rate_limited', 1) == 1 then
-    redis.call('EXPIRE', KEYS[4], ARGV[11])  -- (a field new this minute: the key may be too)
-  end
   return {status, num(now), num(start), num(wait), in_flight}
 end
 if cost > burst then return refuse('too_large', 0) end
@@ -68,11 +72,9 @@ redis.call('PEXPIRE', KEYS[2], math.ceil(lease * 1000) + 60000)
 redis.call('HSET', KEYS[3], 'tenant', ARGV[8], 'state', 'admitted', 'admitted_at', num(now),
            'prompt_tokens', ARGV[9], 'reserved_tokens', ARGV[3], 'budget_wait_s', num(wait))
 redis.call('EXPIRE', KEYS[3], ARGV[10])
-redis.call('HSET', KEYS[5], ARGV[7], ARGV[8] .. ' ' .. num(rate) .. ' ' .. ARGV[3])
-if redis.call('HINCRBY', KEYS[4], 'requests', 1) == 1 then
-  redis.call('EXPIRE', KEYS[4], ARGV[11])
-end
-return {'ok', num(now), num(new_tat), num(wait), in_flight + 1}
+redis.call('HSET', KEYS[4], ARGV[7], ARGV[8] .. ' ' .. num(rate) .. ' ' .. ARGV[3])
+if max_concurrent > 0 then in_flight = in_flight + 1 end
+return {'ok', num(now), num(new_tat), num(wait), in_flight}
 """
 )
 
@@ -103,35 +105,18 @@ local function settle_one(now, budget, leases, record, gateway, rid, rate, delta
 end
 """
 
-# KEYS: budget, leases, request record, usage minute, the gateway's requests
-# ARGV: rate, rid, delta tokens, state, charged prompt tokens, charged completion tokens,
-#       usage ttl s, SLO ('1' met, '0' missed, '' none), budget tokens charged (the tokens at the
-#       model's token weight), then field/value pairs for the request record, now ('' for Redis TIME)
+# KEYS: budget, leases, request record, the gateway's requests
+# ARGV: rate, rid, delta tokens, state, budget tokens charged (the tokens at the model's token
+#       weight), then field/value pairs for the request record, now ('' for Redis TIME)
 SETTLE = (
     CLOCK
     + _SETTLE_ONE
     + """
-local fields = {'state', ARGV[4], 'finished_at', num(now), 'charged_tokens', ARGV[9]}
-for i = 10, #ARGV - 1 do  -- extra record fields: the contract and what happened
+local fields = {'state', ARGV[4], 'finished_at', num(now), 'charged_tokens', ARGV[5]}
+for i = 6, #ARGV - 1 do  -- extra record fields: the contract and what happened
   fields[#fields + 1] = ARGV[i]
 end
-if settle_one(now, KEYS[1], KEYS[2], KEYS[3], KEYS[5], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[3]),
-              fields) == 0 then
-  return 0
-end
--- the usage minute's TTL is set by whichever call makes a field of it (and so any that makes the key)
-local new = redis.call('HINCRBY', KEYS[4], 'prompt_tokens', ARGV[5]) == tonumber(ARGV[5])
-redis.call('HINCRBY', KEYS[4], 'completion_tokens', ARGV[6])
-if tonumber(ARGV[9]) ~= tonumber(ARGV[5]) + tonumber(ARGV[6]) then  -- a token weight: the difference
-  redis.call('HINCRBY', KEYS[4], 'weighted_extra_tokens', tonumber(ARGV[9]) - tonumber(ARGV[5]) - tonumber(ARGV[6]))
-end
-if ARGV[8] ~= '' then
-  redis.call('HINCRBY', KEYS[4], ARGV[8] == '1' and 'slo_met' or 'slo_missed', 1)
-end
-if new then
-  redis.call('EXPIRE', KEYS[4], ARGV[7])
-end
-return 1
+return settle_one(now, KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[3]), fields)
 """
 )
 
@@ -240,11 +225,13 @@ class Budget:
     """Both scripts go out through the gateway's ``AutoPipeline``: the admissions and
     settlements of requests arriving together share one round trip."""
 
-    def __init__(self, client: aioredis.Redis, settings: GatewaySettings, batch: AutoPipeline | None = None) -> None:
+    def __init__(self, client: aioredis.Redis, settings: GatewaySettings, batch: AutoPipeline | None = None,
+                 usage: UsageBook | None = None) -> None:
         self.settings = settings
         self.weight = settings.token_weight(settings.model_name)  # budget tokens per token of the model
         self.client = client
         self.batch = batch or AutoPipeline(client)
+        self.usage = usage or UsageBook(client, settings.usage_retention_s)  # the gateway's, shared by its models
         self._admit = client.register_script(ADMIT)
         self._settle = client.register_script(SETTLE)
 
@@ -273,7 +260,7 @@ class Budget:
         lease_s = max_wait + s.request_timeout_s + 30.0
         reply = await self._run(
             self._admit,
-            [*self._keys(tenant.id, rid, wall), wire.api_key(key.prefix if key else "")],
+            [*self._keys(tenant.id, rid), wire.api_key(key.prefix if key else "")],
             _args(
                 tenant.rate,
                 tenant.burst,
@@ -285,12 +272,16 @@ class Budget:
                 tenant.id,
                 prompt_tokens,
                 s.request_record_ttl_s,
-                s.usage_retention_s,
                 key.digest if key else "",
                 now,
             ),
         )
-        return _verdict(reply)
+        verdict = _verdict(reply)
+        if verdict.status == "ok":
+            self.usage.add(tenant.id, wall, requests=1)
+        elif verdict.status in ("budget", "concurrency"):
+            self.usage.add(tenant.id, wall, rate_limited=1)
+        return verdict
 
     async def admit(
         self,
@@ -356,37 +347,25 @@ class Budget:
         charged: int | None = None,
     ) -> bool:
         """``charged``: the budget tokens the request cost (default: its prompt and completion
-        tokens, a weight of 1), counted in the record and the tenant's usage."""
+        tokens, a weight of 1), counted in the record and the tenant's usage; usage is counted
+        in the minute of ``wall`` (unix time; default now)."""
         pairs = [x for item in (record or {}).items() for x in item]
+        tokens = prompt_tokens + completion_tokens
+        charged = tokens if charged is None else charged
         reply = await self._run(
-            self._settle,
-            self._keys(tenant.id, rid, wall),
-            _args(
-                tenant.rate,
-                rid,
-                delta,
-                state,
-                prompt_tokens,
-                completion_tokens,
-                self.settings.usage_retention_s,
-                "" if slo is None else int(slo),
-                prompt_tokens + completion_tokens if charged is None else charged,
-                *pairs,
-                now,
-            ),
+            self._settle, self._keys(tenant.id, rid), _args(tenant.rate, rid, delta, state, charged, *pairs, now)
         )
-        return bool(reply)
+        if not reply:
+            return False
+        slo_field = "" if slo is None else "slo_met" if slo else "slo_missed"
+        self.usage.add(tenant.id, wall, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                       weighted_extra_tokens=charged - tokens, **({slo_field: 1} if slo_field else {}))
+        return True
 
-    def _keys(self, tid: str, rid: str, wall: float | None) -> list[str]:
-        """The keys both scripts take; usage is counted in the minute of ``wall`` (unix time)."""
-        minute = int((time.time() if wall is None else wall) // 60)
-        return [
-            wire.budget(tid),
-            wire.in_flight(tid),
-            wire.request(rid),
-            wire.usage(tid, minute),
-            wire.gateway_requests(self.settings.gateway_id),
-        ]
+    def _keys(self, tid: str, rid: str) -> list[str]:
+        """The keys both scripts take."""
+        gateway = wire.gateway_requests(self.settings.gateway_id)
+        return [wire.budget(tid), wire.in_flight(tid), wire.request(rid), gateway]
 
     async def state(self, tenant: Tenant) -> dict[str, float | int]:
         """The tenant's budget right now (Redis clock), for operators."""

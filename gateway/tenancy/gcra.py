@@ -22,7 +22,10 @@ the same order, so the two agree exactly.
 
 Concurrency is a lease per admitted request that expires at ``now + lease_s`` (a crash
 leaves no slot taken for longer) and ends when the request settles; settling is
-idempotent: only the settle that ends a live lease changes the budget.
+idempotent: only the settle that ends a live lease changes the budget. Expired leases are
+dropped, and the live ones counted (``in_flight``), by the admissions of a tenant with a
+concurrency limit only: without one there is nothing to count them for, and the script
+saves the two commands (a settle after the lease's expiry then still ends it).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ Status = Literal["ok", "budget", "concurrency", "too_large", "revoked"]
 class Verdict:
     """What an admission decided. ``tat`` is the state after it (unchanged when refused),
     ``wait`` the budget wait (for ``budget``: the wait the request would have needed),
-    ``in_flight`` the tenant's live leases after it."""
+    ``in_flight`` the tenant's live leases after it (0 without a concurrency limit)."""
 
     status: Status
     now: float
@@ -84,18 +87,21 @@ class BucketModel:
         rid: str,
         lease_s: float,
     ) -> Verdict:
-        self.leases = {r: exp for r, exp in self.leases.items() if exp > now}
+        in_flight = 0  # counted (and expired leases dropped) only under a concurrency limit
+        if max_concurrent > 0:
+            self.leases = {r: exp for r, exp in self.leases.items() if exp > now}
+            in_flight = len(self.leases)
         current = self.tat if self.tat is not None and self.tat > now else now
         if cost > burst:
-            return Verdict("too_large", now, current, 0.0, len(self.leases))
-        if max_concurrent > 0 and len(self.leases) >= max_concurrent:
-            return Verdict("concurrency", now, current, 0.0, len(self.leases))
+            return Verdict("too_large", now, current, 0.0, in_flight)
+        if max_concurrent > 0 and in_flight >= max_concurrent:
+            return Verdict("concurrency", now, current, 0.0, in_flight)
         new_tat, wait = reserve(self.tat, now, rate, burst, cost)
         if wait > max_wait:
-            return Verdict("budget", now, current, wait, len(self.leases))
+            return Verdict("budget", now, current, wait, in_flight)
         self.tat = new_tat
         self.leases[rid] = now + lease_s
-        return Verdict("ok", now, new_tat, wait, len(self.leases))
+        return Verdict("ok", now, new_tat, wait, in_flight + 1 if max_concurrent > 0 else 0)
 
     def settle(self, now: float, rate: float, rid: str, delta: int) -> bool:
         """Ends the lease of ``rid`` and charges ``delta``; False (and no change) when the

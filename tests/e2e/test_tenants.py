@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -305,7 +306,14 @@ def test_cli_drives_the_admin_api(cluster: Cluster) -> None:
     assert [k["prefix"] for k in listed["data"]] == [issued["prefix"]] and "key" not in listed[
         "data"
     ][0]
-    rc, usage, _ = _cli(cluster, "tenants", "usage", "cli-co", "--json")
+    # the request went through gateway 0, the CLI asks gateway 2: a gateway writes its usage
+    # counts every second (gateway.tenancy.usage.UsageBook)
+    deadline = time.monotonic() + 5
+    while True:
+        rc, usage, _ = _cli(cluster, "tenants", "usage", "cli-co", "--json")
+        if rc != 0 or usage["totals"]["requests"] == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert rc == 0 and usage["totals"]["requests"] == 1
     env = {**os.environ, "TOKENGATE_URL": cluster.gateways[2].base_url, "TOKENGATE_ADMIN_TOKEN": ADMIN_TOKEN}
     table = subprocess.run([sys.executable, "-m", "gateway.cli", "tenants", "usage", "cli-co"],

@@ -124,9 +124,9 @@ class BudgetMachine(RuleBasedStateMachine):
 
     @invariant()
     def usage_and_records_expire(self) -> None:
-        """The usage minutes' TTL is set only by the call that makes a field of one (not on
-        every admission and settlement): still, no usage minute and no request record lives
+        """No usage minute (written by the gateway's usage book) and no request record lives
         for ever."""
+        self.run(self.budget.usage.flush())
         usage = self.run(self.client.keys(wire.usage(self.tid, 0).rsplit(":", 1)[0] + ":*"))
         records = [wire.request(rid) for rid in self.reserved]
         for key in [*usage, *records]:
