@@ -41,9 +41,9 @@ if tat and tat > now then start = tat end
 # KEYS: budget, leases, request record, the gateway's requests, API key record
 # ARGV: rate, burst, cost, max_wait, max_concurrent (0: none), lease_s, rid, tenant id,
 #       prompt tokens, record ttl s, key digest ('' to skip the key check), now ('' for Redis TIME)
-# Expired leases are dropped, and the live ones counted, only for a tenant with a concurrency
-# limit (``gcra.BucketModel.admit``): the others' in-flight count is 0 here, and their leases
-# end when settled (or with the key, ``lease_s`` + 60 s after the last admission).
+# Only under a concurrency limit does a request take a lease (and count the live ones,
+# dropping the expired): ``gcra.BucketModel.admit``; every request is open in the gateway's
+# list until it settles.
 ADMIT = (
     _PRELUDE
     + """
@@ -67,28 +67,32 @@ local wait = new_tat - burst / rate - now
 if wait < 0 then wait = 0 end
 if wait > max_wait then return refuse('budget', wait) end
 redis.call('SET', KEYS[1], num(new_tat), 'PX', math.ceil((new_tat - now) * 1000) + 60000)
-redis.call('ZADD', KEYS[2], num(now + lease), ARGV[7])
-redis.call('PEXPIRE', KEYS[2], math.ceil(lease * 1000) + 60000)
+if max_concurrent > 0 then
+  redis.call('ZADD', KEYS[2], num(now + lease), ARGV[7])
+  redis.call('PEXPIRE', KEYS[2], math.ceil(lease * 1000) + 60000)
+  in_flight = in_flight + 1
+end
 redis.call('HSET', KEYS[3], 'tenant', ARGV[8], 'state', 'admitted', 'admitted_at', num(now),
            'prompt_tokens', ARGV[9], 'reserved_tokens', ARGV[3], 'budget_wait_s', num(wait))
 redis.call('EXPIRE', KEYS[3], ARGV[10])
 redis.call('HSET', KEYS[4], ARGV[7], ARGV[8] .. ' ' .. num(rate) .. ' ' .. ARGV[3])
-if max_concurrent > 0 then in_flight = in_flight + 1 end
 return {'ok', num(now), num(new_tat), num(wait), in_flight}
 """
 )
 
-# One request's settlement (the spec: ``gcra.BucketModel.settle``): end its lease, charge
-# ``delta`` more tokens (a refund when negative), write ``fields`` (its final state, as
-# field/value pairs) to its record if the record has not expired, forget it in its gateway's
-# list. Returns 0 when the lease had ended already (settled, or expired): then nothing changes.
+# One request's settlement (the spec: ``gcra.BucketModel.settle``): forget it in its gateway's
+# list (where it is open), end its lease if it took one (``leased``), charge ``delta`` more
+# tokens (a refund when negative), write ``fields`` (its final state, as field/value pairs) to
+# its record if the record has not expired. Returns 0 when it had ended already (settled by
+# the gateway or a survivor's sweep): then nothing changes.
 _SETTLE_ONE = """
-local function settle_one(now, budget, leases, record, gateway, rid, rate, delta, fields)
-  if redis.call('ZREM', leases, rid) == 0 then
-    redis.call('HDEL', gateway, rid)
+local function settle_one(now, budget, leases, record, gateway, rid, rate, delta, fields, leased)
+  if redis.call('HDEL', gateway, rid) == 0 then
     return 0
   end
-  redis.call('HDEL', gateway, rid)
+  if leased then
+    redis.call('ZREM', leases, rid)
+  end
   local tat = tonumber(redis.call('GET', budget))
   local start = now
   if tat and tat > now then start = tat end
@@ -98,8 +102,9 @@ local function settle_one(now, budget, leases, record, gateway, rid, rate, delta
   else
     redis.call('DEL', budget)
   end
-  if redis.call('EXISTS', record) == 1 then
-    redis.call('HSET', record, unpack(fields))
+  -- a live record already has 'state': every field new means it had expired (made again: gone)
+  if redis.call('HSET', record, unpack(fields)) * 2 == #fields then
+    redis.call('DEL', record)
   end
   return 1
 end
@@ -107,16 +112,18 @@ end
 
 # KEYS: budget, leases, request record, the gateway's requests
 # ARGV: rate, rid, delta tokens, state, budget tokens charged (the tokens at the model's token
-#       weight), then field/value pairs for the request record, now ('' for Redis TIME)
+#       weight), '1' if admitted under a concurrency limit (a lease to end) else '0', then
+#       field/value pairs for the request record, now ('' for Redis TIME)
 SETTLE = (
     CLOCK
     + _SETTLE_ONE
     + """
 local fields = {'state', ARGV[4], 'finished_at', num(now), 'charged_tokens', ARGV[5]}
-for i = 6, #ARGV - 1 do  -- extra record fields: the contract and what happened
+for i = 7, #ARGV - 1 do  -- extra record fields: the contract and what happened
   fields[#fields + 1] = ARGV[i]
 end
-return settle_one(now, KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[3]), fields)
+return settle_one(now, KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[3]), fields,
+                  ARGV[6] == '1')
 """
 )
 
@@ -140,7 +147,7 @@ for i = 1, #entries, 2 do
   if tid then
     n = n + settle_one(now, '{wire.budget("")}' .. tid, '{wire.in_flight("")}' .. tid, '{wire.request("")}' .. rid,
                        KEYS[2], rid, tonumber(rate), -tonumber(reserved),
-                       {{'state', 'abandoned', 'finished_at', num(now), 'charged_tokens', 0}})
+                       {{'state', 'abandoned', 'finished_at', num(now), 'charged_tokens', 0}}, true)
   end
 end
 redis.call('DEL', KEYS[2], KEYS[3])
@@ -317,9 +324,9 @@ class Budget:
         record: dict[str, float] | None = None,
         slo: bool | None = None,
     ) -> bool:
-        """Ends the request's lease and charges the tokens given (refunding the rest of its
-        reservation); False when it was settled already or its lease ran out, and then
-        nothing changes. ``record`` adds fields to the request's record; ``slo``: whether it
+        """Ends the request (and its lease) and charges the tokens given (refunding the rest of
+        its reservation); False when it was settled already (here, or by a survivor's sweep),
+        and then nothing changes. ``record`` adds fields to the request's record; ``slo``: whether it
         met its SLO (None: it had none), counted in the tenant's usage."""
         charged = self.charge(prompt_tokens + completion_tokens)
         return await self.settle_raw(
@@ -346,14 +353,16 @@ class Budget:
         slo: bool | None = None,
         charged: int | None = None,
     ) -> bool:
-        """``charged``: the budget tokens the request cost (default: its prompt and completion
+        """``tenant``: as it was admitted (its concurrency limit then says whether the request
+        holds a lease). ``charged``: the budget tokens the request cost (default: its prompt and completion
         tokens, a weight of 1), counted in the record and the tenant's usage; usage is counted
         in the minute of ``wall`` (unix time; default now)."""
         pairs = [x for item in (record or {}).items() for x in item]
         tokens = prompt_tokens + completion_tokens
         charged = tokens if charged is None else charged
         reply = await self._run(
-            self._settle, self._keys(tenant.id, rid), _args(tenant.rate, rid, delta, state, charged, *pairs, now)
+            self._settle, self._keys(tenant.id, rid),
+            _args(tenant.rate, rid, delta, state, charged, int(bool(tenant.limits.max_concurrent)), *pairs, now),
         )
         if not reply:
             return False
@@ -368,16 +377,26 @@ class Budget:
         return [wire.budget(tid), wire.in_flight(tid), wire.request(rid), gateway]
 
     async def state(self, tenant: Tenant) -> dict[str, float | int]:
-        """The tenant's budget right now (Redis clock), for operators."""
+        """The tenant's budget right now (Redis clock), for operators. ``in_flight``: its live
+        leases under a concurrency limit, else its open requests in every gateway's list."""
         pipe = self.client.pipeline(transaction=False)
         pipe.time()
         pipe.get(wire.budget(tenant.id))
         pipe.zrange(wire.in_flight(tenant.id), 0, -1, withscores=True)
-        (sec, usec), raw, leases = await pipe.execute()
+        pipe.zrange(wire.GATEWAYS_ZSET, 0, -1)
+        (sec, usec), raw, leases, gateways = await pipe.execute()
         now = sec + usec / 1_000_000
         tat = max(float(raw), now) if raw is not None else now
+        if tenant.limits.max_concurrent:
+            in_flight = sum(1 for _rid, expiry in leases if expiry > now)
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            for gid in gateways:
+                pipe.hvals(wire.gateway_requests(wire.text(gid)))
+            mine = f"{tenant.id} ".encode()
+            in_flight = sum(v.startswith(mine) for values in await pipe.execute() for v in values)
         return {
             "remaining_tokens": gcra.remaining_tokens(tat, now, tenant.rate, tenant.burst),
             "reset_s": round(gcra.reset_s(tat, now), 3),
-            "in_flight": sum(1 for _rid, expiry in leases if expiry > now),
+            "in_flight": in_flight,
         }

@@ -20,12 +20,13 @@ admission keeps ``new_tat - b / r <= start time``, and ``tat`` grows by exactly 
 charged. The arithmetic here and in the script is the same IEEE-754 double arithmetic, in
 the same order, so the two agree exactly.
 
-Concurrency is a lease per admitted request that expires at ``now + lease_s`` (a crash
-leaves no slot taken for longer) and ends when the request settles; settling is
-idempotent: only the settle that ends a live lease changes the budget. Expired leases are
-dropped, and the live ones counted (``in_flight``), by the admissions of a tenant with a
-concurrency limit only: without one there is nothing to count them for, and the script
-saves the two commands (a settle after the lease's expiry then still ends it).
+Every admitted request is open until it settles (the gateway's list of its requests, which a
+survivor settles when the gateway dies); settling is idempotent: only the settle that ends
+an open request changes the budget. Under a concurrency limit a request also holds a lease
+that expires at ``now + lease_s`` (a crash leaves no slot taken for longer) and ends when it
+settles; such admissions drop the expired leases and count the live ones (``in_flight``). A
+tenant without the limit takes no lease: nothing would count it, and the scripts save four
+commands per request (issue 39).
 """
 
 from __future__ import annotations
@@ -71,10 +72,11 @@ def settle(tat: float | None, now: float, rate: float, delta: int) -> float | No
 
 @dataclass(slots=True)
 class BucketModel:
-    """One tenant's budget and leases, as the Lua script keeps them in Redis."""
+    """One tenant's budget, open requests and leases, as the Lua scripts keep them in Redis."""
 
     tat: float | None = None
-    leases: dict[str, float] = field(default_factory=dict)  # request id -> lease expiry
+    leases: dict[str, float] = field(default_factory=dict)  # request id -> lease expiry (under a limit)
+    open: set[str] = field(default_factory=set)  # the requests admitted and not settled
 
     def admit(
         self,
@@ -100,14 +102,20 @@ class BucketModel:
         if wait > max_wait:
             return Verdict("budget", now, current, wait, in_flight)
         self.tat = new_tat
+        self.open.add(rid)
+        if max_concurrent == 0:
+            return Verdict("ok", now, new_tat, wait, 0)
         self.leases[rid] = now + lease_s
-        return Verdict("ok", now, new_tat, wait, in_flight + 1 if max_concurrent > 0 else 0)
+        return Verdict("ok", now, new_tat, wait, in_flight + 1)
 
-    def settle(self, now: float, rate: float, rid: str, delta: int) -> bool:
-        """Ends the lease of ``rid`` and charges ``delta``; False (and no change) when the
-        lease had already ended."""
-        if self.leases.pop(rid, None) is None:
+    def settle(self, now: float, rate: float, rid: str, delta: int, leased: bool = True) -> bool:
+        """Ends ``rid`` (and its lease, when it was admitted under a concurrency limit:
+        ``leased``) and charges ``delta``; False (and no change) when it had ended already."""
+        if rid not in self.open:
             return False
+        self.open.discard(rid)
+        if leased:
+            self.leases.pop(rid, None)
         self.tat = settle(self.tat, now, rate, delta)
         return True
 

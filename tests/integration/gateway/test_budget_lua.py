@@ -47,6 +47,7 @@ class BudgetMachine(RuleBasedStateMachine):
         self.budget = Budget(self.client, self.gateway)
         self.liveness = Liveness(self.client, self.gateway)
         self.reserved: dict[str, tuple[float, int]] = {}  # unsettled rid -> (rate, cost) at admission
+        self.limits: dict[str, int] = {}  # rid -> the max_concurrent it was admitted under
         self.tid = "tn_" + secrets.token_hex(8)
         self.model = BucketModel()
         self.now = T0
@@ -83,6 +84,7 @@ class BudgetMachine(RuleBasedStateMachine):
         assert got == want
         if got.status == "ok":
             self.reserved[rid] = (rate, cost)
+            self.limits[rid] = max_concurrent
         return rid if got.status == "ok" else multiple()
 
     @rule(rid=admitted, used=st.integers(0, 4000))
@@ -90,10 +92,11 @@ class BudgetMachine(RuleBasedStateMachine):
         # a rid may be settled again (a second settle must change nothing); `used` is the
         # difference to charge, so refunds and overcharges both occur
         delta = used - 2000
+        limit = self.limits[rid]  # the tenant as admitted: its limit says whether a lease was taken
         got = self.run(
-            self.budget.settle_raw(self.tenant(self.rate), rid, delta, "done", 0, 0, now=self.now)
+            self.budget.settle_raw(self.tenant(self.rate, max_concurrent=limit), rid, delta, "done", 0, 0, now=self.now)
         )
-        assert got == self.model.settle(self.now, self.rate, rid, delta)
+        assert got == self.model.settle(self.now, self.rate, rid, delta, leased=limit > 0)
         self.reserved.pop(rid, None)
 
     @rule()
@@ -121,6 +124,8 @@ class BudgetMachine(RuleBasedStateMachine):
         assert (None if raw is None else float(raw)) == self.model.tat
         leases = self.run(self.client.zrange(wire.in_flight(self.tid), 0, -1, withscores=True))
         assert {r.decode(): s for r, s in leases} == self.model.leases
+        open_ = self.run(self.client.hkeys(wire.gateway_requests(self.gateway.gateway_id)))
+        assert {r.decode() for r in open_} == self.model.open
 
     @invariant()
     def usage_and_records_expire(self) -> None:
