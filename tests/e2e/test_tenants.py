@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -271,6 +271,20 @@ def test_openai_client_reads_headers_and_raises_rate_limit_error(cluster: Cluste
 # -- the command line ----------------------------------------------------------------------
 
 
+def _usage_totals(cluster: Cluster, tenant: str, done: Callable[[dict[str, int]], bool],
+                  gw: int = 1) -> dict[str, int]:
+    """The tenant's usage totals as gateway ``gw`` reads them, once ``done`` holds or after 5 s:
+    every gateway writes its counts once a second (``gateway.tenancy.usage.UsageBook``)."""
+    deadline = time.monotonic() + 5
+    while True:
+        r = cluster.admin("GET", f"/tenants/{tenant}/usage", gw=gw)
+        assert r.status_code == 200, r.text
+        totals: dict[str, int] = r.json()["totals"]
+        if done(totals) or time.monotonic() > deadline:
+            return totals
+        time.sleep(0.2)
+
+
 def _cli(cluster: Cluster, *argv: str, token: str = ADMIN_TOKEN) -> tuple[int, Any, str]:
     env = {
         **os.environ,
@@ -306,14 +320,10 @@ def test_cli_drives_the_admin_api(cluster: Cluster) -> None:
     assert [k["prefix"] for k in listed["data"]] == [issued["prefix"]] and "key" not in listed[
         "data"
     ][0]
-    # the request went through gateway 0, the CLI asks gateway 2: a gateway writes its usage
-    # counts every second (gateway.tenancy.usage.UsageBook)
-    deadline = time.monotonic() + 5
-    while True:
-        rc, usage, _ = _cli(cluster, "tenants", "usage", "cli-co", "--json")
-        if rc != 0 or usage["totals"]["requests"] == 1 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    # the request went through gateway 0, the CLI asks gateway 2 (which writes its own counts
+    # first): gateway 0 writes its usage counts within a second
+    _usage_totals(cluster, "cli-co", lambda t: t["requests"] == 1)
+    rc, usage, _ = _cli(cluster, "tenants", "usage", "cli-co", "--json")
     assert rc == 0 and usage["totals"]["requests"] == 1
     env = {**os.environ, "TOKENGATE_URL": cluster.gateways[2].base_url, "TOKENGATE_ADMIN_TOKEN": ADMIN_TOKEN}
     table = subprocess.run([sys.executable, "-m", "gateway.cli", "tenants", "usage", "cli-co"],
@@ -385,6 +395,7 @@ def test_one_budget_is_shared_by_three_replicas(cluster: Cluster) -> None:
     assert statuses == {200, 429}, summary
     assert burst <= admitted <= bound, summary
     assert [s for _, s, _ in calm_run if s != 200] == []
-    totals = cluster.admin("GET", f"/tenants/{hot['id']}/usage", gw=1).json()["totals"]
+    refused = sum(1 for _, s, _ in hot_run if s == 429)
+    totals = _usage_totals(cluster, hot["id"], lambda t: t["total_tokens"] == admitted and t["rate_limited"] == refused)
     assert totals["total_tokens"] == admitted
-    assert totals["rate_limited"] == sum(1 for _, s, _ in hot_run if s == 429)
+    assert totals["rate_limited"] == refused
