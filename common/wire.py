@@ -3,10 +3,13 @@
 The one place that spells them (docs/protocol.md and docs/tenants.md describe what each
 holds). Workers and gateways import this module; workers never import ``gateway``.
 
-Every name starts with ``NS``, whose hash tag ``{tg}`` puts all of them in one Redis Cluster
-slot: the scripts that touch several keys, and those that derive a key from another one
-(a tenant's keys, budget and in-flight set; a request's record), stay valid on a cluster.
-Names before the hash tag started with ``LEGACY_NS``; ``gateway.keyspace`` renames them.
+Names are laid out for a Redis Cluster (issue 39): what a request's budget scripts touch is
+a tenant's, under the tenant's own hash tag (``tenant_slot``: its budget, leases, open
+requests, request records, key digests and usage), so that a cluster spreads tenants over
+shards while each script stays in one slot; everything else starts with ``NS``, whose hash
+tag ``{tg}`` keeps the catalog (tenants, names, API keys), liveness and the streams in one
+slot. Names before the hash tag started with ``LEGACY_NS``, and a tenant's keys were under
+``{tg}`` before they had its tag; ``gateway.keyspace`` renames both.
 """
 
 from __future__ import annotations
@@ -91,12 +94,6 @@ def console_key(gateway_id: str) -> str:
     return f"{NS}console:{gateway_id}"
 
 
-def gateway_requests(gateway_id: str) -> str:
-    """Hash: request id -> "tenant rate reserved" for every request the gateway admitted and
-    has not settled; a survivor settles them when the gateway dies."""
-    return f"{NS}gateway-requests:{gateway_id}"
-
-
 # -- per request --------------------------------------------------------------------------
 
 CANCEL_CHANNEL = f"{NS}cancel"  # pub/sub: request ids whose client went away
@@ -128,11 +125,6 @@ def progress_key(rid: str) -> str:
     return f"{NS}progress:{rid}"
 
 
-def request(rid: str) -> str:
-    """Hash: the owning tenant and the state of one admitted request."""
-    return f"{NS}req:{rid}"
-
-
 # -- tenants, keys, budgets, usage ----------------------------------------------------------
 
 def model_key(model: str) -> str:
@@ -144,7 +136,6 @@ def model_key(model: str) -> str:
 TENANT_IDS = f"{NS}tenants"  # set of tenant ids
 TENANT_NAMES = f"{NS}tenant-names"  # hash: name -> tenant id
 TENANT_PREFIX = f"{NS}tenant:"  # + id: the tenant's JSON document (string)
-TENANT_KEYS_PREFIX = f"{NS}tenant-keys:"  # + id: set of the prefixes of the tenant's keys
 KEY_PREFIX = f"{NS}key:"  # + key prefix: hash {tenant, digest, name, created}
 
 
@@ -152,27 +143,49 @@ def tenant(tid: str) -> str:
     return TENANT_PREFIX + tid
 
 
-def tenant_keys(tid: str) -> str:
-    return TENANT_KEYS_PREFIX + tid
-
-
 def api_key(prefix: str) -> str:
     return KEY_PREFIX + prefix
 
 
+# -- a tenant's own slot: what a request's budget scripts touch ------------------------------
+
+
+def tenant_slot(tid: str) -> str:
+    """The prefix of a tenant's own keys: its hash tag puts them in one cluster slot, the
+    tenant's (``{tg:t:<id>}``)."""
+    return f"{{tg:t:{tid}}}:"
+
+
 def budget(tid: str) -> str:
     """The tenant's GCRA state: its theoretical arrival time (seconds, Redis clock)."""
-    return f"{NS}budget:{tid}"
+    return tenant_slot(tid) + "budget"
 
 
 def in_flight(tid: str) -> str:
-    """Sorted set: request id -> lease expiry (seconds, Redis clock)."""
-    return f"{NS}inflight:{tid}"
+    """Sorted set: request id -> lease expiry (seconds, Redis clock), under a concurrency limit."""
+    return tenant_slot(tid) + "inflight"
+
+
+def open_requests(tid: str) -> str:
+    """Hash: request id -> "gateway rate reserved" for each of the tenant's requests admitted
+    and not settled; a survivor settles a dead gateway's."""
+    return tenant_slot(tid) + "open"
+
+
+def request(tid: str, rid: str) -> str:
+    """Hash: the owning tenant and the state of one admitted request."""
+    return tenant_slot(tid) + "req:" + rid
+
+
+def tenant_keys(tid: str) -> str:
+    """Hash: the prefix of each of the tenant's API keys -> its digest (the admission script
+    checks a key is live here, in the tenant's slot)."""
+    return tenant_slot(tid) + "keys"
 
 
 def usage(tid: str, minute: int) -> str:
     """Hash of counters for one tenant and one minute (``minute`` = unix time // 60)."""
-    return f"{NS}usage:{tid}:{minute}"
+    return tenant_slot(tid) + f"usage:{minute}"
 
 
 def text(value: str | bytes) -> str:

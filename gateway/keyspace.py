@@ -1,4 +1,4 @@
-"""A deployment's keys renamed to the hash-tagged names (``common.wire.NS``), at a gateway's start.
+"""A deployment's keys renamed to the current names (``common.wire``), at a gateway's start.
 
 Names began with ``tg:`` before they carried the ``{tg}`` hash tag that keeps them in one
 Redis Cluster slot (docs/operations.md, "Redis Cluster and Sentinel"). A gateway that
@@ -7,6 +7,11 @@ keys, budgets, usage and the fitted model carry over (a key keeps its TTL). ``RE
 never overwrites: where the new name exists already (written by a worker of the new release
 that started first), the old key stays, and is logged, for an operator to look at. Several
 gateways starting at once rename each key once: a key another one renamed first is gone.
+
+Then a tenant's own keys move from ``{tg}`` to the tenant's slot (``wire.tenant_slot``, issue
+39): its budget, leases, usage minutes and request records are renamed, its key set becomes
+the hash of its keys' digests, and each gateway's list of open requests is split into the
+tenants' open requests (so a gateway of the old release that died is still swept).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ async def migrate(client: aioredis.Redis, model: str) -> int:
         renamed += await _rename(client, old, wire.NS + old.removeprefix(wire.LEGACY_NS))
     if renamed:
         log.warning("renamed %d keys from %s… to %s… (Redis Cluster hash tag)", renamed, wire.LEGACY_NS, wire.NS)
-    return renamed + await _per_model(client, model)
+    return renamed + await _per_model(client, model) + await _tenant_slots(client)
 
 
 async def _per_model(client: aioredis.Redis, model: str) -> int:
@@ -59,3 +64,40 @@ async def _rename(client: aioredis.Redis, old: str, new: str) -> bool:
     if not moved:
         log.warning("kept %s: %s exists already", old, new)
     return bool(moved)
+
+
+async def _tenant_slots(client: aioredis.Redis) -> int:
+    """A tenant's keys from under ``{tg}`` to its own slot; how many were moved."""
+    moved = 0
+    ids = [wire.text(i) for i in await client.smembers(wire.TENANT_IDS)]
+    for tid in ids:
+        moved += await _rename(client, f"{wire.NS}budget:{tid}", wire.budget(tid))
+        moved += await _rename(client, f"{wire.NS}inflight:{tid}", wire.in_flight(tid))
+        old_set = f"{wire.NS}tenant-keys:{tid}"
+        prefixes = [wire.text(p) for p in await client.smembers(old_set)]
+        for prefix in prefixes:
+            digest = await client.hget(wire.api_key(prefix), "digest")
+            if digest is not None:
+                await client.hset(wire.tenant_keys(tid), prefix, digest)
+        moved += await client.delete(old_set)
+    async for raw in client.scan_iter(match=f"{wire.NS}usage:*", count=1000):
+        tid, _, minute = wire.text(raw).removeprefix(f"{wire.NS}usage:").rpartition(":")
+        if tid and minute.isdigit():
+            moved += await _rename(client, wire.text(raw), wire.usage(tid, int(minute)))
+    async for raw in client.scan_iter(match=f"{wire.NS}req:*", count=1000):
+        try:
+            owner = await client.hget(raw, "tenant")
+        except ResponseError:  # not a record: left as it is
+            continue
+        if owner is not None:
+            rid = wire.text(raw).removeprefix(f"{wire.NS}req:")
+            moved += await _rename(client, wire.text(raw), wire.request(wire.text(owner), rid))
+    async for raw in client.scan_iter(match=f"{wire.NS}gateway-requests:*", count=1000):
+        gateway = wire.text(raw).removeprefix(f"{wire.NS}gateway-requests:")
+        for entry, value in (await client.hgetall(raw)).items():
+            owner_id, _, rest = wire.text(value).partition(" ")  # "tenant rate reserved"
+            await client.hset(wire.open_requests(owner_id), wire.text(entry), f"{rest} {gateway}")
+        moved += await client.delete(raw)
+    if moved:
+        log.warning("moved %d keys of %d tenants to their own slots (Redis Cluster: one per tenant)", moved, len(ids))
+    return moved

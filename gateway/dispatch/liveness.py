@@ -2,10 +2,11 @@
 
 Every gateway renews its entry in ``wire.GATEWAYS_ZSET`` (score: Redis's clock) every
 ``WATCH_S``; an entry ``gateway_dead_after_s`` old belongs to a dead gateway. The first
-survivor to notice sweeps it (``gateway.tenancy.budget.SWEEP``, atomic, so sweeping twice does
-nothing): its unsettled requests are refunded and marked ``abandoned``, its reply stream
-and its backlog entry are deleted, and a marker tells workers to drop the jobs still queued
-for it. A gateway that exits cleanly sweeps itself. A gateway
+survivor to notice sweeps it: its unsettled requests are refunded and marked ``abandoned``
+(``gateway.tenancy.budget.SWEEP``, one atomic call in each tenant's slot: a request is
+settled once, whoever sweeps), then its reply stream and its backlog entry are deleted, a
+marker tells workers to drop the jobs still queued for it, and its entry goes (sweeping it
+again does nothing). A gateway that exits cleanly sweeps itself. A gateway
 that finds its own entry gone (Redis restarted without its data, or a peer swept it
 after a long stall) knows its dispatched batches are lost.
 
@@ -24,8 +25,27 @@ from common import wire
 from gateway.lua import CLOCK
 from gateway.settings import GatewaySettings
 from gateway.tenancy.budget import SWEEP
+from gateway.tenancy.tenant_store import tenant_ids
 
 log = logging.getLogger("tokengate.liveness")
+
+# 1 if the gateway's last renewal is ``dead after`` seconds old, else 0 (gone, or alive)
+# KEYS: gateways zset; ARGV: gateway id, dead after s, now ('' for Redis TIME)
+DEAD = CLOCK + """
+local seen = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1]))
+if seen == nil or now - seen < tonumber(ARGV[2]) then return 0 end
+return 1
+"""
+
+# A swept gateway's ends: its reply stream and backlog entry go, workers are told to drop its
+# jobs (the gone marker), and its entry goes. KEYS: gateways zset, its reply stream, its gone
+# marker, the backlog hash; ARGV: gateway id, gone marker ttl s
+BURY = """
+redis.call('DEL', KEYS[2])
+redis.call('HDEL', KEYS[4], ARGV[1])
+redis.call('SET', KEYS[3], 1, 'EX', ARGV[2])
+return redis.call('ZREM', KEYS[1], ARGV[1])
+"""
 
 GONE_TTL_S = 3600  # workers drop a dead gateway's jobs this long after its sweep
 
@@ -69,7 +89,9 @@ class Liveness:
         self.dead_after_s = settings.gateway_dead_after_s
         self.model = settings.model_name
         self._renew = client.register_script(RENEW)
+        self._dead = client.register_script(DEAD)
         self._sweep = client.register_script(SWEEP)
+        self._bury = client.register_script(BURY)
         self._joined = False
 
     async def renew(self, replies: str, now: float | None = None) -> View:
@@ -83,20 +105,22 @@ class Liveness:
 
     async def sweep(self, gateway_id: str, *, force: bool = False, now: float | None = None) -> int:
         """Settle a dead gateway's requests; -1 when it is not (or no longer) dead.
-        ``force`` sweeps at once: a gateway leaving cleanly sweeps itself."""
-        return int(
-            await self._sweep(
-                keys=[
-                    wire.GATEWAYS_ZSET,
-                    wire.gateway_requests(gateway_id),
-                    wire.replies_stream(gateway_id),
-                    wire.gone_key(wire.replies_stream(gateway_id)),
-                    wire.BACKLOG_HASH,
-                ],
-                args=[gateway_id, "-1e308" if force else repr(self.dead_after_s), GONE_TTL_S,
-                      "" if now is None else repr(now)],
-            )
-        )
+        ``force`` sweeps at once: a gateway leaving cleanly sweeps itself. Its requests are
+        in their tenants' slots: one call per tenant, pipelined."""
+        at = "" if now is None else repr(now)
+        after = "-1e308" if force else repr(self.dead_after_s)
+        if not await self._dead(keys=[wire.GATEWAYS_ZSET], args=[gateway_id, after, at]):
+            return -1
+        tenants = await tenant_ids(self.client)
+        pipe = self.client.pipeline(transaction=False)
+        for tid in tenants:
+            await self._sweep(keys=[wire.budget(tid), wire.in_flight(tid), wire.open_requests(tid)],
+                              args=[gateway_id, wire.request(tid, ""), at], client=pipe)
+        swept = sum(int(n) for n in await pipe.execute()) if tenants else 0
+        replies = wire.replies_stream(gateway_id)
+        await self._bury(keys=[wire.GATEWAYS_ZSET, replies, wire.gone_key(replies), wire.BACKLOG_HASH],
+                         args=[gateway_id, GONE_TTL_S])
+        return swept
 
     async def leave(self, replies: str) -> None:
         """A clean exit: whatever was not settled is refunded, the reply stream goes."""

@@ -1,4 +1,5 @@
-"""Who owns an admitted request, and what became of it: ``{tg}:req:{rid}``.
+"""Who owns an admitted request, and what became of it: ``wire.request(tenant, rid)``, in the
+tenant's slot.
 
 The admission script writes the record (tenant, ``state`` = ``admitted``, tokens, budget
 wait) with a TTL; settling sets the final state (``done``, ``cancelled``, ``failed``) and
@@ -8,7 +9,7 @@ the same message whether the request exists or not.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -40,18 +41,16 @@ def decode(rid: str, fields: Mapping[bytes | str, bytes | str]) -> dict[str, Any
     return doc
 
 
-async def owner(client: aioredis.Redis, rid: str) -> str | None:
-    """The id of the tenant that owns ``rid``, or None when unknown or expired."""
-    found = await client.hget(wire.request(rid), "tenant")
-    return None if found is None else wire.text(found)
-
-
-async def read(client: aioredis.Redis, ref: str, tenant_id: str | None) -> dict[str, Any]:
-    """The record of one of ``tenant_id``'s requests (None: any tenant's, for the admin);
-    NotFound for anything else."""
+async def read(client: aioredis.Redis, ref: str, tenant_ids: Sequence[str]) -> dict[str, Any]:
+    """The record of ``ref`` if one of ``tenant_ids`` owns it (a tenant reads its own: its id;
+    the admin anyone's: every tenant's, a read in each one's slot, pipelined); NotFound for
+    anything else, with the same message whether the request exists or not."""
     rid = request_id(ref)
-    fields = await client.hgetall(wire.request(rid)) if len(rid) <= 64 else {}
-    owner = fields.get(b"tenant")
-    if owner is None or (tenant_id is not None and wire.text(owner) != tenant_id):
-        raise NotFound(f"No request '{ref}'.", param="id")
-    return decode(rid, fields)
+    if len(rid) <= 64 and tenant_ids:
+        pipe = client.pipeline(transaction=False)
+        for tid in tenant_ids:
+            pipe.hgetall(wire.request(tid, rid))
+        for tid, fields in zip(tenant_ids, await pipe.execute(), strict=True):
+            if fields.get(b"tenant") == tid.encode():
+                return decode(rid, fields)
+    raise NotFound(f"No request '{ref}'.", param="id")

@@ -18,6 +18,7 @@ from gateway.http import console
 from gateway.http.web import ORJSONResponse, read_json
 from gateway.tenancy import admin_protocol as ap
 from gateway.tenancy import usage
+from gateway.tenancy.tenant_store import tenant_ids
 from gateway.tenancy.tenants import to_doc
 
 if TYPE_CHECKING:
@@ -166,7 +167,7 @@ async def explain_request(request: Request) -> Response:
     """Any tenant's request: its record (contract, timings) and, while the scheduler holds
     it, the scheduler's ``explain`` (asked of the scheduling gateway where this one follows)."""
     gw = _gw(request)
-    doc = await records.read(gw.client, request.path_params["rid"], None)
+    doc = await records.read(gw.client, request.path_params["rid"], await tenant_ids(gw.client))
     for dom in gw.domains.values():
         schedule = await dom.dispatcher.explain_anywhere(doc["id"])
         if schedule is not None:

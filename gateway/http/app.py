@@ -250,7 +250,7 @@ async def get_request(request: Request) -> Response:
     """The caller's own request: owner, state, tokens, budget wait; 404 for any other."""
     gw: Gateway = request.app.state.gateway
     tenant = await gw.auth.tenant(request.headers)
-    doc = await records.read(gw.client, request.path_params["rid"], tenant.id)
+    doc = await records.read(gw.client, request.path_params["rid"], [tenant.id])
     for dom in gw.domains.values():  # only the gateway that admitted it knows, in the model's domain
         schedule = dom.dispatcher.shell.explain(doc["id"])
         if schedule is not None:

@@ -38,16 +38,17 @@ if tat and tat > now then start = tat end
 """
 )
 
-# KEYS: budget, leases, request record, the gateway's requests, API key record
+# Every key is the tenant's (``wire.tenant_slot``: one cluster slot).
+# KEYS: budget, leases, request record, open requests, API key digests
 # ARGV: rate, burst, cost, max_wait, max_concurrent (0: none), lease_s, rid, tenant id,
-#       prompt tokens, record ttl s, key digest ('' to skip the key check), now ('' for Redis TIME)
+#       prompt tokens, record ttl s, key digest ('' to skip the key check), key prefix, gateway id,
+#       now ('' for Redis TIME)
 # Only under a concurrency limit does a request take a lease (and count the live ones,
-# dropping the expired): ``gcra.BucketModel.admit``; every request is open in the gateway's
-# list until it settles.
+# dropping the expired): ``gcra.BucketModel.admit``; every request is open until it settles.
 ADMIT = (
     _PRELUDE
     + """
-if ARGV[11] ~= '' and redis.call('HGET', KEYS[5], 'digest') ~= ARGV[11] then
+if ARGV[11] ~= '' and redis.call('HGET', KEYS[5], ARGV[12]) ~= ARGV[11] then
   return {'revoked', num(now), num(start), '0', 0}
 end
 local rate, burst, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -75,19 +76,19 @@ end
 redis.call('HSET', KEYS[3], 'tenant', ARGV[8], 'state', 'admitted', 'admitted_at', num(now),
            'prompt_tokens', ARGV[9], 'reserved_tokens', ARGV[3], 'budget_wait_s', num(wait))
 redis.call('EXPIRE', KEYS[3], ARGV[10])
-redis.call('HSET', KEYS[4], ARGV[7], ARGV[8] .. ' ' .. num(rate) .. ' ' .. ARGV[3])
+redis.call('HSET', KEYS[4], ARGV[7], num(rate) .. ' ' .. ARGV[3] .. ' ' .. ARGV[13])
 return {'ok', num(now), num(new_tat), num(wait), in_flight}
 """
 )
 
-# One request's settlement (the spec: ``gcra.BucketModel.settle``): forget it in its gateway's
-# list (where it is open), end its lease if it took one (``leased``), charge ``delta`` more
+# One request's settlement (the spec: ``gcra.BucketModel.settle``): forget it in its tenant's
+# open requests, end its lease if it took one (``leased``), charge ``delta`` more
 # tokens (a refund when negative), write ``fields`` (its final state, as field/value pairs) to
 # its record if the record has not expired. Returns 0 when it had ended already (settled by
 # the gateway or a survivor's sweep): then nothing changes.
 _SETTLE_ONE = """
-local function settle_one(now, budget, leases, record, gateway, rid, rate, delta, fields, leased)
-  if redis.call('HDEL', gateway, rid) == 0 then
+local function settle_one(now, budget, leases, record, open, rid, rate, delta, fields, leased)
+  if redis.call('HDEL', open, rid) == 0 then
     return 0
   end
   if leased then
@@ -110,7 +111,7 @@ local function settle_one(now, budget, leases, record, gateway, rid, rate, delta
 end
 """
 
-# KEYS: budget, leases, request record, the gateway's requests
+# KEYS: budget, leases, request record, open requests (the tenant's: one slot)
 # ARGV: rate, rid, delta tokens, state, budget tokens charged (the tokens at the model's token
 #       weight), '1' if admitted under a concurrency limit (a lease to end) else '0', then
 #       field/value pairs for the request record, now ('' for Redis TIME)
@@ -127,33 +128,25 @@ return settle_one(now, KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], tonumber(ARG
 """
 )
 
-# A dead gateway's requests: each is settled as ``abandoned`` and refunded its whole
-# reservation at the rate it was admitted with (exactly undoing the admission); then its
-# reply stream and its backlog entry go, and a marker tells workers to drop the jobs still
-# queued for it. Does nothing (-1) unless the gateway's last refresh is ``dead after`` seconds old.
-# KEYS: gateways zset, the gateway's requests, its reply stream, its gone marker, the backlog hash
-# ARGV: gateway id, dead after s, gone marker ttl s, now ('' for Redis TIME)
+# A dead gateway's requests of one tenant (``gateway.dispatch.liveness.Liveness.sweep`` runs it
+# for each tenant): each is settled as ``abandoned`` and refunded its whole reservation at the
+# rate it was admitted with (exactly undoing the admission). Returns how many.
+# KEYS: the tenant's budget, leases, open requests (its slot); ARGV: gateway id, the tenant's
+# request record prefix (``wire.request(tid, "")``), now ('' for Redis TIME)
 SWEEP = (
     CLOCK
     + _SETTLE_ONE
-    + f"""
-local seen = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1]))
-if seen == nil or now - seen < tonumber(ARGV[2]) then return -1 end
-local entries = redis.call('HGETALL', KEYS[2])
+    + """
+local entries = redis.call('HGETALL', KEYS[3])
 local n = 0
 for i = 1, #entries, 2 do
   local rid = entries[i]
-  local tid, rate, reserved = string.match(entries[i + 1], '^(%S+) (%S+) (%S+)$')
-  if tid then
-    n = n + settle_one(now, '{wire.budget("")}' .. tid, '{wire.in_flight("")}' .. tid, '{wire.request("")}' .. rid,
-                       KEYS[2], rid, tonumber(rate), -tonumber(reserved),
-                       {{'state', 'abandoned', 'finished_at', num(now), 'charged_tokens', 0}}, true)
+  local rate, reserved, gateway = string.match(entries[i + 1], '^(%S+) (%S+) (.+)$')
+  if gateway == ARGV[1] then
+    n = n + settle_one(now, KEYS[1], KEYS[2], ARGV[2] .. rid, KEYS[3], rid, tonumber(rate), -tonumber(reserved),
+                       {'state', 'abandoned', 'finished_at', num(now), 'charged_tokens', 0}, true)
   end
 end
-redis.call('DEL', KEYS[2], KEYS[3])
-redis.call('HDEL', KEYS[5], ARGV[1])
-redis.call('SET', KEYS[4], 1, 'EX', ARGV[3])
-redis.call('ZREM', KEYS[1], ARGV[1])
 return n
 """
 )
@@ -267,7 +260,7 @@ class Budget:
         lease_s = max_wait + s.request_timeout_s + 30.0
         reply = await self._run(
             self._admit,
-            [*self._keys(tenant.id, rid), wire.api_key(key.prefix if key else "")],
+            [*self._keys(tenant.id, rid), wire.tenant_keys(tenant.id)],
             _args(
                 tenant.rate,
                 tenant.burst,
@@ -280,6 +273,8 @@ class Budget:
                 prompt_tokens,
                 s.request_record_ttl_s,
                 key.digest if key else "",
+                key.prefix if key else "",
+                s.gateway_id,
                 now,
             ),
         )
@@ -373,28 +368,18 @@ class Budget:
 
     def _keys(self, tid: str, rid: str) -> list[str]:
         """The keys both scripts take."""
-        gateway = wire.gateway_requests(self.settings.gateway_id)
-        return [wire.budget(tid), wire.in_flight(tid), wire.request(rid), gateway]
+        return [wire.budget(tid), wire.in_flight(tid), wire.request(tid, rid), wire.open_requests(tid)]
 
     async def state(self, tenant: Tenant) -> dict[str, float | int]:
-        """The tenant's budget right now (Redis clock), for operators. ``in_flight``: its live
-        leases under a concurrency limit, else its open requests in every gateway's list."""
+        """The tenant's budget right now (Redis clock), for operators; ``in_flight``: its
+        requests admitted and not settled."""
         pipe = self.client.pipeline(transaction=False)
         pipe.time()
         pipe.get(wire.budget(tenant.id))
-        pipe.zrange(wire.in_flight(tenant.id), 0, -1, withscores=True)
-        pipe.zrange(wire.GATEWAYS_ZSET, 0, -1)
-        (sec, usec), raw, leases, gateways = await pipe.execute()
+        pipe.hlen(wire.open_requests(tenant.id))
+        (sec, usec), raw, in_flight = await pipe.execute()
         now = sec + usec / 1_000_000
         tat = max(float(raw), now) if raw is not None else now
-        if tenant.limits.max_concurrent:
-            in_flight = sum(1 for _rid, expiry in leases if expiry > now)
-        else:
-            pipe = self.client.pipeline(transaction=False)
-            for gid in gateways:
-                pipe.hvals(wire.gateway_requests(wire.text(gid)))
-            mine = f"{tenant.id} ".encode()
-            in_flight = sum(v.startswith(mine) for values in await pipe.execute() for v in values)
         return {
             "remaining_tokens": gcra.remaining_tokens(tat, now, tenant.rate, tenant.burst),
             "reset_s": round(gcra.reset_s(tat, now), 3),

@@ -38,35 +38,37 @@ redis.call('SADD', KEYS[3], ARGV[1])
 return 'ok'
 """
 
-# KEYS: names, tenant doc, ids, tenant's key set, budget, leases. ARGV: id, name, key prefix
+# The catalog (names, tenant documents, ids, API key records) is under ``{tg}``; a tenant's own
+# keys (its key digests, budget, leases, open requests) are in its slot (``wire.tenant_slot``),
+# written by a second call after the catalog's (docs/operations.md, "Redis Cluster").
+
+# KEYS: names, tenant doc, ids. ARGV: id, name, API key record prefix, then the tenant's key prefixes
 _DELETE = """
 if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
-for _, prefix in ipairs(redis.call('SMEMBERS', KEYS[4])) do
-  redis.call('DEL', ARGV[3] .. prefix)
+for i = 4, #ARGV do
+  redis.call('DEL', ARGV[3] .. ARGV[i])
 end
 if redis.call('HGET', KEYS[1], ARGV[2]) == ARGV[1] then redis.call('HDEL', KEYS[1], ARGV[2]) end
 redis.call('SREM', KEYS[3], ARGV[1])
-redis.call('DEL', KEYS[2], KEYS[4], KEYS[5], KEYS[6])
+redis.call('DEL', KEYS[2])
 return 1
 """
 
-# KEYS: tenant doc, key record, tenant's key set. ARGV: tenant id, digest, name, created, prefix
+# KEYS: tenant doc, key record. ARGV: tenant id, digest, name, created
 _ISSUE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 'missing' end
 if redis.call('EXISTS', KEYS[2]) == 1 then return 'taken' end
 redis.call('HSET', KEYS[2], 'tenant', ARGV[1], 'digest', ARGV[2],
            'name', ARGV[3], 'created', ARGV[4])
-redis.call('SADD', KEYS[3], ARGV[5])
 return 'ok'
 """
 
-# KEYS: key record. ARGV: prefix, tenant key-set prefix
+# KEYS: key record. Its tenant's id (false: no such key), once deleted
 _REVOKE = """
 local tenant = redis.call('HGET', KEYS[1], 'tenant')
-if not tenant then return 0 end
+if not tenant then return false end
 redis.call('DEL', KEYS[1])
-redis.call('SREM', ARGV[2] .. tenant, ARGV[1])
-return 1
+return tenant
 """
 
 # KEYS: key record. ARGV: tenant doc prefix. The key's digest and its tenant's document.
@@ -108,6 +110,11 @@ def _no_tenant(ref: str) -> NotFound:
     return NotFound(f"No tenant '{ref}'.", param="tenant")
 
 
+async def tenant_ids(client: aioredis.Redis) -> list[str]:
+    """Every tenant's id, sorted."""
+    return sorted(wire.text(i) for i in await client.smembers(wire.TENANT_IDS))
+
+
 class TenantStore:
     def __init__(self, client: aioredis.Redis) -> None:
         self.client = client
@@ -131,7 +138,7 @@ class TenantStore:
         return _tenant(await self._raw(ref))
 
     async def list_tenants(self) -> list[Tenant]:
-        ids = sorted(wire.text(i) for i in await self.client.smembers(wire.TENANT_IDS))
+        ids = await tenant_ids(self.client)
         raws = await self.client.mget([wire.tenant(i) for i in ids]) if ids else []
         return sorted(
             (_tenant(_bytes(r)) for r in raws if r is not None), key=lambda t: (t.created, t.name)
@@ -169,19 +176,15 @@ class TenantStore:
 
     async def delete(self, ref: str) -> Tenant:
         t = await self.get(ref)
+        prefixes = [wire.text(p) for p in await self.client.hkeys(wire.tenant_keys(t.id))]
         done = await self._delete(
-            keys=[
-                wire.TENANT_NAMES,
-                wire.tenant(t.id),
-                wire.TENANT_IDS,
-                wire.tenant_keys(t.id),
-                wire.budget(t.id),
-                wire.in_flight(t.id),
-            ],
-            args=[t.id, t.name, wire.KEY_PREFIX],
+            keys=[wire.TENANT_NAMES, wire.tenant(t.id), wire.TENANT_IDS],
+            args=[t.id, t.name, wire.KEY_PREFIX, *prefixes],
         )
         if not done:
             raise _no_tenant(ref)
+        await self.client.delete(wire.tenant_keys(t.id), wire.budget(t.id), wire.in_flight(t.id),
+                                 wire.open_requests(t.id))
         return t
 
     # -- keys ----------------------------------------------------------------------------------
@@ -196,15 +199,12 @@ class TenantStore:
             new = keys.new_key()
             status = (
                 await self._issue(
-                    keys=[
-                        wire.tenant(t.id),
-                        wire.api_key(new.prefix),
-                        wire.tenant_keys(t.id),
-                    ],
-                    args=[t.id, new.digest, name, created, new.prefix],
+                    keys=[wire.tenant(t.id), wire.api_key(new.prefix)],
+                    args=[t.id, new.digest, name, created],
                 )
             ).decode()
-            if status == "ok":
+            if status == "ok":  # usable once its digest is in the tenant's slot too
+                await self.client.hset(wire.tenant_keys(t.id), new.prefix, new.digest)
                 return new.key, KeyInfo(new.prefix, t.id, name, created)
             if status == "missing":
                 raise _no_tenant(ref)
@@ -212,9 +212,7 @@ class TenantStore:
 
     async def list_keys(self, ref: str) -> list[KeyInfo]:
         t = await self.get(ref)
-        prefixes = sorted(
-            wire.text(p) for p in await self.client.smembers(wire.tenant_keys(t.id))
-        )
+        prefixes = sorted(wire.text(p) for p in await self.client.hkeys(wire.tenant_keys(t.id)))
         pipe = self.client.pipeline(transaction=False)
         for prefix in prefixes:
             pipe.hmget(wire.api_key(prefix), "name", "created")
@@ -225,10 +223,10 @@ class TenantStore:
         return sorted(out, key=lambda k: (k.created, k.prefix))
 
     async def revoke_key(self, prefix: str) -> None:
-        if not keys.is_prefix(prefix) or not await self._revoke(
-            keys=[wire.api_key(prefix)], args=[prefix, wire.TENANT_KEYS_PREFIX]
-        ):
+        tenant = await self._revoke(keys=[wire.api_key(prefix)]) if keys.is_prefix(prefix) else None
+        if not tenant:
             raise NotFound(f"No API key with prefix '{prefix}'.", param="prefix")
+        await self.client.hdel(wire.tenant_keys(wire.text(tenant)), prefix)
 
     async def lookup(self, prefix: str) -> tuple[str, Tenant] | None:
         """The stored digest of the key with this prefix and its tenant, in one round trip."""

@@ -45,7 +45,7 @@ def _request_ids(served: Served) -> list[str]:
     assert url, "no Redis URL in the banner"
     client = redis.Redis.from_url(url.group(1))
     try:
-        return [k.decode().removeprefix(wire.request("")) for k in client.scan_iter(wire.request("*"))]
+        return [k.decode().rpartition(":req:")[2] for k in client.scan_iter(wire.request("*", "*"))]
     finally:
         client.close()
 

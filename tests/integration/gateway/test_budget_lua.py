@@ -49,6 +49,7 @@ class BudgetMachine(RuleBasedStateMachine):
         self.reserved: dict[str, tuple[float, int]] = {}  # unsettled rid -> (rate, cost) at admission
         self.limits: dict[str, int] = {}  # rid -> the max_concurrent it was admitted under
         self.tid = "tn_" + secrets.token_hex(8)
+        self.run(self.client.sadd(wire.TENANT_IDS, self.tid))  # a sweep looks in every tenant's slot
         self.model = BucketModel()
         self.now = T0
         self.rate = 100.0
@@ -111,7 +112,7 @@ class BudgetMachine(RuleBasedStateMachine):
         )
         assert swept == refunded
         self.reserved.clear()
-        assert self.run(self.client.exists(wire.gateway_requests(me))) == 0
+        assert self.run(self.client.exists(wire.open_requests(self.tid))) == 0
         assert self.run(self.liveness.sweep(me, now=self.now)) == -1  # once only
 
     @rule(dt=st.floats(0.0, 30.0) | st.sampled_from([0.0, 1e-6, 0.01]))
@@ -124,7 +125,7 @@ class BudgetMachine(RuleBasedStateMachine):
         assert (None if raw is None else float(raw)) == self.model.tat
         leases = self.run(self.client.zrange(wire.in_flight(self.tid), 0, -1, withscores=True))
         assert {r.decode(): s for r, s in leases} == self.model.leases
-        open_ = self.run(self.client.hkeys(wire.gateway_requests(self.gateway.gateway_id)))
+        open_ = self.run(self.client.hkeys(wire.open_requests(self.tid)))
         assert {r.decode() for r in open_} == self.model.open
 
     @invariant()
@@ -133,11 +134,12 @@ class BudgetMachine(RuleBasedStateMachine):
         for ever."""
         self.run(self.budget.usage.flush())
         usage = self.run(self.client.keys(wire.usage(self.tid, 0).rsplit(":", 1)[0] + ":*"))
-        records = [wire.request(rid) for rid in self.reserved]
+        records = [wire.request(self.tid, rid) for rid in self.reserved]
         for key in [*usage, *records]:
             assert self.run(self.client.ttl(key)) > 0, key
 
     def teardown(self) -> None:
+        self.run(self.client.srem(wire.TENANT_IDS, self.tid))
         self.run(self.client.aclose())
         self.loop.close()
 

@@ -123,7 +123,7 @@ async def test_tenant_limits_are_400_before_anything_is_queued(
     assert r.status_code == 400 and r.json()["error"]["code"] == "prompt_too_long"
     r = await harness.complete(key, prompt=[1, 2], max_tokens=21)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-    assert not list(redis_client.scan_iter(match=wire.request("*")))
+    assert not list(redis_client.scan_iter(match=wire.request("*", "*")))
 
 
 async def test_allowed_models(harness: Harness) -> None:

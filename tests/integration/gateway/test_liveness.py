@@ -75,6 +75,7 @@ async def test_a_dead_gateway_is_swept_once_by_a_survivor(redis_url: str) -> Non
     client = aioredis.Redis.from_url(redis_url)
     dead, alive = _settings(redis_url, "dead"), _settings(redis_url, "alive")
     tenant = Tenant("tn_1", "acme", rate=100.0, burst=1000)
+    await client.sadd(wire.TENANT_IDS, tenant.id)  # a sweep looks in every tenant's slot
     budget = Budget(client, dead)
     for rid in ("r1", "r2"):
         await budget.admit(tenant, rid, 10, 90)  # 200 of 1000 tokens reserved, two leases
@@ -90,7 +91,7 @@ async def test_a_dead_gateway_is_swept_once_by_a_survivor(redis_url: str) -> Non
     state = await Budget(client, alive).state(tenant)
     # r2 used 50 of its 100: the bucket lacks 50 tokens (plus what drained back meanwhile)
     assert 950 <= state["remaining_tokens"] <= 1000 and state["in_flight"] == 0
-    assert (await client.hget(wire.request("r1"), "state")) == b"abandoned"
+    assert (await client.hget(wire.request(tenant.id, "r1"), "state")) == b"abandoned"
     assert await client.exists(replies) == 0
     assert await client.exists(wire.gone_key(replies)) == 1  # workers drop its queued jobs
     assert await client.zscore(wire.GATEWAYS_ZSET, "dead") is None
