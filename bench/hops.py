@@ -100,7 +100,7 @@ def in_process(n: int) -> list[float]:
     from common import protocol as p
     from gateway.dispatch.scheduling import Origin, SchedulerShell
 
-    shell = SchedulerShell("gw", wire.replies_stream("gw"))
+    shell = SchedulerShell("gw", wire.replies_stream("m", "gw"))
     who = Origin(tenant="t", weight=1.0)
     out = []
     for i in range(n):
@@ -109,7 +109,7 @@ def in_process(n: int) -> list[float]:
         shell.arrive(seq, who, now=time.monotonic())
         out.append(time.perf_counter() - started)
         if len(shell) > 1000:
-            shell = SchedulerShell("gw", wire.replies_stream("gw"))
+            shell = SchedulerShell("gw", wire.replies_stream("m", "gw"))
     return out
 
 

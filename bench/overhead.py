@@ -73,7 +73,7 @@ async def redis_floor(
     redis_url: str, rates: list[float], duration: float
 ) -> list[tuple[float, list[float], int, float]]:
     client = aioredis.Redis.from_url(redis_url)
-    stream = wire.replies_stream("bench-floor")
+    stream = wire.replies_stream(DEFAULT_MODEL_NAME, "bench-floor")
     waiting: dict[str, asyncio.Future[bool]] = {}
     ids = itertools.count()
 

@@ -95,11 +95,12 @@ class Run:
 class Live:
     """One Redis and one ``hf`` worker for every run, a fresh gateway per run (scheduling with
     its policy for ``slo``); the three tenants are made once; the worker's step records
-    (``{tg}:steps``) of each run are collected in ``steps``."""
+    (its model's ``wire.telemetry_stream``) of each run are collected in ``steps``."""
 
     redis_url: str
     procs: list[subprocess.Popen[bytes]]
     model_dir: str
+    model: str
     slo: Slo
     aging: float
     keys: list[str] = field(default_factory=list)
@@ -114,9 +115,9 @@ class Live:
                 self.keys = make_tenants(base, len(BUDGETS))
             yield base
         client = redis.Redis.from_url(self.redis_url)
-        for _id, fields in client.xrange(wire.TELEMETRY_STREAM):
+        for _id, fields in client.xrange(wire.telemetry_stream(self.model)):
             self.steps.extend(protocol.decode_telemetry(fields).steps)
-        client.delete(wire.TELEMETRY_STREAM)
+        client.delete(wire.telemetry_stream(self.model))
         client.close()
 
 
@@ -182,7 +183,8 @@ def main() -> None:
     if args.requests <= SLOTS:  # the closed loop needs completions between its start and its drain
         parser.error(f"--requests must exceed the worker's {SLOTS} slots to measure its capacity")
     model_store.offline()
-    model_dir = str(model_store.resolve(None, model_store.default_cache_dir()).path)
+    spec = model_store.resolve(None, model_store.default_cache_dir())
+    model_dir = str(spec.path)
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
     policies = [p for name in _names(args.policies) for p in (GRID if name == "grid" else (name,))]
     simulated_policies = [p for p in policies if p in ("fcfs", "tokengate") or p.startswith("smdp")]
@@ -196,7 +198,7 @@ def main() -> None:
     packaged: Sims = {}
     loads = [float(x) for x in args.loads.split(",")]
     with backend("hf", slots=SLOTS, model_dir=model_dir) as (redis_url, procs):
-        live = Live(redis_url, procs, model_dir, slo, aging)
+        live = Live(redis_url, procs, model_dir, spec.name, slo, aging)
         with live.gateway("fcfs") as base:  # capacity: a closed loop, every slot busy
             capacity = asyncio.run(closed_loop(base, live.keys, rows, args.seed, SLOTS))
         measured = fleet_profiles(redis_url)["cpu"]  # the worker published it before it took a job

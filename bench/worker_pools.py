@@ -61,7 +61,7 @@ def _wait_workers(client: redis.Redis, names: list[str], timeout_s: float = 60) 
 async def _closed_loop(redis_url: str, duration_s: float) -> tuple[float, list[float]]:
     """Requests/s and latencies with CONCURRENCY one-sequence jobs always outstanding."""
     client = aioredis.Redis.from_url(redis_url)
-    replies = wire.replies_stream("bench-workers")
+    replies = wire.replies_stream(DEFAULT_MODEL_NAME, "bench-workers")
     waiting: dict[str, tuple[float, asyncio.Future[None]]] = {}
     ids = itertools.count()
     lat: list[float] = []
@@ -147,7 +147,7 @@ def kill9(kills: int, claim_idle_s: float = 1.0) -> list[dict[str, object]]:
         procs = _workers(server.url, names, *slow)
         try:
             _wait_workers(client, names)
-            replies = wire.replies_stream("bench-kill")
+            replies = wire.replies_stream(DEFAULT_MODEL_NAME, "bench-kill")
             for k in range(kills):
                 rid = f"k{k}"
                 last = client.xadd(replies, {"x": "start"})  # read replies after this id

@@ -189,7 +189,7 @@ class StepRecord:
 
 @dataclass(frozen=True, slots=True)
 class Telemetry:
-    """A worker's recent steps and its state now: one entry of ``wire.TELEMETRY_STREAM``."""
+    """A worker's recent steps and its state now: one entry of its model's ``wire.telemetry_stream``."""
 
     worker: str
     pool: str

@@ -3,45 +3,74 @@
 The one place that spells them (docs/protocol.md and docs/tenants.md describe what each
 holds). Workers and gateways import this module; workers never import ``gateway``.
 
-Names are laid out for a Redis Cluster (issue 39): what a request's budget scripts touch is
-a tenant's, under the tenant's own hash tag (``tenant_slot``: its budget, leases, open
-requests, request records, key digests and usage), so that a cluster spreads tenants over
-shards while each script stays in one slot; everything else starts with ``NS``, whose hash
-tag ``{tg}`` keeps the catalog (tenants, names, API keys), liveness and the streams in one
-slot. Names before the hash tag started with ``LEGACY_NS``, and a tenant's keys were under
-``{tg}`` before they had its tag; ``gateway.keyspace`` renames both.
+Names are laid out for a Redis Cluster (issue 39), each call tokengate makes in one slot:
+
+* a model's scheduling state is under the model's own hash tag (``model_slot``: its jobs
+  streams, workers' doorbells, its gateways' reply streams, arrivals, scheduler lease and
+  term, telemetry, dead letters, fitted model, and each request's progress, KV hand-over,
+  cancel and suspect keys), so that a cluster spreads models over shards while the workers'
+  and the scheduler's scripts stay in one slot;
+* what a request's budget scripts touch is its tenant's (``tenant_slot``: budget, leases,
+  open requests, request records, key digests, usage), so that a cluster spreads tenants;
+* the rest starts with ``NS``, whose hash tag ``{tg}`` keeps the catalog (tenants, names,
+  API keys), liveness and the console in one slot.
+
+Names before the hash tag started with ``LEGACY_NS``; a tenant's and a model's keys were under
+``{tg}`` before they had their tags: ``gateway.keyspace`` renames them.
 """
 
 from __future__ import annotations
 
-NS = "{tg}:"  # every name's prefix; the hash tag keeps all of them in one cluster slot
+NS = "{tg}:"  # the prefix of every name that is neither a model's nor a tenant's
 LEGACY_NS = "tg:"  # the prefix before the hash tag (renamed at a gateway's start)
+
+
+def model_slot(model: str) -> str:
+    """The prefix of a model's own keys: its hash tag puts them in one cluster slot, the
+    model's (``{tg:m:<model>}``)."""
+    return f"{{tg:m:{model}}}:"
+
+
+def slot_of(name: str) -> str:
+    """The hash-tagged prefix a name starts with (``{…}:``): another key derived from it
+    falls in its slot."""
+    return name[: name.index("}") + 2]
+
 
 # -- streams and groups -------------------------------------------------------------------
 
 GROUP = "workers"  # the consumer group every jobs stream carries
-DEAD_LETTER_STREAM = f"{NS}dead"  # poison jobs, capped (see workers.fencing)
-TELEMETRY_STREAM = f"{NS}steps"  # every worker's step records and live state; gateways XREAD it
-TELEMETRY_MAXLEN = 10_000  # approximate MAXLEN of every XADD to it
+TELEMETRY_MAXLEN = 10_000  # approximate MAXLEN of every XADD to a telemetry stream
+
+
+def telemetry_stream(model: str) -> str:
+    """The step records and live state of ``model``'s workers; its gateways XREAD it."""
+    return model_slot(model) + "steps"
+
+
+def dead_letter_stream(model: str) -> str:
+    """``model``'s poison jobs, capped (see workers.fencing)."""
+    return model_slot(model) + "dead"
 
 
 def jobs_stream(model: str, pool: str) -> str:
     """One model's jobs for one pool: each model is a scheduling domain of its own (issue 39),
     whose workers read only its streams."""
-    return f"{NS}jobs:{model}:{pool}"
+    return model_slot(model) + f"jobs:{pool}"
 
 
-def bell_stream(worker_id: str) -> str:
+def bell_stream(model: str, worker_id: str) -> str:
     """A worker's doorbell: a copy of each job the scheduler delivered to the worker itself,
     with its entry id (the job is already in the worker's pending entries of its pool's stream)."""
-    return f"{NS}bell:{worker_id}"
+    return model_slot(model) + f"bell:{worker_id}"
 
 
 BELL_MAXLEN = 1000  # approximate MAXLEN of a doorbell (a worker holds at most its slots' worth unread)
 
 
-def replies_stream(gateway_id: str) -> str:
-    return f"{NS}replies:{gateway_id}"
+def replies_stream(model: str, gateway_id: str) -> str:
+    """What ``model``'s workers write for one of its gateways (a gateway's domain)."""
+    return model_slot(model) + f"replies:{gateway_id}"
 
 
 REPLIES_TTL_MS = 60_000  # every write renews it: a dead gateway's reply stream expires
@@ -53,17 +82,17 @@ REPLIES_TTL_MS = 60_000  # every write renews it: a dead gateway's reply stream 
 
 def scheduler_lease(model: str) -> str:
     """The id of the gateway that schedules ``model`` for all its gateways, with a TTL."""
-    return f"{NS}scheduler:{model}"
+    return model_slot(model) + "scheduler"
 
 
 def scheduler_term(model: str) -> str:
     """Counts the lease's takings: a holder knows whether another held it between."""
-    return f"{NS}scheduler-term:{model}"
+    return model_slot(model) + "scheduler-term"
 
 
 def arrivals_stream(model: str) -> str:
     """What the other gateways of ``model`` send its scheduler: admissions and their ends."""
-    return f"{NS}arrivals:{model}"
+    return model_slot(model) + "arrivals"
 
 
 ARRIVALS_GROUP = "scheduler"  # its consumer group: an admission stays pending until dispatched or refused
@@ -71,14 +100,16 @@ ARRIVALS_GROUP = "scheduler"  # its consumer group: an admission stays pending u
 
 def gone_key(reply_stream: str) -> str:
     """Set (with a TTL) once a dead gateway's requests were settled by a survivor: workers
-    drop the jobs still queued for it instead of generating into a stream nobody reads."""
-    return f"{NS}gone:{reply_stream}"
+    drop the jobs still queued for it instead of generating into a stream nobody reads. In
+    the reply stream's slot (its model's)."""
+    return slot_of(reply_stream) + "gone:" + reply_stream[len(slot_of(reply_stream)):]
 
 
 # -- liveness -----------------------------------------------------------------------------
 
 WORKERS_ZSET = f"{NS}workers"  # worker id -> last heartbeat (seconds)
 GATEWAYS_ZSET = f"{NS}gateways"  # gateway id -> last refresh (Redis server time, seconds)
+GATEWAY_REPLIES = f"{NS}gateway-replies"  # gateway id -> its reply stream (in its model's slot), for its sweep
 PROFILES_HASH = f"{NS}profiles"  # machine fingerprint -> the step-time profile workers measured there (JSON)
 BACKLOG_HASH = f"{NS}backlog"  # gateway id -> its queued work per pool, JSON (docs/operations.md, "Scaling on backlog")
 
@@ -97,16 +128,21 @@ def console_key(gateway_id: str) -> str:
 # -- per request --------------------------------------------------------------------------
 
 CANCEL_CHANNEL = f"{NS}cancel"  # pub/sub: request ids whose client went away
-CANCEL_PREFIX = f"{NS}cancel:"  # + request id: a cancel that outlives the pub/sub message
 
 
-def cancel_key(rid: str) -> str:
-    return CANCEL_PREFIX + rid
+def cancel_prefix(model: str) -> str:
+    """+ request id: a cancel that outlives the pub/sub message, in the model's slot (its
+    workers' scripts read it beside the jobs stream)."""
+    return model_slot(model) + "cancel:"
 
 
-def suspect_key(entry_id: str) -> str:
+def cancel_key(model: str, rid: str) -> str:
+    return cancel_prefix(model) + rid
+
+
+def suspect_key(model: str, entry_id: str) -> str:
     """A job entry that was in an engine step that failed: whoever runs it next runs it alone."""
-    return f"{NS}suspect:{entry_id}"
+    return model_slot(model) + f"suspect:{entry_id}"
 
 
 def tokenizer_key(digest: str) -> str:
@@ -115,22 +151,23 @@ def tokenizer_key(digest: str) -> str:
     return f"{NS}tokenizer:{digest}"
 
 
-def kv_key(rid: str) -> str:
+def kv_key(model: str, rid: str) -> str:
     """A handed-over KV cache (safetensors bytes), with a TTL."""
-    return f"{NS}kv:{rid}"
+    return model_slot(model) + f"kv:{rid}"
 
 
-def progress_key(rid: str) -> str:
+def progress_key(model: str, rid: str) -> str:
     """A streaming sequence's progress (generated ids, characters delivered), with a TTL."""
-    return f"{NS}progress:{rid}"
+    return model_slot(model) + f"progress:{rid}"
 
-
-# -- tenants, keys, budgets, usage ----------------------------------------------------------
 
 def model_key(model: str) -> str:
     """JSON: a gateway's fitted step-time model and contract calibration for ``model``, so
     that a restarted gateway or a second replica starts warm (docs/scheduling.md §14)."""
-    return f"{NS}model:{model}"
+    return model_slot(model) + "model"
+
+
+# -- tenants, keys, budgets, usage ----------------------------------------------------------
 
 
 TENANT_IDS = f"{NS}tenants"  # set of tenant ids

@@ -8,7 +8,12 @@ never overwrites: where the new name exists already (written by a worker of the 
 that started first), the old key stays, and is logged, for an operator to look at. Several
 gateways starting at once rename each key once: a key another one renamed first is gone.
 
-Then a tenant's own keys move from ``{tg}`` to the tenant's slot (``wire.tenant_slot``, issue
+Then a model's scheduling state moves from ``{tg}`` to the model's slot (``wire.model_slot``):
+its jobs streams (consumer groups and pending entries kept), arrivals, scheduler lease and
+term, fitted model and dead letters; the shared telemetry stream and the workers' doorbells,
+which have no TTL, are deleted (the workers of the new release write their model's), the rest
+(reply streams, progress, cancels) expires on its own. And a tenant's own keys move from
+``{tg}`` to the tenant's slot (``wire.tenant_slot``, issue
 39): its budget, leases, usage minutes and request records are renamed, its key set becomes
 the hash of its keys' digests, and each gateway's list of open requests is split into the
 tenants' open requests (so a gateway of the old release that died is still swept).
@@ -36,7 +41,8 @@ async def migrate(client: aioredis.Redis, model: str) -> int:
         renamed += await _rename(client, old, wire.NS + old.removeprefix(wire.LEGACY_NS))
     if renamed:
         log.warning("renamed %d keys from %s… to %s… (Redis Cluster hash tag)", renamed, wire.LEGACY_NS, wire.NS)
-    return renamed + await _per_model(client, model) + await _tenant_slots(client)
+    renamed += await _per_model(client, model)
+    return renamed + await _model_slots(client, model) + await _tenant_slots(client)
 
 
 async def _per_model(client: aioredis.Redis, model: str) -> int:
@@ -52,6 +58,28 @@ async def _per_model(client: aioredis.Redis, model: str) -> int:
             renamed += 1
             log.warning("renamed %s to %s: the model %s is a scheduling domain of its own", old, new, model)
     return renamed
+
+
+async def _model_slots(client: aioredis.Redis, model: str) -> int:
+    """A model's keys from under ``{tg}`` to its own slot (``model``: the one this gateway
+    serves first, which gets the dead letters); how many were moved or deleted."""
+    moved = 0
+    singles = {"arrivals": wire.arrivals_stream, "scheduler": wire.scheduler_lease,
+               "scheduler-term": wire.scheduler_term, "model": wire.model_key}
+    for kind, name in singles.items():
+        async for raw in client.scan_iter(match=f"{wire.NS}{kind}:*", count=1000):
+            owner = wire.text(raw).removeprefix(f"{wire.NS}{kind}:")
+            moved += await _rename(client, wire.text(raw), name(owner))
+    async for raw in client.scan_iter(match=f"{wire.NS}jobs:*", count=1000):
+        owner, _, pool = wire.text(raw).removeprefix(f"{wire.NS}jobs:").rpartition(":")
+        if owner:  # ({tg}:jobs:<pool>, from before models were domains: _per_model's)
+            moved += await _rename(client, wire.text(raw), wire.jobs_stream(owner, pool))
+    moved += await _rename(client, f"{wire.NS}dead", wire.dead_letter_stream(model))
+    stale = [raw async for raw in client.scan_iter(match=f"{wire.NS}bell:*", count=1000)]
+    moved += await client.delete(f"{wire.NS}steps", *stale)
+    if moved:
+        log.warning("moved %d keys of the models to their own slots (Redis Cluster: one per model)", moved)
+    return moved
 
 
 async def _rename(client: aioredis.Redis, old: str, new: str) -> bool:

@@ -82,15 +82,15 @@ def handoff_write(b: Batch, h: Handoff, model: str) -> HandoffWrite:
 
     target = b.job.handoff_pool(h.seq.rid)
     b.output_tokens[h.seq.rid] = len(h.seq.resume_ids)
-    key = wire.kv_key(h.seq.rid)
+    key = wire.kv_key(model, h.seq.rid)
     job = p.BatchJob(f"{b.job.batch_id}/{h.seq.rid}", b.job.reply_to, b.job.bucket, (replace(h.seq, kv_key=key),))
     return HandoffWrite(h.seq.rid, key, save(h.kv), wire.jobs_stream(model, target), p.encode_job(job)["m"])
 
 
-def leftovers(job: p.BatchJob, finished: list[str]) -> list[str]:
+def leftovers(job: p.BatchJob, finished: list[str], model: str) -> list[str]:
     """The keys a batch's finished sequences leave to delete: a streamed one's progress (written
     as it streams, or by the worker it was reclaimed from) and a handed-over one's KV cache. A
     key none of them wrote is not named (a DEL of it would be a Redis command for nothing)."""
     seqs = {s.rid: s for s in job.seqs}
-    keys = [wire.progress_key(rid) for rid in finished if rid in seqs and seqs[rid].stream]
+    keys = [wire.progress_key(model, rid) for rid in finished if rid in seqs and seqs[rid].stream]
     return keys + [kv for rid in finished if rid in seqs and (kv := seqs[rid].kv_key) is not None]

@@ -21,12 +21,13 @@ import redis
 from common import protocol as p
 from common import wire
 
+# Every key is the model's (``wire.model_slot``: one cluster slot).
 # KEYS: 1 jobs stream, 2 reply stream, then n_prog progress keys to write, n_del keys to
 #       delete, n_h KV keys and n_h target job streams for hand-overs
 # ARGV: 1 group, 2 consumer, 3 entry id, 4 version, 5 reply payload ('' = none), 6 reply
 #       maxlen, 7 ack (0/1), 8 ttl ms, 9 n_prog, 10 n_del, 11 n_h, 12 reply stream ttl ms,
-#       then n_prog pairs (ids blob, chars), n_h KV blobs, n_h job payloads, then rids to
-#       check for a cancel
+#       13 the model's cancel key prefix, then n_prog pairs (ids blob, chars), n_h KV blobs,
+#       n_h job payloads, then rids to check for a cancel
 _PUBLISH = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if p[1] == nil or p[1][2] ~= ARGV[2] then
@@ -37,7 +38,7 @@ if ARGV[5] ~= '' then
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'v', ARGV[4], 'm', ARGV[5])
   redis.call('PEXPIRE', KEYS[2], ARGV[12])
 end
-local k, a = 3, 13
+local k, a = 3, 14
 for i = 1, n_prog do
   redis.call('HSET', KEYS[k], 'ids', ARGV[a], 'chars', ARGV[a + 1])
   redis.call('PEXPIRE', KEYS[k], ARGV[8])
@@ -58,7 +59,7 @@ if ARGV[7] == '1' then
 end
 local cancelled = {}
 for i = a, #ARGV do
-  if redis.call('EXISTS', '""" + wire.CANCEL_PREFIX + """' .. ARGV[i]) == 1 then
+  if redis.call('EXISTS', ARGV[13] .. ARGV[i]) == 1 then
     cancelled[#cancelled + 1] = ARGV[i]
   end
 end
@@ -136,11 +137,13 @@ class Progress:
 
 
 class Fence:
-    """The scripts bound to one worker's identity (stream, group, consumer)."""
+    """The scripts bound to one worker's identity (its model and pool's stream, group, consumer)."""
 
-    def __init__(self, client: redis.Redis, stream: str, consumer: str, progress_ttl_s: float = 3600) -> None:
+    def __init__(self, client: redis.Redis, model: str, pool: str, consumer: str, progress_ttl_s: float = 3600) -> None:
         self.client = client
-        self.stream = stream
+        self.model = model
+        self.stream = wire.jobs_stream(model, pool)
+        self.dead_letters = wire.dead_letter_stream(model)
         self.consumer = consumer
         self.progress_ttl_ms = int(progress_ttl_s * 1000)
         self._publish = client.register_script(_PUBLISH)
@@ -164,12 +167,12 @@ class Fence:
         payload = p.encode_events(events)["m"] if events else b""
         writes = list(progress.items())
         keys = [self.stream, reply_to]
-        keys += [wire.progress_key(rid) for rid, _ in writes]
+        keys += [wire.progress_key(self.model, rid) for rid, _ in writes]
         keys += delete
         keys += [h.kv_key for h in handoffs] + [h.stream for h in handoffs]
         args: list[bytes | str | int] = [
             wire.GROUP, self.consumer, entry_id, p.VERSION, payload, maxlen, int(ack), self.progress_ttl_ms,
-            len(writes), len(delete), len(handoffs), wire.REPLIES_TTL_MS,
+            len(writes), len(delete), len(handoffs), wire.REPLIES_TTL_MS, wire.cancel_prefix(self.model),
         ]
         for _rid, (ids, chars) in writes:
             args += [pack_ids(ids), chars]
@@ -217,16 +220,16 @@ class Fence:
         reason = f"failed {deliveries} deliveries"
         errors: list[p.Event] = [
             p.Failed(
-                s.rid, "poison", f"request {s.rid} {reason}; moved to the dead-letter stream {wire.DEAD_LETTER_STREAM}"
+                s.rid, "poison", f"request {s.rid} {reason}; moved to the dead-letter stream {self.dead_letters}"
             )
             for s in (job.seqs if job else ())
         ]
         # an unreadable job names no reply stream: the third key is then a placeholder
-        reply_to = job.reply_to if job else wire.DEAD_LETTER_STREAM
+        reply_to = job.reply_to if job else self.dead_letters
         payload = p.encode_events(errors)["m"] if job else b""
         return bool(
             self._dead(
-                keys=[self.stream, wire.DEAD_LETTER_STREAM, reply_to],
+                keys=[self.stream, self.dead_letters, reply_to],
                 args=[
                     wire.GROUP, self.consumer, entry_id, p.VERSION, job_payload, payload, reason, maxlen,
                     wire.REPLIES_TTL_MS,
@@ -237,7 +240,7 @@ class Fence:
     def progress(self, rids: list[str]) -> dict[str, Progress]:
         pipe = self.client.pipeline(transaction=False)
         for rid in rids:
-            pipe.hmget(wire.progress_key(rid), "ids", "chars")
+            pipe.hmget(wire.progress_key(self.model, rid), "ids", "chars")
         out: dict[str, Progress] = {}
         for rid, (ids, chars) in zip(rids, pipe.execute(), strict=True):
             if ids is not None and chars is not None:

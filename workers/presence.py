@@ -106,7 +106,7 @@ class Presence:
         if self.engine.busy and not prefilled and now - self._telemetry_at < self.settings.telemetry_every_s:
             return
         self.client.xadd(
-            wire.TELEMETRY_STREAM,
+            wire.telemetry_stream(self.model),
             p.encode_telemetry(self.telemetry()),  # type: ignore[arg-type]  # redis-py types the dict invariantly
             maxlen=wire.TELEMETRY_MAXLEN,
             approximate=True,
@@ -188,7 +188,8 @@ class Presence:
     def deregister(self) -> None:
         try:  # one round trip: with Redis down, an exit waits one timeout, not two
             pipe = self.client.pipeline(transaction=False)
-            pipe.delete(wire.worker_key(self.settings.worker_id), wire.bell_stream(self.settings.worker_id))
+            pipe.delete(wire.worker_key(self.settings.worker_id))
+            pipe.delete(wire.bell_stream(self.model, self.settings.worker_id))  # (the model's slot)
             pipe.zrem(wire.WORKERS_ZSET, self.settings.worker_id)
             pipe.execute()
         except redis.RedisError:

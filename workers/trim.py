@@ -1,6 +1,6 @@
 """Trimming a jobs stream without losing a job.
 
-An entry of ``{tg}:jobs:{pool}`` may go once it was delivered and acknowledged. Entries
+An entry of a jobs stream (``wire.jobs_stream``) may go once it was delivered and acknowledged. Entries
 are delivered in id order, so every entry below the group's last-delivered id was
 delivered; every delivered entry below the oldest pending one was acknowledged. Entries
 below the smaller of the two ids are therefore done, and ``XTRIM MINID`` to that id keeps

@@ -67,8 +67,8 @@ class Worker:
         self.client = client
         self.model = model
         self.stream = wire.jobs_stream(model, settings.pool)
-        self.bell = wire.bell_stream(settings.worker_id)
-        self.fence = Fence(client, self.stream, settings.worker_id)
+        self.bell = wire.bell_stream(model, settings.worker_id)
+        self.fence = Fence(client, model, settings.pool, settings.worker_id)
         self._batches: dict[str, Batch] = {}  # batch_id -> state
         self._batch_of: dict[str, str] = {}  # rid -> batch_id
         self._lock = threading.Lock()  # guards _batches for the heartbeat thread
@@ -269,7 +269,7 @@ class Worker:
         if entries:
             pipe = self.client.pipeline(transaction=False)
             for entry_id, _fields in entries:
-                pipe.exists(wire.suspect_key(wire.text(entry_id)))
+                pipe.exists(wire.suspect_key(self.model, wire.text(entry_id)))
             suspect = {entry_id for (entry_id, _), flag in zip(entries, pipe.execute(), strict=True) if flag}
         for entry_id, fields in entries:
             if not fields:  # trimmed away while pending
@@ -307,7 +307,7 @@ class Worker:
             job = None
         if self.fence.dead_letter(entry_id, fields.get(b"m", b""), job, deliveries):
             log.error(
-                "entry %s failed %d deliveries: moved to %s", entry_id.decode(), deliveries, wire.DEAD_LETTER_STREAM
+                "entry %s failed %d deliveries: moved to %s", entry_id.decode(), deliveries, self.fence.dead_letters
             )
 
     def _decode(self, entry_id: bytes, fields: dict[bytes, bytes]) -> tuple[bytes, p.BatchJob | None]:
@@ -336,9 +336,9 @@ class Worker:
         if rings:
             pipe.xack(self.bell, wire.GROUP, *rings)
         # one MGET of every marker (strings, or nothing): the gateway gone, and the cancels sent
-        # before this worker subscribed (or while it was down)
-        pipe.mget([key for a in admissions
-                   for key in (wire.gone_key(a.job.reply_to), *(wire.cancel_key(s.rid) for s in a.job.seqs))])
+        # before this worker subscribed (or while it was down): all in the model's slot
+        pipe.mget([key for a in admissions for key in (wire.gone_key(a.job.reply_to),
+                                                       *(wire.cancel_key(self.model, s.rid) for s in a.job.seqs))])
         flags = iter(pipe.execute()[-1])
         gone: list[Admission] = []
         for a in admissions:
@@ -355,7 +355,7 @@ class Worker:
         pipe = self.client.pipeline(transaction=False)
         for a in gone:
             pipe.xack(self.stream, wire.GROUP, a.entry_id)
-            if keys := leftovers(a.job, [s.rid for s in a.job.seqs]):
+            if keys := leftovers(a.job, [s.rid for s in a.job.seqs], self.model):
                 pipe.delete(*keys)
         pipe.execute()
         for a in gone:
@@ -397,7 +397,7 @@ class Worker:
             self._abandon(list(self._batch_of))
             pipe = self.client.pipeline(transaction=False)
             for entry_id in suspects:
-                pipe.set(wire.suspect_key(wire.text(entry_id)), 1, ex=SUSPECT_TTL_S)
+                pipe.set(wire.suspect_key(self.model, wire.text(entry_id)), 1, ex=SUSPECT_TTL_S)
             pipe.execute()
             return
         if result.failed:
@@ -466,7 +466,7 @@ class Worker:
                 evs.append(report(b, self.settings.pool, self.settings.worker_id))
             streamed = {ev.rid for ev in evs if isinstance(ev, p.Delta)}
             progress = {rid: result.progress[rid] for rid in streamed if rid in result.progress}
-            delete = leftovers(b.job, finished)
+            delete = leftovers(b.job, finished, self.model)
             publishes.append(self.fence.publish(
                 b.entry_id, b.job.reply_to, evs, done, progress, delete, moved,
                 check_cancel=list(b.pending), maxlen=self.settings.reply_maxlen,

@@ -80,7 +80,8 @@ class Dispatcher:
         self.settings = settings
         self.client = client
         self.batch = batch or AutoPipeline(client)
-        self.replies = wire.replies_stream(settings.gateway_id)
+        self.replies = wire.replies_stream(settings.model_name, settings.gateway_id)
+        self.telemetry = wire.telemetry_stream(settings.model_name)  # its workers' steps
         self._config = config
         self.shell = self.new_shell()
         # one gateway schedules for all (``election``): this one, or the one it forwards to
@@ -272,7 +273,7 @@ class Dispatcher:
         if pending is not None and pending.role.cancel(rid, time.monotonic()):
             self.pending.pop(rid, None)
             return True
-        self.spawn(send_cancel(self.client, rid))
+        self.spawn(send_cancel(self.client, self.settings.model_name, rid))
         return False
 
     # -- jobs out ---------------------------------------------------------------------------
@@ -409,7 +410,8 @@ class Dispatcher:
             if swept >= 0:
                 log.warning("gateway %s is gone: settled %d of its requests", gateway_id, swept)
             if self.leading.leader:  # its queued requests leave the queue, the jobs sent to it their slots
-                dropped = self.shell.origin_gone(wire.replies_stream(gateway_id), time.monotonic())
+                origin = wire.replies_stream(self.settings.model_name, gateway_id)  # (none: another model's)
+                dropped = self.shell.origin_gone(origin, time.monotonic())
                 if dropped:
                     await self.client.xack(self.leading.arrivals, wire.ARRIVALS_GROUP, *dropped)
         # this gateway's queued work per pool, for whatever scales the workers on it (the time
@@ -453,11 +455,11 @@ class Dispatcher:
             retry.succeeded(started)
 
 
-async def send_cancel(client: aioredis.Redis, rid: str) -> None:
-    """Tell the workers ``rid`` is cancelled: a TTL'd key for those that have not read it yet, a
-    message for the one running it."""
+async def send_cancel(client: aioredis.Redis, model: str, rid: str) -> None:
+    """Tell ``model``'s workers ``rid`` is cancelled: a TTL'd key for those that have not read
+    it yet, a message for the one running it."""
     pipe = client.pipeline(transaction=False)
-    pipe.set(wire.cancel_key(rid), 1, ex=CANCEL_TTL_S)
+    pipe.set(wire.cancel_key(model, rid), 1, ex=CANCEL_TTL_S)
     pipe.publish(wire.CANCEL_CHANNEL, rid)
     try:
         await pipe.execute()

@@ -99,8 +99,9 @@ def dispatch_args(lease: str, arrivals: str, gateway_id: str, writes: list[tuple
     keys = [lease, arrivals]
     args: list[bytes | str | int] = [gateway_id if entries else "", wire.ARRIVALS_GROUP, p.VERSION, len(writes),
                                      wire.GROUP, wire.BELL_MAXLEN]
+    bell = wire.slot_of(lease) + f"bell:{worker}"  # ``wire.bell_stream`` of the lease's model
     for stream, name, payload in writes:
-        keys += [stream, wire.bell_stream(worker) if worker else stream]
+        keys += [stream, bell if worker else stream]
         args += [name, payload, worker]
     return keys, args + list(entries)
 

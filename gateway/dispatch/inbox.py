@@ -1,6 +1,6 @@
 """What comes back to a gateway, in one blocking read: its reply stream (the workers' events
 for its requests, and the elected scheduler's decisions and answers when it forwards) and
-every worker's step telemetry (``wire.TELEMETRY_STREAM``), which refits the step-time model.
+its model's workers' step telemetry (``wire.telemetry_stream``), which refits the step-time model.
 
 It acts through its host, the gateway's dispatcher (``Host``), which it never imports."""
 
@@ -33,12 +33,12 @@ class Host(Protocol):
 
     client: aioredis.Redis
     replies: str
+    telemetry: str  # its model's workers' telemetry stream
     shell: SchedulerShell
     closing: bool
     outage: Outage
     leading: Leading
     forwarding: Forwarding
-    workers: dict[str, p.Heartbeat]  # the model's live workers: whose telemetry it learns from
 
     def handle(self, events: list[p.Event]) -> None: ...
 
@@ -54,11 +54,12 @@ class Inbox:
         await self._reads.close()
 
     async def loop(self) -> None:
-        """This gateway's replies and every worker's step telemetry, in one blocking read.
+        """This gateway's replies and its model's workers' telemetry, in one blocking read (one slot).
         Telemetry is read from the stream's last entry at start: a concrete id, since ``$``
         re-read every turn would miss whatever arrived while the replies kept the read from
         blocking."""
-        last = {self.d.replies: b"0-0", wire.TELEMETRY_STREAM: await self._telemetry_start()}
+        telemetry_stream = self.d.telemetry
+        last = {self.d.replies: b"0-0", telemetry_stream: await self._telemetry_start()}
         retry = Retrier(BACKOFF, self.d.outage)
         trimmed = time.monotonic()
         while not self.d.closing:
@@ -72,11 +73,11 @@ class Inbox:
                 continue
             retry.succeeded(started)
             for stream, entries in reply or []:
-                telemetry = wire.text(stream) == wire.TELEMETRY_STREAM
+                telemetry = wire.text(stream) == telemetry_stream
                 for entry_id, items in entries:
                     fields = dict(zip(items[::2], items[1::2], strict=True))
                     if telemetry:
-                        last[wire.TELEMETRY_STREAM] = entry_id
+                        last[telemetry_stream] = entry_id
                         self._observe(fields)
                     else:
                         last[self.d.replies] = entry_id
@@ -92,7 +93,7 @@ class Inbox:
         steps, published before this gateway started, shape its first contracts."""
         try:
             recent: list[tuple[bytes, dict[bytes, bytes]]] = await self.d.client.xrevrange(  # type: ignore[assignment]
-                wire.TELEMETRY_STREAM, count=TELEMETRY_BACKLOG
+                self.d.telemetry, count=TELEMETRY_BACKLOG
             )
         except RedisError:
             return b"0-0"  # Redis is not there yet: read what the stream holds (at most its cap)
@@ -102,16 +103,14 @@ class Inbox:
         return entry_id if isinstance(entry_id, bytes) else b"0-0"
 
     def _observe(self, fields: dict[bytes, bytes]) -> None:
-        """One worker's telemetry, learnt from only where the worker serves this gateway's model
-        (is in its view): every model's workers share the stream, and a model's step-time
-        model must not learn another model's steps."""
+        """One of the model's workers' telemetry (each model's workers have a stream of their
+        own: a model's step-time model never learns another model's steps)."""
         try:
             telemetry = p.decode_telemetry(fields)
         except p.ProtocolError as exc:
             log.warning("dropping unreadable worker telemetry: %s", exc)
             return
-        if telemetry.worker in self.d.workers:
-            self.d.shell.telemetry(telemetry, time.monotonic())
+        self.d.shell.telemetry(telemetry, time.monotonic())
 
     def _route(self, fields: dict[bytes, bytes]) -> None:
         if self.d.forwarding.answered(fields):

@@ -37,24 +37,26 @@ if seen == nil or now - seen < tonumber(ARGV[2]) then return 0 end
 return 1
 """
 
-# A swept gateway's ends: its reply stream and backlog entry go, workers are told to drop its
-# jobs (the gone marker), and its entry goes. KEYS: gateways zset, its reply stream, its gone
-# marker, the backlog hash; ARGV: gateway id, gone marker ttl s
+# A swept gateway's entries go: its liveness, its backlog, where its reply stream is; returns
+# that stream's name (false: none known). Its stream and gone marker are in its model's slot:
+# the caller deletes the one and sets the other (workers then drop the jobs still queued for it).
+# KEYS: gateways zset, the gateways' reply streams hash, the backlog hash; ARGV: gateway id
 BURY = """
-redis.call('DEL', KEYS[2])
-redis.call('HDEL', KEYS[4], ARGV[1])
-redis.call('SET', KEYS[3], 1, 'EX', ARGV[2])
-return redis.call('ZREM', KEYS[1], ARGV[1])
+local replies = redis.call('HGET', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[1], ARGV[1])
+return replies
 """
 
 GONE_TTL_S = 3600  # workers drop a dead gateway's jobs this long after its sweep
 
-# KEYS: gateways zset, this gateway's reply stream
-# ARGV: gateway id, reply stream ttl ms, dead after s, now ('' for Redis TIME)
+# KEYS: gateways zset, the gateways' reply streams hash
+# ARGV: gateway id, its reply stream, dead after s, now ('' for Redis TIME)
 RENEW = CLOCK + """
 local known = redis.call('ZSCORE', KEYS[1], ARGV[1])
 redis.call('ZADD', KEYS[1], now, ARGV[1])
-redis.call('PEXPIRE', KEYS[2], ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 local horizon = now - tonumber(ARGV[3])
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. num(horizon))
 local alive = redis.call('ZCOUNT', KEYS[1], num(horizon), '+inf')
@@ -95,10 +97,12 @@ class Liveness:
         self._joined = False
 
     async def renew(self, replies: str, now: float | None = None) -> View:
-        known, alive, dead = await self._renew(
-            keys=[wire.GATEWAYS_ZSET, replies],
-            args=[self.me, wire.REPLIES_TTL_MS, repr(self.dead_after_s), "" if now is None else repr(now)],
-        )
+        pipe = self.client.pipeline(transaction=False)
+        at = "" if now is None else repr(now)
+        await self._renew(keys=[wire.GATEWAYS_ZSET, wire.GATEWAY_REPLIES],
+                          args=[self.me, replies, repr(self.dead_after_s), at], client=pipe)
+        pipe.pexpire(replies, wire.REPLIES_TTL_MS)  # in the model's slot: a call of its own
+        (known, alive, dead), _ = await pipe.execute()
         forgotten = self._joined and not known
         self._joined = True
         return View(int(alive), tuple(wire.text(g) for g in dead), forgotten)  # never this one: just stamped
@@ -117,9 +121,13 @@ class Liveness:
             await self._sweep(keys=[wire.budget(tid), wire.in_flight(tid), wire.open_requests(tid)],
                               args=[gateway_id, wire.request(tid, ""), at], client=pipe)
         swept = sum(int(n) for n in await pipe.execute()) if tenants else 0
-        replies = wire.replies_stream(gateway_id)
-        await self._bury(keys=[wire.GATEWAYS_ZSET, replies, wire.gone_key(replies), wire.BACKLOG_HASH],
-                         args=[gateway_id, GONE_TTL_S])
+        replies = await self._bury(keys=[wire.GATEWAYS_ZSET, wire.GATEWAY_REPLIES, wire.BACKLOG_HASH],
+                                   args=[gateway_id])
+        if replies is not None:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.delete(wire.text(replies))
+            pipe.set(wire.gone_key(wire.text(replies)), 1, ex=GONE_TTL_S)
+            await pipe.execute()
         return swept
 
     async def leave(self, replies: str) -> None:

@@ -23,7 +23,7 @@ JOBS = wire.jobs_stream(DEFAULT_MODEL_NAME, "cpu")  # the default model's, which
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
-REPLIES = wire.replies_stream("gw-faults")
+REPLIES = wire.replies_stream(DEFAULT_MODEL_NAME, "gw-faults")
 PIECE = " echo"
 
 
@@ -169,7 +169,7 @@ def test_cancel_while_queued_and_mid_stream(redis_client: redis.Redis, workers: 
     redis_client.xadd(JOBS, p.encode_job(_job("queued", False)))
     time.sleep(0.1)
     # cancel the queued one the way the gateway does: key + message
-    redis_client.set(wire.cancel_key("queued"), 1, ex=60)
+    redis_client.set(wire.cancel_key(DEFAULT_MODEL_NAME, "queued"), 1, ex=60)
     redis_client.publish(wire.CANCEL_CHANNEL, "queued")
     events = _read_all(redis_client, {"running", "queued"}, timeout_s=20)
     queued = [e for e in events if isinstance(e, p.Finished) and e.rid == "queued"]
@@ -181,7 +181,7 @@ def test_cancel_while_queued_and_mid_stream(redis_client: redis.Redis, workers: 
     deadline = time.monotonic() + 20
     while redis_client.xlen(REPLIES) < 8 and time.monotonic() < deadline:
         time.sleep(0.02)
-    redis_client.set(wire.cancel_key("long"), 1, ex=60)
+    redis_client.set(wire.cancel_key(DEFAULT_MODEL_NAME, "long"), 1, ex=60)
     redis_client.publish(wire.CANCEL_CHANNEL, "long")
     events = _read_all(redis_client, {"long"}, timeout_s=20)
     final = [e for e in events if isinstance(e, p.Finished) and e.rid == "long"][0]
@@ -209,9 +209,9 @@ def test_poison_entry_goes_to_dead_letter_and_its_client_is_told(
         ws.stop_all()
     failed = [e for e in events if isinstance(e, p.Failed)]
     assert [(e.rid, e.code) for e in failed] == [("poison", "poison")]
-    assert "poison" in failed[0].message and wire.DEAD_LETTER_STREAM in failed[0].message
+    assert "poison" in failed[0].message and wire.dead_letter_stream(DEFAULT_MODEL_NAME) in failed[0].message
     assert [e.rid for e in events if isinstance(e, p.Finished)] == ["healthy"]
-    dead = redis_client.xrange(wire.DEAD_LETTER_STREAM)
+    dead = redis_client.xrange(wire.dead_letter_stream(DEFAULT_MODEL_NAME))
     assert len(dead) == 1 and dead[0][1][b"reason"] == b"failed 3 deliveries"
     assert redis_client.xpending(JOBS, wire.GROUP)["pending"] == 0
 

@@ -69,4 +69,4 @@ def test_handoff_output_equals_one_worker_doing_both(
     reports = [e for e in events if isinstance(e, p.BatchReport)]
     assert {r.pool for r in reports if "/handoff-" in r.batch_id} == {"gpu"}
     assert all(r.prefill_s == 0 for r in reports if "/handoff-" in r.batch_id)
-    assert not redis_client.keys(wire.kv_key("*"))  # cleaned up when each sequence finished
+    assert not redis_client.keys(wire.kv_key("*", "*"))  # cleaned up when each sequence finished

@@ -20,7 +20,7 @@ from workers.engine import EchoEngine
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
-REPLIES = wire.replies_stream("gw-redis-faults")
+REPLIES = wire.replies_stream(MODEL, "gw-redis-faults")
 PAUSE_S = 8.0  # longer than the socket timeout and than the claim idle time
 TIMEOUT_S = 0.5  # the worker's Redis socket timeout: a paused Redis shows up as errors quickly
 

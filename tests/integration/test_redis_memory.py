@@ -17,7 +17,7 @@ from workers.trim import trim_jobs_stream
 pytestmark = pytest.mark.redis
 
 STREAM = wire.jobs_stream(MODEL, "cpu")
-REPLIES = wire.replies_stream("gw-memory")
+REPLIES = wire.replies_stream(MODEL, "gw-memory")
 
 
 def _job(i: int) -> p.BatchJob:
@@ -60,14 +60,14 @@ def test_dead_letters_are_capped_and_tell_clients_on_an_expiring_stream(redis_cl
         send(redis_client, _job(i))
     redis_client.xadd(STREAM, {"v": str(p.VERSION), "m": b"{unreadable"})
     entries = redis_client.xreadgroup(wire.GROUP, "w", {STREAM: ">"}, count=n + 1)[0][1]
-    fence = Fence(redis_client, STREAM, "w")
+    fence = Fence(redis_client, MODEL, "cpu", "w")
     for entry_id, fields in entries[:n]:
         assert fence.dead_letter(entry_id, fields[b"m"], p.decode_job(fields), 4, maxlen=10)
     unreadable_id, unreadable = entries[n]
     assert fence.dead_letter(unreadable_id, unreadable[b"m"], None, 4, maxlen=10)
     assert redis_client.xpending(STREAM, wire.GROUP)["pending"] == 0
-    assert 10 <= redis_client.xlen(wire.DEAD_LETTER_STREAM) < 100  # capped (approximately) at maxlen
-    assert redis_client.pttl(wire.DEAD_LETTER_STREAM) == -1  # kept, never expires
+    assert 10 <= redis_client.xlen(wire.dead_letter_stream(MODEL)) < 100  # capped (approximately) at maxlen
+    assert redis_client.pttl(wire.dead_letter_stream(MODEL)) == -1  # kept, never expires
     assert redis_client.xlen(REPLIES) == n  # every client told
     assert 0 < redis_client.pttl(REPLIES) <= wire.REPLIES_TTL_MS
-    assert redis_client.xrevrange(wire.DEAD_LETTER_STREAM, count=1)[0][1][b"entry"] == unreadable_id
+    assert redis_client.xrevrange(wire.dead_letter_stream(MODEL), count=1)[0][1][b"entry"] == unreadable_id

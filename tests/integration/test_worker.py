@@ -16,7 +16,7 @@ from workers.engine import EchoEngine
 
 pytestmark = pytest.mark.redis
 
-REPLIES = wire.replies_stream("gw-test")
+REPLIES = wire.replies_stream(MODEL, "gw-test")
 
 
 def _job(batch: str, rids: list[str], stream: bool = False, max_tokens: int = 8) -> p.BatchJob:
@@ -110,10 +110,10 @@ def test_job_of_a_gone_gateway_is_acked_and_dropped(
     redis_client: redis.Redis, redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, "tokengate.worker")
-    dead = wire.replies_stream("gw-dead")
+    dead = wire.replies_stream(MODEL, "gw-dead")
     redis_client.set(wire.gone_key(dead), 1, ex=60)
     doomed = p.BatchJob("b-gone", dead, 0, (p.SeqJob("r-gone", (1, 2), p.SamplingParams(4), stream=True),))
-    redis_client.set(wire.progress_key("r-gone"), "x")
+    redis_client.set(wire.progress_key(MODEL, "r-gone"), "x")
     with running_worker(redis_url, EchoEngine(tokens=2)):
         send(redis_client, doomed)
         send(redis_client, _job("b-live", ["r-live"]))
@@ -122,12 +122,12 @@ def test_job_of_a_gone_gateway_is_acked_and_dropped(
         _wait_for(lambda: redis_client.xpending(jobs, wire.GROUP)["pending"] == 0, what="acks")
     assert [e.rid for e in events if isinstance(e, p.Finished)] == ["r-live"]
     assert not redis_client.exists(dead)  # nothing generated for it
-    assert not redis_client.exists(wire.progress_key("r-gone"))
+    assert not redis_client.exists(wire.progress_key(MODEL, "r-gone"))
     assert any("b-gone" in r.getMessage() and "gone" in r.getMessage() for r in caplog.records)
 
 
 def test_reclaimed_job_of_a_gone_gateway_is_dropped(redis_client: redis.Redis, redis_url: str) -> None:
-    dead = wire.replies_stream("gw-dead")
+    dead = wire.replies_stream(MODEL, "gw-dead")
     stream = wire.jobs_stream(MODEL, "cpu")
     redis_client.xgroup_create(stream, wire.GROUP, id="0", mkstream=True)
     send(redis_client, p.BatchJob("b-gone", dead, 0, (p.SeqJob("r-gone", (1,), p.SamplingParams(4)),)))
@@ -197,8 +197,8 @@ def test_a_worker_warms_up_at_start_and_publishes_the_steps_as_telemetry(
     from workers.startup import WARM_UP_PROMPT
 
     with running_worker(redis_url, EchoEngine(slots=8, step_s=0.01), worker_id="w-warm", warm_up_tokens=5):
-        _wait_for(lambda: redis_client.xlen(wire.TELEMETRY_STREAM) > 0, what="the warm-up's telemetry")
-        ((_first, fields),) = redis_client.xrange(wire.TELEMETRY_STREAM, count=1)
+        _wait_for(lambda: redis_client.xlen(wire.telemetry_stream(MODEL)) > 0, what="the warm-up's telemetry")
+        ((_first, fields),) = redis_client.xrange(wire.telemetry_stream(MODEL), count=1)
         warm = p.decode_telemetry(fields)
         _wait_for(lambda: redis_client.zscore(wire.WORKERS_ZSET, "w-warm") is not None, what="the first heartbeat")
     assert warm.worker == "w-warm" and (warm.running, warm.free) == (0, 8)  # nothing left running
@@ -218,7 +218,7 @@ def test_a_busy_worker_publishes_step_telemetry_every_quarter_second_and_after_e
         collect(redis_client, REPLIES, until_batches=n)
 
         def published() -> list[tuple[bytes, p.Telemetry]]:
-            return [(i, p.decode_telemetry(f)) for i, f in redis_client.xrange(wire.TELEMETRY_STREAM)]
+            return [(i, p.decode_telemetry(f)) for i, f in redis_client.xrange(wire.telemetry_stream(MODEL))]
 
         _wait_for(lambda: (got := published()) and got[-1][1].running == 0, what="the entry of the idle worker")
         entries = published()

@@ -180,7 +180,7 @@ async def test_workers_and_scheduler(harness: Harness) -> None:
 
 
 async def test_worker_step_telemetry_refits_the_scheduler_and_slots_come_back(harness: Harness) -> None:
-    """The worker's step records reach the gateway's step-time model ({tg}:steps), and each
+    """The worker's step records reach the gateway's step-time model (its model's telemetry stream), and each
     answered request's slot is back before the next one is sent."""
     _, key = await harness.tenant("acme", rate=10**6, burst=10**7)
     before = (await harness.admin("GET", "/scheduler")).json()["paths"]["cpu"]["fitted_steps"]

@@ -22,12 +22,12 @@ async def test_old_names_are_renamed_once_keeping_their_values_and_ttls(redis_ur
         await client.set("tg:model:m", b"old")
         await client.set(wire.model_key("m"), b"new")  # written by the new release already: kept
         await client.set("tg-not-ours", b"x")
-        assert await keyspace.migrate(client, "m") == 5  # four renamed, then the record to its tenant's slot
+        assert await keyspace.migrate(client, "m") == 6  # five renamed, then the record to its tenant's slot
         assert await client.get(wire.tenant("t1")) == b'{"id": "t1"}'
         assert await client.smembers(wire.TENANT_IDS) == {b"t1"}
         assert await client.hget(wire.api_key("abcd1234"), "tenant") == b"t1"
         assert 0 < await client.ttl(wire.request("t1", "r1")) <= 300
-        assert await client.get(wire.model_key("m")) == b"new" and await client.get("tg:model:m") == b"old"
+        assert await client.get(wire.model_key("m")) == b"new" and await client.get("{tg}:model:m") == b"old"
         assert await client.get("tg-not-ours") == b"x"
         assert await keyspace.migrate(client, "m") == 0  # nothing left to rename
     finally:
@@ -80,5 +80,35 @@ async def test_a_tenants_keys_move_from_the_one_slot_to_its_own(redis_url: str) 
         assert not await client.keys("{tg}:budget:*") and not await client.keys("{tg}:gateway-requests:*")
         assert not await client.keys("{tg}:tenant-keys:*") and not await client.keys("{tg}:req:*")
         assert await keyspace.migrate(client, "m") == 0
+    finally:
+        await client.aclose()
+
+
+async def test_a_models_keys_move_from_the_one_slot_to_its_own(redis_url: str) -> None:
+    """Queued jobs (with their group and pending entries), arrivals, the scheduler's lease and
+    term, the fitted model and the dead letters move to the model's slot; the shared telemetry
+    stream and the doorbells (no TTL) go."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await client.xgroup_create("{tg}:jobs:alpha:cpu", wire.GROUP, id="0", mkstream=True)
+        await client.xadd("{tg}:jobs:alpha:cpu", {"v": "1", "m": b"queued"})
+        await client.xreadgroup(wire.GROUP, "w1", {"{tg}:jobs:alpha:cpu": ">"})  # pending on w1
+        await client.xadd("{tg}:arrivals:alpha", {"k": b"a"})
+        await client.set("{tg}:scheduler:alpha", "gw-1", ex=60)
+        await client.set("{tg}:scheduler-term:alpha", 3)
+        await client.set("{tg}:model:alpha", b"fitted")
+        await client.xadd("{tg}:dead", {"m": b"poison"})
+        await client.xadd("{tg}:steps", {"m": b"step"})
+        await client.xadd("{tg}:bell:w1", {"j": b"1-0"})
+        await keyspace.migrate(client, "alpha")
+        pending = await client.xpending(wire.jobs_stream("alpha", "cpu"), wire.GROUP)
+        assert pending["pending"] == 1 and pending["consumers"][0]["name"] == b"w1"
+        assert await client.xlen(wire.arrivals_stream("alpha")) == 1
+        assert await client.get(wire.scheduler_lease("alpha")) == b"gw-1"
+        assert await client.get(wire.scheduler_term("alpha")) == b"3"
+        assert await client.get(wire.model_key("alpha")) == b"fitted"
+        assert await client.xlen(wire.dead_letter_stream("alpha")) == 1
+        assert not await client.keys("{tg}:*")  # nothing left under the one slot
+        assert await keyspace.migrate(client, "alpha") == 0
     finally:
         await client.aclose()

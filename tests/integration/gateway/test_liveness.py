@@ -46,7 +46,7 @@ def test_renewal_matches_its_specification(redis_url: str) -> None:
             await client.delete(wire.GATEWAYS_ZSET)
             if scores:
                 await client.zadd(wire.GATEWAYS_ZSET, scores)
-            view = await me.renew("tg:replies:me", now=T0)
+            view = await me.renew(wire.replies_stream("m", "me"), now=T0)
             return view.alive, view.dead
 
         assert loop.run_until_complete(renew()) == classify(scores, "me", T0, DEAD)
@@ -62,11 +62,11 @@ def test_renewal_matches_its_specification(redis_url: str) -> None:
 async def test_a_gateway_that_redis_forgot_learns_it(redis_url: str) -> None:
     client = aioredis.Redis.from_url(redis_url)
     me = Liveness(client, _settings(redis_url, "me"))
-    assert not (await me.renew("tg:replies:me")).forgotten  # joining is not forgetting
-    assert not (await me.renew("tg:replies:me")).forgotten
+    assert not (await me.renew(wire.replies_stream("m", "me"))).forgotten  # joining is not forgetting
+    assert not (await me.renew(wire.replies_stream("m", "me"))).forgotten
     await client.flushall()  # Redis restarted without its data
-    assert (await me.renew("tg:replies:me")).forgotten
-    assert not (await me.renew("tg:replies:me")).forgotten
+    assert (await me.renew(wire.replies_stream("m", "me"))).forgotten
+    assert not (await me.renew(wire.replies_stream("m", "me"))).forgotten
     await client.aclose()
 
 
@@ -80,11 +80,12 @@ async def test_a_dead_gateway_is_swept_once_by_a_survivor(redis_url: str) -> Non
     for rid in ("r1", "r2"):
         await budget.admit(tenant, rid, 10, 90)  # 200 of 1000 tokens reserved, two leases
     await budget.settle_raw(tenant, "r2", -50, "done", 10, 40)  # r2 ended normally
-    replies = wire.replies_stream("dead")
+    replies = wire.replies_stream("m", "dead")
+    await Liveness(client, dead).renew(replies)  # it joined (its reply stream known), then died
     await client.xadd(replies, {"v": "1", "m": "{}"})
     await client.zadd(wire.GATEWAYS_ZSET, {"dead": 1.0})  # its last renewal: long ago
     survivor = Liveness(client, alive)
-    view = await survivor.renew(wire.replies_stream("alive"))
+    view = await survivor.renew(wire.replies_stream("m", "alive"))
     assert view.dead == ("dead",) and view.alive == 1
     assert await survivor.sweep("dead") == 1  # r1 only: r2 was settled already
     assert await survivor.sweep("dead") == -1
@@ -95,6 +96,7 @@ async def test_a_dead_gateway_is_swept_once_by_a_survivor(redis_url: str) -> Non
     assert await client.exists(replies) == 0
     assert await client.exists(wire.gone_key(replies)) == 1  # workers drop its queued jobs
     assert await client.zscore(wire.GATEWAYS_ZSET, "dead") is None
+    assert await client.hget(wire.GATEWAY_REPLIES, "dead") is None
     await client.aclose()
 
 
@@ -102,8 +104,8 @@ async def test_a_dead_gateway_is_swept_once_by_a_survivor(redis_url: str) -> Non
 async def test_a_live_gateway_is_never_swept(redis_url: str) -> None:
     client = aioredis.Redis.from_url(redis_url)
     me = Liveness(client, _settings(redis_url, "me"))
-    await me.renew("tg:replies:me")
+    await me.renew(wire.replies_stream("m", "me"))
     assert await Liveness(client, _settings(redis_url, "other")).sweep("me") == -1
-    await me.leave("tg:replies:me")  # a clean exit sweeps itself
+    await me.leave(wire.replies_stream("m", "me"))  # a clean exit sweeps itself
     assert await client.zscore(wire.GATEWAYS_ZSET, "me") is None
     await client.aclose()

@@ -10,7 +10,7 @@ VERSION = str(p.VERSION).encode()
 def _job() -> p.BatchJob:
     return p.BatchJob(
         batch_id="gw:1",
-        reply_to=wire.replies_stream("gw"),
+        reply_to=wire.replies_stream("m", "gw"),
         bucket=2,
         seqs=(
             p.SeqJob("r1", (1, 2, 3), p.SamplingParams(8, 0.0, 1.0, None, ()), stream=True),
@@ -87,8 +87,8 @@ def test_malformed_entries_raise_protocol_error(body: bytes) -> None:
 
 
 def test_stream_names() -> None:
-    assert wire.jobs_stream("m", "gpu") == "{tg}:jobs:m:gpu"
-    assert wire.replies_stream("g1") == "{tg}:replies:g1"
+    assert wire.jobs_stream("m", "gpu") == "{tg:m:m}:jobs:gpu"
+    assert wire.replies_stream("m", "g1") == "{tg:m:m}:replies:g1"
 
 
 def test_heartbeat_carries_in_flight_work() -> None:
@@ -143,7 +143,7 @@ def test_telemetry_round_trip_with_compact_steps() -> None:
 
 def test_telemetry_versions_and_caps() -> None:
     assert p.VERSION == 2
-    assert wire.TELEMETRY_STREAM == "{tg}:steps"
+    assert wire.telemetry_stream("m") == "{tg:m:m}:steps"
     full = _telemetry(steps=(p.StepRecord(1, 1, 1, 1.0),) * p.TELEMETRY_MAX_STEPS)
     assert p.decode_telemetry(_wire(p.encode_telemetry(full))) == full
     fields = _wire(p.encode_telemetry(full))

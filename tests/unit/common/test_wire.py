@@ -1,5 +1,6 @@
-"""Where tokengate's Redis names fall on a Redis Cluster: what a request's budget scripts touch
-in its tenant's slot, everything else in the one slot of ``{tg}``."""
+"""Where tokengate's Redis names fall on a Redis Cluster: a model's scheduling state in its
+model's slot, what a request's budget scripts touch in its tenant's, the rest in the one slot
+of ``{tg}``."""
 
 from __future__ import annotations
 
@@ -18,13 +19,21 @@ def test_a_tenants_keys_share_its_slot_and_spread_over_tenants() -> None:
     assert len(slots) > 150  # 200 tenants over 16,384 slots: spread, not one shard
 
 
+def test_a_models_keys_share_its_slot_and_spread_over_models() -> None:
+    for model in ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-360M", "m"):
+        replies = wire.replies_stream(model, "gw-1/" + model)
+        names = [wire.jobs_stream(model, "cpu"), wire.jobs_stream(model, "gpu"), wire.bell_stream(model, "w"), replies,
+                 wire.gone_key(replies), wire.arrivals_stream(model), wire.scheduler_lease(model),
+                 wire.scheduler_term(model), wire.model_key(model), wire.telemetry_stream(model),
+                 wire.dead_letter_stream(model), wire.cancel_key(model, "r"), wire.suspect_key(model, "1-0"),
+                 wire.kv_key(model, "r"), wire.progress_key(model, "r")]
+        assert all(name.startswith(f"{{tg:m:{model}}}:") for name in names)
+        assert {key_slot(name.encode()) for name in names} == {key_slot(wire.model_slot(model).encode())}
+    assert len({key_slot(wire.jobs_stream(f"model-{i}", "cpu").encode()) for i in range(50)}) > 40
+
+
 def test_every_other_name_carries_the_one_hash_tag() -> None:
-    names = [wire.jobs_stream("m", "cpu"), wire.bell_stream("w"), wire.replies_stream("g"), wire.gone_key("s"),
-             wire.worker_key("w"), wire.cancel_key("r"), wire.suspect_key("1-0"),
-             wire.kv_key("r"), wire.progress_key("r"), wire.model_key("m"), wire.tenant("t"),
-             wire.api_key("p"),
-             wire.DEAD_LETTER_STREAM, wire.TELEMETRY_STREAM, wire.scheduler_lease("m"), wire.arrivals_stream("m"),
-             wire.scheduler_term("m"),
-             wire.WORKERS_ZSET, wire.GATEWAYS_ZSET, wire.PROFILES_HASH, wire.BACKLOG_HASH, wire.CANCEL_PREFIX,
-             wire.TENANT_IDS, wire.TENANT_NAMES, wire.TENANT_PREFIX, wire.KEY_PREFIX]
+    names = [wire.worker_key("w"), wire.tenant("t"), wire.api_key("p"), wire.tokenizer_key("d"), wire.console_key("g"),
+             wire.WORKERS_ZSET, wire.GATEWAYS_ZSET, wire.GATEWAY_REPLIES, wire.PROFILES_HASH, wire.BACKLOG_HASH,
+             wire.CANCEL_CHANNEL, wire.TENANT_IDS, wire.TENANT_NAMES, wire.TENANT_PREFIX, wire.KEY_PREFIX]
     assert all(name.startswith("{tg}:") for name in names)

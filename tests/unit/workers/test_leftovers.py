@@ -13,8 +13,9 @@ def test_only_a_streamed_sequences_progress_and_a_handed_over_ones_kv_cache_are_
     job = p.BatchJob("b", "replies", 0, (
         p.SeqJob("plain", (1, 2), GREEDY),
         p.SeqJob("streamed", (1, 2), GREEDY, stream=True),
-        p.SeqJob("moved", (1, 2), GREEDY, kv_key=wire.kv_key("moved")),
+        p.SeqJob("moved", (1, 2), GREEDY, kv_key=wire.kv_key("m", "moved")),
     ))
-    assert leftovers(job, ["plain"]) == []
-    assert leftovers(job, ["plain", "streamed", "moved"]) == [wire.progress_key("streamed"), wire.kv_key("moved")]
-    assert leftovers(job, ["not-in-this-batch"]) == []
+    assert leftovers(job, ["plain"], "m") == []
+    assert leftovers(job, ["plain", "streamed", "moved"], "m") == [wire.progress_key("m", "streamed"),
+                                                                   wire.kv_key("m", "moved")]
+    assert leftovers(job, ["not-in-this-batch"], "m") == []
