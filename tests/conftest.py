@@ -52,22 +52,24 @@ def cluster_node() -> Iterator[ClusterNodeRedis]:
         yield server
 
 
+def _flushed(url: str) -> Iterator[str]:
+    """``url``'s Redis, empty for the test and emptied after it."""
+    client = redis.Redis.from_url(url)
+    client.flushall()
+    yield url
+    client.flushall()
+    client.close()
+
+
 @pytest.fixture
 def cluster_url(cluster_node: ClusterNodeRedis) -> Iterator[str]:
-    """A Redis that enforces a cluster's one-slot rule (``ClusterNodeRedis``), flushed."""
-    client = redis.Redis.from_url(cluster_node.url)
-    client.flushall()
-    yield cluster_node.url
-    client.close()
+    """A Redis that enforces a cluster's one-slot rule (``ClusterNodeRedis``)."""
+    yield from _flushed(cluster_node.url)
 
 
 @pytest.fixture
 def redis_url(redis_server: EmbeddedRedis) -> Iterator[str]:
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushall()
-    yield redis_server.url
-    client.flushall()
-    client.close()
+    yield from _flushed(redis_server.url)
 
 
 @pytest.fixture
