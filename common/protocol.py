@@ -371,6 +371,15 @@ def by_pool(profiles: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def by_model(profiles: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per model, ``by_pool`` of its profiles: a fleet that serves several models (issue 39)
+    is a scheduling domain per model, each with its own pools."""
+    models: dict[str, list[dict[str, Any]]] = {}
+    for prof in profiles:
+        models.setdefault(str(prof.get("model", "")), []).append(prof)
+    return {model: pools for model, found in sorted(models.items()) if (pools := by_pool(found))}
+
+
 _TELEMETRY_INTS = ("slots", "free", "running", "queued_prefill", "step_tokens", "dropped")
 
 

@@ -314,16 +314,19 @@ def _workers(args: argparse.Namespace, beats: list[dict[str, Any]]) -> int:
     if args.action == "list":
         print(json.dumps([worker_summary(hb) for hb in beats], indent=2))
         return 0
-    from common.protocol import by_pool
+    from common.protocol import by_model
 
-    fleet = by_pool([hb["profile"] for hb in beats if hb.get("profile")])
+    fleet = by_model([hb["profile"] for hb in beats if hb.get("profile")])
     if not fleet:
         print("tokengate: no live worker published a profile", file=sys.stderr)
         return 1
-    text = json.dumps(fleet, indent=1)
+    # one model: its pools (as `tokengate simulate --fleet` has always read them); several: per model
+    doc = next(iter(fleet.values())) if len(fleet) == 1 else fleet
+    text = json.dumps(doc, indent=1)
     if args.out is None:
         print(text)
     else:
         args.out.write_text(text + "\n")
-        print(f"wrote the profiles of pools {', '.join(sorted(fleet))} to {args.out}", file=sys.stderr)
+        what = "; ".join(f"{model}: pools {', '.join(sorted(pools))}" for model, pools in fleet.items())
+        print(f"wrote the profiles of {what} to {args.out}", file=sys.stderr)
     return 0

@@ -13,6 +13,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -86,9 +87,15 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fleet",
                    help="the profiles a running deployment's workers measured at start: a file written by "
                         "`tokengate workers profiles --out FILE`, or its Redis URL (redis://host:port/db); "
-                        "each pool it has replaces the packaged profile (--profile-cpu/--profile-gpu win)")
-    p.add_argument("--cpu-workers", type=int, default=2)
-    p.add_argument("--gpu-workers", type=int, default=1)
+                        "each pool it has replaces the packaged profile (--profile-cpu/--profile-gpu win); "
+                        "from Redis, each pool's live workers are counted too")
+    p.add_argument("--fleet-model", metavar="NAME",
+                   help="with a --fleet that serves several models: the one to simulate, or 'all' (each "
+                        "model its own scheduling domain, simulated in turn on the same workload)")
+    p.add_argument("--cpu-workers", type=int, default=None,
+                   help="default: the fleet's live cpu workers (from Redis), else 2")
+    p.add_argument("--gpu-workers", type=int, default=None,
+                   help="default: the fleet's live gpu workers (from Redis), else 1")
     p.add_argument("--cpu-slots", type=int, default=8)
     p.add_argument("--gpu-slots", type=int, default=64)
     p.add_argument("--slo-ms", type=float, default=1000.0, help="SLO on time to first token")
@@ -128,12 +135,41 @@ def _profile(path: Path | None, default: str) -> CostProfile:
     return CostProfile.from_dict(json.loads(text))
 
 
-def fleet_profiles(source: str) -> dict[str, CostProfile]:
-    """Per pool, the profile a deployment's workers measured (``workers/selfprofile.py``):
-    from a file of ``tokengate workers profiles``, or from Redis: the live workers'
-    heartbeats, else every profile kept there (``wire.PROFILES_HASH``), newest per pool."""
-    from common.protocol import by_pool
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """A deployment's measured profiles, per model and pool, and (read from its Redis) how
+    many live workers each model has in each pool."""
 
+    profiles: dict[str, dict[str, CostProfile]]  # model ("" where a file names none) -> pool -> profile
+    workers: dict[tuple[str, str], int]  # (model, pool) -> live workers
+
+    def models(self, chosen: str | None) -> list[str]:
+        """The models ``--fleet-model`` picks: the fleet's only one, the one named, or all."""
+        names = sorted(self.profiles)
+        if chosen == "all" or (chosen is None and len(names) == 1):
+            return names
+        if chosen is None:
+            raise ValueError(f"the fleet serves the models {', '.join(names)}: pick one with --fleet-model NAME, "
+                             "or simulate each with --fleet-model all")
+        if chosen not in self.profiles:
+            raise ValueError(f"--fleet-model {chosen}: the fleet serves {', '.join(names)}")
+        return [chosen]
+
+
+def fleet_profiles(source: str) -> dict[str, CostProfile]:
+    """Per pool, the profile a deployment of one model measured (``read_fleet``)."""
+    fleet = read_fleet(source)
+    return fleet.profiles[fleet.models(None)[0]]
+
+
+def read_fleet(source: str) -> Fleet:
+    """The profiles a deployment's workers measured (``workers/selfprofile.py``), per model and
+    pool: from a file of ``tokengate workers profiles`` (a model's pools, or per model), or
+    from Redis: the live workers' heartbeats (and their count), else every profile kept there
+    (``wire.PROFILES_HASH``), newest per model and pool."""
+    from common.protocol import by_model
+
+    workers: dict[tuple[str, str], int] = {}
     if source.startswith(("redis://", "rediss://", "unix://")):
         import redis
 
@@ -143,23 +179,32 @@ def fleet_profiles(source: str) -> dict[str, CostProfile]:
         client = redis.Redis.from_url(source, socket_timeout=5)
         try:
             ids = [w for w in client.zrange(wire.WORKERS_ZSET, 0, -1) if isinstance(w, bytes | str)]
-            beats = [client.get(wire.worker_key(wire.text(w))) for w in ids]
-            found = [wp.decode_heartbeat(b).profile for b in beats if isinstance(b, bytes)]
+            raws = [client.get(wire.worker_key(wire.text(w))) for w in ids]
+            beats = [wp.decode_heartbeat(b) for b in raws if isinstance(b, bytes)]
+            for hb in beats:
+                workers[(hb.model, hb.pool)] = workers.get((hb.model, hb.pool), 0) + 1
+            found = [hb.profile for hb in beats]
             if not any(found):
                 found = [json.loads(v) for v in client.hvals(wire.PROFILES_HASH)]
         except redis.RedisError as exc:
             raise ValueError(f"--fleet {source}: {exc}") from None
         finally:
             client.close()
-        doc = by_pool([f for f in found if f])
+        doc: Any = by_model([f for f in found if f])
     else:
         try:
             doc = json.loads(Path(source).read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"--fleet {source}: {exc}") from None
+        if isinstance(doc, dict) and doc and set(doc) <= set(POOLS):
+            doc = {"": doc}  # one model's pools, as `tokengate workers profiles` writes a fleet of one model
     if not isinstance(doc, dict) or not doc:
         raise ValueError(f"--fleet {source}: no worker profile found")
-    return {pool: CostProfile.from_dict(prof) for pool, prof in doc.items() if pool in POOLS}
+    profiles = {model: {pool: CostProfile.from_dict(prof) for pool, prof in pools.items() if pool in POOLS}
+                for model, pools in doc.items() if isinstance(pools, dict)}
+    if not any(profiles.values()):
+        raise ValueError(f"--fleet {source}: no worker profile found")
+    return Fleet({m: pools for m, pools in profiles.items() if pools}, workers)
 
 
 def estimate_capacity(pools: tuple[Pool, ...], prompt: float, output: float) -> float:
@@ -176,17 +221,35 @@ def estimate_capacity(pools: tuple[Pool, ...], prompt: float, output: float) -> 
 
 
 def deployment(args: argparse.Namespace) -> tuple[tuple[Pool, ...], Slo]:
-    """The simulated pools and the SLO, from ``add_deployment_args``' flags."""
-    fleet = fleet_profiles(args.fleet) if args.fleet else {}
-    cpu = fleet["cpu"] if "cpu" in fleet and args.profile_cpu is None else _profile(args.profile_cpu, DEFAULT_CPU)
-    gpu = fleet["gpu"] if "gpu" in fleet and args.profile_gpu is None else _profile(args.profile_gpu, DEFAULT_GPU)
+    """The simulated pools and the SLO, from ``add_deployment_args``' flags (one model: the
+    fleet's only one, or ``--fleet-model``'s)."""
+    (_model, pools, slo), *more = deployments(args)
+    if more:
+        raise ValueError("--fleet-model all: this command simulates one model; name it")
+    return pools, slo
+
+
+def deployments(args: argparse.Namespace) -> list[tuple[str, tuple[Pool, ...], Slo]]:
+    """Each simulated model ("" without a fleet that names one) with its pools, and the SLO:
+    a fleet of several models is a scheduling domain per model (``--fleet-model``)."""
+    slo = Slo(args.slo_ms / 1000.0, args.slo_tpot_ms / 1000.0)
+    fleet = read_fleet(args.fleet) if args.fleet else Fleet({"": {}}, {})
+    return [(model, _pools(args, fleet, model), slo) for model in fleet.models(args.fleet_model)]
+
+
+def _pools(args: argparse.Namespace, fleet: Fleet, model: str) -> tuple[Pool, ...]:
+    measured = fleet.profiles[model]
+    cpu = measured["cpu"] if "cpu" in measured and args.profile_cpu is None else _profile(args.profile_cpu, DEFAULT_CPU)
+    gpu = measured["gpu"] if "gpu" in measured and args.profile_gpu is None else _profile(args.profile_gpu, DEFAULT_GPU)
+    cpu_workers = args.cpu_workers if args.cpu_workers is not None else fleet.workers.get((model, "cpu"), 2)
+    gpu_workers = args.gpu_workers if args.gpu_workers is not None else fleet.workers.get((model, "gpu"), 1)
     pools = tuple(p for p in (
-        Pool("cpu", args.cpu_workers, args.cpu_slots, cpu, args.cpu_step_tokens or cpu.step_tokens or 256),
-        Pool("gpu", args.gpu_workers, args.gpu_slots, gpu, args.gpu_step_tokens or gpu.step_tokens or 8192),
+        Pool("cpu", cpu_workers, args.cpu_slots, cpu, args.cpu_step_tokens or cpu.step_tokens or 256),
+        Pool("gpu", gpu_workers, args.gpu_slots, gpu, args.gpu_step_tokens or gpu.step_tokens or 8192),
     ) if p.workers)
     if not pools:
-        raise ValueError("no workers in any pool")
-    return pools, Slo(args.slo_ms / 1000.0, args.slo_tpot_ms / 1000.0)
+        raise ValueError(f"no workers in any pool{f' of {model}' if model else ''}")
+    return pools
 
 
 def read_rows(trace: Path | None, part: str, requests: int | None) -> list[wl.TraceRow]:
@@ -248,7 +311,20 @@ def _run(args: argparse.Namespace) -> int:
     unknown = [p for p in policies if p not in ex.POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {', '.join(ex.POLICIES)}")
-    pools, slo = deployment(args)
+    plans = deployments(args)
+    for model, pools, slo in plans:
+        out = args.out
+        if len(plans) > 1:  # each model's domain in a folder of its own
+            out = args.out / "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
+            if not args.json:
+                print(f"\nmodel {model}: its own scheduling domain")
+        _simulate(args, policies, model, pools, slo, out)
+    return 0
+
+
+def _simulate(args: argparse.Namespace, policies: list[str], model: str, pools: tuple[Pool, ...], slo: Slo,
+              out: Path) -> None:
+    """One model's sweep: its table (or JSON lines), summary.json and plots under ``out``."""
     setup = ex.Setup(pools, slo, seed=args.seed, known_output=args.known_output,
                      fixed_sizes=tuple(int(x) for x in _floats(args.fixed_sizes)),
                      windows_s=tuple(x / 1000.0 for x in _floats(args.windows_ms)),
@@ -283,13 +359,14 @@ def _run(args: argparse.Namespace) -> int:
         if "tokengate" in policies:
             summary[key] = ex.compare_at_load(make, setup, name, knob, load)
     info = _context(args, kind, lengths_kind, pools, slo, native, time.perf_counter() - started)
+    if model:
+        info["model"] = model
     summary["context"] = info
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.json").write_text(json.dumps({"rows": rows, "targets": summary},
-                                                      indent=1, default=_json) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps({"rows": rows, "targets": summary}, indent=1, default=_json) + "\n")
     if args.json:
         for r in rows:
-            print(json.dumps({**{k: v for k, v in r.items() if k != "sweep"},
+            print(json.dumps({**{k: v for k, v in r.items() if k != "sweep"}, **({"model": model} if model else {}),
                               "profiles": info["profiles"], "slo": info["slo"]}, default=_json))
     else:
         _print_table(rows, info)
@@ -298,12 +375,11 @@ def _run(args: argparse.Namespace) -> int:
         top = max(rates)
         heavy = make(top)
         service = {p: simulate(ex.policy_for(p, None, setup, heavy), heavy, setup.sim_config())
-                   for p in ("fcfs", "tokengate") if p in policies}
+                   for p in policies if p in ("fcfs", "tokengate")}
         from sched_core.simulate import plots as simulate_plots
 
-        for path in simulate_plots.write_all(args.out, rows, service, info, top):
+        for path in simulate_plots.write_all(out, rows, service, info, top):
             print(f"wrote {path}", file=sys.stderr)
-    return 0
 
 
 def _json(x: Any) -> Any:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from common.protocol import by_pool
+from common.protocol import by_model, by_pool
 from workers import selfprofile as sp
 from workers.engine import EchoEngine
 
@@ -141,3 +141,12 @@ def test_the_fleet_has_the_newest_profile_of_each_pool() -> None:
     fleet = by_pool([old, gpu, new, {"pool": "cpu", "name": "no fit"}])
     assert {pool: prof["name"] for pool, prof in fleet.items()} == {"cpu": "new", "gpu": "gpu"}
 
+
+
+def test_a_fleet_of_several_models_has_each_models_pools() -> None:
+    small = {"pool": "cpu", "fit": {}, "measured_at": 1.0, "name": "small", "model": "s"}
+    large = {"pool": "cpu", "fit": {}, "measured_at": 2.0, "name": "large", "model": "l"}
+    large_gpu = {"pool": "gpu", "fit": {}, "measured_at": 0.5, "name": "large-gpu", "model": "l"}
+    fleet = by_model([large, small, large_gpu, {"pool": "cpu", "name": "no fit", "model": "x"}])
+    assert {m: {pool: prof["name"] for pool, prof in pools.items()} for m, pools in fleet.items()} == {
+        "l": {"cpu": "large", "gpu": "large-gpu"}, "s": {"cpu": "small"}}
