@@ -5,6 +5,8 @@ beside SmolLM2's tokenizer) served beside the packaged SmolLM2 by one `tokengate
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -57,6 +59,19 @@ def test_serve_runs_two_models_behind_one_endpoint(model_spec: ModelSpec, tmp_pa
         metrics = httpx.get(served.base_url + "/metrics").text
         for name in (model_spec.name, spec.name):
             assert f'tokengate_admitted_total{{model="{name}"}} 1.0' in metrics
+        # the fleet's profiles, per model, and each model's domain simulated on them
+        measured = {w["model"]: w["profile"]["name"] for w in workers["data"]}
+        fleet = tmp_path / "fleet.json"
+        cli = [sys.executable, "-m", "gateway.cli"]
+        exported = subprocess.run([*cli, "workers", "profiles", "--url", served.base_url, "--admin-token", ADMIN_TOKEN,
+                                   "--out", str(fleet)], capture_output=True, text=True, timeout=120)
+        assert exported.returncode == 0, exported.stderr
+        assert {m: pools["cpu"]["name"] for m, pools in json.loads(fleet.read_text()).items()} == measured
+        sim = subprocess.run([*cli, "simulate", "--fleet", str(fleet), "--fleet-model", "all", "--requests", "60",
+                              "--rates", "4", "--policies", "fcfs", "--gpu-workers", "0", "--no-plots", "--json",
+                              "--out", str(tmp_path / "sim")], capture_output=True, text=True, timeout=300)
+        assert sim.returncode == 0, sim.stderr
+        assert {r["model"]: r["profiles"]["cpu"]["name"] for r in map(json.loads, sim.stdout.splitlines())} == measured
     finally:
         served.proc.terminate()
         served.proc.wait(timeout=60)
