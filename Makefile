@@ -16,8 +16,17 @@ LLAMACPP_KEY        := $(shell printf '%s|%s|%s|%s' '$(LLAMACPP_VERSION)' '$(LLA
                          "$$(cc --version 2>/dev/null | head -n1)" "$$(uname -m)" | sha256sum | cut -c1-12)
 LLAMACPP_WHEELS     := $(LLAMACPP_CACHE)/llama-cpp-python-$(LLAMACPP_VERSION)-$(LLAMACPP_KEY)
 LLAMACPP_STAMP      := $(VENV)/.llamacpp-$(LLAMACPP_KEY)
+# llama.cpp's C++ server (issue 40: continuous batching, -np slots, /metrics), built from the same
+# pinned sdist's vendored source, portable as the wheel, static; the binary is kept in a folder
+# keyed like the wheel's and linked as $(VENV)/bin/llama-server
+LLAMA_SERVER_CMAKE_ARGS := $(LLAMACPP_CMAKE_ARGS) -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+                           -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON \
+                           -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
+LLAMA_SERVER_KEY        := $(shell printf '%s|%s|%s|%s' '$(LLAMACPP_VERSION)' '$(LLAMA_SERVER_CMAKE_ARGS)' \
+                             "$$(cc --version 2>/dev/null | head -n1)" "$$(uname -m)" | sha256sum | cut -c1-12)
+LLAMA_SERVER_BIN        := $(HOME)/.cache/tokengate/llama-server-$(LLAMACPP_VERSION)-$(LLAMA_SERVER_KEY)/llama-server
 
-.PHONY: install install-llamacpp install-browser run test test-fast bench lint clean
+.PHONY: install install-llamacpp install-llama-server install-browser run test test-fast bench lint clean
 
 install: $(STAMP)
 
@@ -31,6 +40,21 @@ $(LLAMACPP_STAMP): $(STAMP)
 	$(PIP) install -q --no-warn-conflicts -c constraints.txt "$$(ls $(LLAMACPP_WHEELS)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl | head -n1)[server]"
 	rm -f $(VENV)/.llamacpp-*
 	touch $(LLAMACPP_STAMP)
+
+# out of the default install too (issue 40, under way): llama.cpp's C++ server for --upstream-url;
+# CMake from PyPI where the machine has none (about 4 min of compiling on 2 cores, once)
+install-llama-server: $(STAMP)
+	test -x $(LLAMA_SERVER_BIN) || { set -e; src=$$(mktemp -d); \
+		command -v cmake >/dev/null || $(PIP) install -q cmake; \
+		$(PIP) download -q --no-deps --no-binary :all: -d $$src 'llama-cpp-python==$(LLAMACPP_VERSION)'; \
+		tar xzf $$src/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $$src; \
+		PATH="$(abspath $(VENV))/bin:$$PATH" cmake -S $$src/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp \
+			-B $$src/build $(LLAMA_SERVER_CMAKE_ARGS) >/dev/null; \
+		PATH="$(abspath $(VENV))/bin:$$PATH" cmake --build $$src/build --target llama-server -j$$(nproc) >/dev/null; \
+		mkdir -p $(dir $(LLAMA_SERVER_BIN)); cp $$src/build/bin/llama-server $(LLAMA_SERVER_BIN).tmp; \
+		mv $(LLAMA_SERVER_BIN).tmp $(LLAMA_SERVER_BIN); rm -rf $$src; }
+	ln -sf $(LLAMA_SERVER_BIN) $(VENV)/bin/llama-server
+	@echo "llama-server: $(VENV)/bin/llama-server"
 
 $(STAMP): pyproject.toml setup.py constraints.txt sched_core/_core.pyx $(wildcard sched_core/*.pxd)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
