@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +77,17 @@ def start(
     args: list[str], tmp: Path, ready_path: str = "/readyz", timeout_s: float = 180, new_session: bool = False
 ) -> Served:
     return wait_ready(launch(args, tmp, new_session), ready_path, timeout_s)
+
+
+@contextmanager
+def serving(args: list[str], tmp: Path) -> Iterator[Served]:
+    """``start``ed, then stopped at the end, which must be a clean exit (0, or 130: Ctrl-C's)."""
+    served = start(args, tmp)
+    try:
+        yield served
+    finally:
+        code = served.stop()
+        assert code in (0, 130), f"tokengate exited with {code}:\n{served.log.read_text()[-4000:]}"
 
 
 def banner_match(served: Served, pattern: str, timeout_s: float = 10) -> re.Match[str]:

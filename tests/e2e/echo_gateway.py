@@ -9,19 +9,15 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e.conftest import ADMIN_TOKEN, Served, start
+from tests.e2e.conftest import ADMIN_TOKEN, Served, serving
 
 
 @contextmanager
 def echo_gateway(tmp: Path, max_body_bytes: int = 65536) -> Iterator[tuple[Served, str]]:
     """The gateway (``Served.key``: an API key of tenant ``fuzz``) and that tenant's id;
     stopped at the end."""
-    served = start(
-        ["serve", "--engine", "echo", "--echo-tokens", "4", "--admin-token", ADMIN_TOKEN,
-         "--max-body-bytes", str(max_body_bytes), "--request-timeout", "20"],
-        tmp,
-    )
-    try:
+    with serving(["serve", "--engine", "echo", "--echo-tokens", "4", "--admin-token", ADMIN_TOKEN,
+                  "--max-body-bytes", str(max_body_bytes), "--request-timeout", "20"], tmp) as served:
         admin = served.auth(ADMIN_TOKEN)
         body = {"name": "fuzz", "rate": 1e8, "burst": 10**10, "max_queue_delay_s": 0}
         created = httpx.post(served.base_url + "/admin/tenants", json=body, headers=admin)
@@ -30,6 +26,3 @@ def echo_gateway(tmp: Path, max_body_bytes: int = 65536) -> Iterator[tuple[Serve
         issued.raise_for_status()
         served.key = issued.json()["key"]
         yield served, created.json()["id"]
-    finally:
-        code = served.stop()
-        assert code in (0, 130), f"tokengate exited with {code}:\n{served.log.read_text()[-4000:]}"

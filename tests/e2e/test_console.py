@@ -19,7 +19,7 @@ import pytest
 from playwright.sync_api import Browser, Page
 
 from bench.browser import chromium
-from tests.e2e.conftest import ADMIN_TOKEN, Served, banner_match, start
+from tests.e2e.conftest import ADMIN_TOKEN, Served, banner_match, serving
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -29,14 +29,10 @@ TENANT = "console-shop"
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    served = start(["serve", "--engine", "echo", "--echo-tokens", "8", "--echo-step-ms", str(STEP_MS),
-                    "--slots", "1", "--policy", "smdp", "--gateways", "2", "--admin-token", ADMIN_TOKEN],
-                   tmp_path_factory.mktemp("console"))
-    try:
+    with serving(["serve", "--engine", "echo", "--echo-tokens", "8", "--echo-step-ms", str(STEP_MS),
+                  "--slots", "1", "--policy", "smdp", "--gateways", "2", "--admin-token", ADMIN_TOKEN],
+                 tmp_path_factory.mktemp("console")) as served:
         yield served
-    finally:
-        code = served.stop()
-        assert code in (0, 130), f"tokengate exited with {code}:\n{served.log.read_text()[-4000:]}"
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from playwright.sync_api import Page
 
 from bench.browser import chromium
-from tests.e2e.conftest import ADMIN_TOKEN, Served, start
+from tests.e2e.conftest import ADMIN_TOKEN, Served, serving
 from workers.model_store import ModelSpec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -25,14 +25,10 @@ MODELS = ("small", "large")
 def gateway(tmp_path_factory: pytest.TempPathFactory, model_spec: ModelSpec) -> Iterator[Served]:
     # the echo workers stand in for the two names, both counting tokens with the packaged tokenizer
     packaged = str(model_spec.path)
-    served = start(["serve", "--engine", "echo", "--echo-tokens", "4", "--admin-token", ADMIN_TOKEN,
-                    "--model", packaged, "--model-name", MODELS[0], "--model", packaged, "--model-name", MODELS[1]],
-                   tmp_path_factory.mktemp("console-models"))
-    try:
+    with serving(["serve", "--engine", "echo", "--echo-tokens", "4", "--admin-token", ADMIN_TOKEN,
+                  "--model", packaged, "--model-name", MODELS[0], "--model", packaged, "--model-name", MODELS[1]],
+                 tmp_path_factory.mktemp("console-models")) as served:
         yield served
-    finally:
-        code = served.stop()
-        assert code in (0, 130), f"tokengate exited with {code}:\n{served.log.read_text()[-4000:]}"
 
 
 @pytest.fixture
