@@ -66,9 +66,9 @@ class Worker:
         self.engine = engine
         self.client = client
         self.model = model
-        self.stream = wire.jobs_stream(model, settings.pool)
-        self.bell = wire.bell_stream(model, settings.worker_id)
         self.fence = Fence(client, model, settings.pool, settings.worker_id)
+        self.stream = self.fence.stream  # its pool's jobs stream
+        self.bell = wire.bell_stream(model, settings.worker_id)
         self._batches: dict[str, Batch] = {}  # batch_id -> state
         self._batch_of: dict[str, str] = {}  # rid -> batch_id
         self._lock = threading.Lock()  # guards _batches for the heartbeat thread

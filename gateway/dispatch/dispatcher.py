@@ -316,8 +316,7 @@ class Dispatcher:
         and acknowledge the arrival ``entries`` they answer, in one script (``election.DISPATCH``)
         fenced by the lease when there are entries; False, and this gateway steps down, if it
         no longer schedules."""
-        keys, args = election.dispatch_args(self.leading.lease, self.leading.arrivals, self.settings.gateway_id, writes,
-                                             entries, worker)
+        keys, args = election.dispatch_args(self.settings.model_name, self.settings.gateway_id, writes, entries, worker)
         try:
             done = await self.batch.call("EVALSHA", election.DISPATCH_SHA, len(keys), *keys, *args)
         except NoScriptError:  # a fresh (or flushed) Redis: the script's text, which it keeps

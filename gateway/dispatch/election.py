@@ -90,16 +90,16 @@ return 1
 DISPATCH_SHA = hashlib.sha1(DISPATCH.encode()).hexdigest()
 
 
-def dispatch_args(lease: str, arrivals: str, gateway_id: str, writes: list[tuple[str, bytes, bytes]],
+def dispatch_args(model: str, gateway_id: str, writes: list[tuple[str, bytes, bytes]],
                   entries: list[str], worker: str = "") -> tuple[list[str], list[bytes | str | int]]:
     """``DISPATCH``'s KEYS and ARGV: write ``(stream, field, payload)`` entries (a job for
     ``worker``: delivered to it, its doorbell rung) and acknowledge the arrival ``entries`` (on
-    the model's ``arrivals`` stream) they answer, fenced by the model's ``lease`` held by
-    ``gateway_id`` when there are entries."""
-    keys = [lease, arrivals]
+    ``model``'s arrivals stream) they answer, fenced by ``model``'s lease held by ``gateway_id``
+    when there are entries."""
+    keys = [wire.scheduler_lease(model), wire.arrivals_stream(model)]
     args: list[bytes | str | int] = [gateway_id if entries else "", wire.ARRIVALS_GROUP, p.VERSION, len(writes),
                                      wire.GROUP, wire.BELL_MAXLEN]
-    bell = wire.slot_of(lease) + f"bell:{worker}"  # ``wire.bell_stream`` of the lease's model
+    bell = wire.bell_stream(model, worker)
     for stream, name, payload in writes:
         keys += [stream, bell if worker else stream]
         args += [name, payload, worker]
