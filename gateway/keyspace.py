@@ -42,7 +42,7 @@ async def migrate(client: aioredis.Redis, model: str) -> int:
     if renamed:
         log.warning("renamed %d keys from %s… to %s… (Redis Cluster hash tag)", renamed, wire.LEGACY_NS, wire.NS)
     renamed += await _per_model(client, model)
-    return renamed + await _model_slots(client, model) + await _tenant_slots(client)
+    return renamed + await _slots(client, model)
 
 
 async def _per_model(client: aioredis.Redis, model: str) -> int:
@@ -60,28 +60,6 @@ async def _per_model(client: aioredis.Redis, model: str) -> int:
     return renamed
 
 
-async def _model_slots(client: aioredis.Redis, model: str) -> int:
-    """A model's keys from under ``{tg}`` to its own slot (``model``: the one this gateway
-    serves first, which gets the dead letters); how many were moved or deleted."""
-    moved = 0
-    singles = {"arrivals": wire.arrivals_stream, "scheduler": wire.scheduler_lease,
-               "scheduler-term": wire.scheduler_term, "model": wire.model_key}
-    for kind, name in singles.items():
-        async for raw in client.scan_iter(match=f"{wire.NS}{kind}:*", count=1000):
-            owner = wire.text(raw).removeprefix(f"{wire.NS}{kind}:")
-            moved += await _rename(client, wire.text(raw), name(owner))
-    async for raw in client.scan_iter(match=f"{wire.NS}jobs:*", count=1000):
-        owner, _, pool = wire.text(raw).removeprefix(f"{wire.NS}jobs:").rpartition(":")
-        if owner:  # ({tg}:jobs:<pool>, from before models were domains: _per_model's)
-            moved += await _rename(client, wire.text(raw), wire.jobs_stream(owner, pool))
-    moved += await _rename(client, f"{wire.NS}dead", wire.dead_letter_stream(model))
-    stale = [raw async for raw in client.scan_iter(match=f"{wire.NS}bell:*", count=1000)]
-    moved += await client.delete(f"{wire.NS}steps", *stale)
-    if moved:
-        log.warning("moved %d keys of the models to their own slots (Redis Cluster: one per model)", moved)
-    return moved
-
-
 async def _rename(client: aioredis.Redis, old: str, new: str) -> bool:
     """``old`` renamed to ``new`` unless ``new`` exists (then it stays, logged) or ``old`` does
     not (never there, or another gateway renamed it first)."""
@@ -94,38 +72,65 @@ async def _rename(client: aioredis.Redis, old: str, new: str) -> bool:
     return bool(moved)
 
 
-async def _tenant_slots(client: aioredis.Redis) -> int:
-    """A tenant's keys from under ``{tg}`` to its own slot; how many were moved."""
-    moved = 0
-    ids = [wire.text(i) for i in await client.smembers(wire.TENANT_IDS)]
-    for tid in ids:
-        moved += await _rename(client, f"{wire.NS}budget:{tid}", wire.budget(tid))
-        moved += await _rename(client, f"{wire.NS}inflight:{tid}", wire.in_flight(tid))
-        old_set = f"{wire.NS}tenant-keys:{tid}"
-        prefixes = [wire.text(p) for p in await client.smembers(old_set)]
-        for prefix in prefixes:
-            digest = await client.hget(wire.api_key(prefix), "digest")
-            if digest is not None:
-                await client.hset(wire.tenant_keys(tid), prefix, digest)
-        moved += await client.delete(old_set)
-    async for raw in client.scan_iter(match=f"{wire.NS}usage:*", count=1000):
-        tid, _, minute = wire.text(raw).removeprefix(f"{wire.NS}usage:").rpartition(":")
-        if tid and minute.isdigit():
-            moved += await _rename(client, wire.text(raw), wire.usage(tid, int(minute)))
-    async for raw in client.scan_iter(match=f"{wire.NS}req:*", count=1000):
-        try:
-            owner = await client.hget(raw, "tenant")
-        except ResponseError:  # not a record: left as it is
-            continue
-        if owner is not None:
-            rid = wire.text(raw).removeprefix(f"{wire.NS}req:")
-            moved += await _rename(client, wire.text(raw), wire.request(wire.text(owner), rid))
-    async for raw in client.scan_iter(match=f"{wire.NS}gateway-requests:*", count=1000):
-        gateway = wire.text(raw).removeprefix(f"{wire.NS}gateway-requests:")
-        for entry, value in (await client.hgetall(raw)).items():
-            owner_id, _, rest = wire.text(value).partition(" ")  # "tenant rate reserved"
-            await client.hset(wire.open_requests(owner_id), wire.text(entry), f"{rest} {gateway}")
-        moved += await client.delete(raw)
-    if moved:
-        log.warning("moved %d keys of %d tenants to their own slots (Redis Cluster: one per tenant)", moved, len(ids))
-    return moved
+async def _slots(client: aioredis.Redis, model: str) -> int:
+    """A model's and a tenant's keys from under ``{tg}`` to their own slots, in one pass over the
+    ``{tg}`` names (``model``: the one this gateway serves first, which gets the dead letters);
+    how many were moved or deleted."""
+    by_model = {"arrivals": wire.arrivals_stream, "scheduler": wire.scheduler_lease,
+                "scheduler-term": wire.scheduler_term, "model": wire.model_key}
+    by_tenant = {"budget": wire.budget, "inflight": wire.in_flight}
+    models = tenants = 0
+    async for raw in client.scan_iter(match=wire.NS + "*", count=1000):
+        name = wire.text(raw)
+        kind, _, rest = name.removeprefix(wire.NS).partition(":")
+        if kind in by_model and rest and name != f"{wire.NS}scheduler:term":  # (that one: _per_model's)
+            models += await _rename(client, name, by_model[kind](rest))
+        elif kind == "jobs" and ":" in rest:  # ({tg}:jobs:<pool>, from before models were domains: _per_model's)
+            owner, _, pool = rest.rpartition(":")
+            models += await _rename(client, name, wire.jobs_stream(owner, pool))
+        elif name == f"{wire.NS}dead":
+            models += await _rename(client, name, wire.dead_letter_stream(model))
+        elif name == f"{wire.NS}steps" or kind == "bell":  # no TTL: the new release's workers write their model's
+            models += await client.delete(name)
+        elif kind in by_tenant and rest:
+            tenants += await _rename(client, name, by_tenant[kind](rest))
+        elif kind == "tenant-keys" and rest:
+            tenants += await _key_digests(client, name, rest)
+        elif kind == "usage" and rest.rpartition(":")[2].isdigit():
+            tid, _, minute = rest.rpartition(":")
+            tenants += await _rename(client, name, wire.usage(tid, int(minute)))
+        elif kind == "req" and rest:
+            tenants += await _record(client, name, rest)
+        elif kind == "gateway-requests" and rest:
+            tenants += await _open_requests(client, name, rest)
+    if models:
+        log.warning("moved %d keys of the models to their own slots (Redis Cluster: one per model)", models)
+    if tenants:
+        log.warning("moved %d keys of the tenants to their own slots (Redis Cluster: one per tenant)", tenants)
+    return models + tenants
+
+
+async def _key_digests(client: aioredis.Redis, name: str, tid: str) -> int:
+    """A tenant's set of key prefixes, as the hash of its keys' digests."""
+    for prefix in [wire.text(p) for p in await client.smembers(name)]:
+        digest = await client.hget(wire.api_key(prefix), "digest")
+        if digest is not None:
+            await client.hset(wire.tenant_keys(tid), prefix, digest)
+    return int(await client.delete(name))
+
+
+async def _record(client: aioredis.Redis, name: str, rid: str) -> int:
+    """A request record, to its owner's slot."""
+    try:
+        owner = await client.hget(name, "tenant")
+    except ResponseError:  # not a record: left as it is
+        return 0
+    return 0 if owner is None else int(await _rename(client, name, wire.request(wire.text(owner), rid)))
+
+
+async def _open_requests(client: aioredis.Redis, name: str, gateway: str) -> int:
+    """A gateway's list of open requests, into its tenants' open requests."""
+    for entry, value in (await client.hgetall(name)).items():
+        owner_id, _, rest = wire.text(value).partition(" ")  # "tenant rate reserved"
+        await client.hset(wire.open_requests(owner_id), wire.text(entry), f"{rest} {gateway}")
+    return int(await client.delete(name))
