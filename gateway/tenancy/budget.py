@@ -1,12 +1,12 @@
 """Token budgets in Redis: one Lua call admits a request, one settles it.
 
 The scripts implement ``gateway.tenancy.gcra`` (the specification, with the formulas) on Redis's
-clock, so every gateway replica shares one budget per tenant. Admission also takes a
-lease and writes the request's ownership record, in the same atomic call; settlement ends
-the lease and refunds (or charges) the difference between reserved and used tokens. Both
-take an explicit ``now`` for tests. The usage they make is counted by the gateway
-(``gateway.tenancy.usage.UsageBook``), not by the scripts: a second's worth of requests is
-one write per tenant instead of three per request.
+clock, so every gateway replica shares one budget per tenant. Admission also opens the
+request (and, under a concurrency limit, takes a lease) and writes its ownership record, in
+the same atomic call; settlement closes it (and ends the lease) and refunds (or charges) the
+difference between reserved and used tokens. Both take an explicit ``now`` for tests. The
+usage they make is counted by the gateway (``gateway.tenancy.usage.UsageBook``), not by the
+scripts: a second's worth of requests is one write per tenant instead of three per request.
 """
 
 from __future__ import annotations

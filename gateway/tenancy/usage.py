@@ -1,6 +1,7 @@
 """Usage per tenant and minute: counters each gateway adds up and writes, read back as a series.
 
-One hash per tenant and minute (``{tg}:usage:{id}:{unix_minute}``) with the fields below;
+One hash per tenant and minute (``wire.usage``: ``{tg:t:<id>}:usage:<unix_minute>``, in the
+tenant's slot) with the fields below;
 each expires after the usage retention. A gateway counts ``requests`` (admitted) and
 ``rate_limited`` (429s for the token budget or the concurrency limit) as its budget script
 decides them, and at each settlement the tokens charged (prompt, completion, and what a
