@@ -76,6 +76,7 @@ class Dispatcher:
         on_fatal: Callable[[str], None] | None = None,
         batch: AutoPipeline | None = None,
         on_accuracy: Callable[[Accuracy | None], None] | None = None,
+        leads_elsewhere: Callable[[], int] = lambda: 0,
     ) -> None:
         self.settings = settings
         self.client = client
@@ -96,6 +97,7 @@ class Dispatcher:
         self.on_fatal = on_fatal
         self._on_workers = on_workers
         self.on_accuracy = on_accuracy  # how the promise to a forwarded request fared (the scheduler's metrics)
+        self.leads_elsewhere = leads_elsewhere  # how many other models this process schedules (``Leading.turn``)
         self.wake = asyncio.Event()
         self.closing = False  # loops end at their next turn (a cancel can be swallowed, see close)
         self.outage = Outage()  # shared by the loops: one warning when Redis fails, one line when it is back

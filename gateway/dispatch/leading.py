@@ -35,6 +35,7 @@ log = logging.getLogger("tokengate.dispatch")
 READ_BLOCK_MS = 1000  # the arrivals' blocking read returns at least this often
 BACKOFF = backoff_policy(base_s=0.05, cap_s=2.0)  # after the n-th Redis failure in a row of one loop
 RECLAIM_S = 1.0  # the scheduler takes over arrivals left pending this long by another consumer
+YIELD_S = 1.0  # a process already scheduling k other models waits k times this on a free lease before taking it
 
 
 class Host(Protocol):
@@ -50,6 +51,7 @@ class Host(Protocol):
     closing: bool
     outage: Outage
     on_accuracy: Callable[[Accuracy | None], None] | None
+    leads_elsewhere: Callable[[], int]
 
     def new_shell(self) -> SchedulerShell: ...
 
@@ -79,6 +81,7 @@ class Leading:
         self.term = 0  # the lease's term this gateway schedules in (``election.HOLD``)
         self.renewed = 0.0  # when the lease was last renewed (sent), by this gateway's clock
         self.leading = asyncio.Event()
+        self.free_since: float | None = None  # when this gateway, deferring, first saw the lease free
         self._hold = d.client.register_script(election.HOLD)
         self._release = d.client.register_script(election.RELEASE)
         # this model's: the gateways serving a model elect their scheduler among themselves
@@ -128,6 +131,8 @@ class Leading:
     async def elect(self) -> None:
         """Hold the lease, or seek it: this gateway takes over scheduling when it gets it,
         goes on when it kept it, and steps down when another holds or held it."""
+        if not self.leader and not await self.turn():
+            return
         sent = time.monotonic()  # Redis counts the lease's time from later: this end lapses first
         term = await self._hold(keys=[self.lease, self.term_key],
                                 args=[self.d.settings.gateway_id, election.LEASE_MS])
@@ -139,6 +144,22 @@ class Leading:
         self.term, self.renewed = int(term), sent
         if not self.leader:
             await self.take_over()
+
+    async def turn(self) -> bool:
+        """Whether this gateway seeks the lease now. A process that already schedules ``k``
+        other models lets a free lease lie ``k * YIELD_S`` first, so that a gateway scheduling
+        fewer takes it: a fleet of several models spreads its schedulers over its gateways
+        (docs/scheduling.md §15), and a lone gateway still takes them all, a little later."""
+        k = self.d.leads_elsewhere()
+        if not k:
+            return True
+        if await self.d.client.exists(self.lease):
+            self.free_since = None
+            return False
+        now = time.monotonic()
+        if self.free_since is None:
+            self.free_since = now
+        return now - self.free_since >= k * YIELD_S
 
     async def take_over(self) -> None:
         """Schedule for every gateway from now on: the workers' running sequences are the
@@ -154,8 +175,11 @@ class Leading:
         self.d.wake.set()
 
     async def arrivals_group(self) -> None:
+        """From the stream's start: what followers sent before any scheduler read it (a model's
+        first scheduler takes its lease after its followers served, ``turn``) is taken up,
+        an admission given up since with the cancel that follows it."""
         with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists
-            await self.d.client.xgroup_create(self.arrivals, wire.ARRIVALS_GROUP, id="$", mkstream=True)
+            await self.d.client.xgroup_create(self.arrivals, wire.ARRIVALS_GROUP, id="0", mkstream=True)
 
     def step_down(self, why: str) -> None:
         """Another gateway schedules now. Nothing queued here fails: this gateway's own

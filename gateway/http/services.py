@@ -114,7 +114,9 @@ class Gateway:
         metrics = self.metrics.of(name)
         dispatcher = Dispatcher(settings, self.client, config=settings.scheduler, batch=self.batch,
                                 on_workers=lambda found: metrics.observe_workers(found, settings.pools),
-                                on_accuracy=metrics.observe_contract)
+                                on_accuracy=metrics.observe_contract,
+                                leads_elsewhere=lambda: sum(d.dispatcher.leading.leader for m, d in self.domains.items()
+                                                            if m != name))
         domain = self.domains[name] = Domain(
             name, settings, prompts,
             sampling or oai.SamplingDefaults(settings.default_temperature, settings.default_top_p),

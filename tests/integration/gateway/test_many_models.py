@@ -18,6 +18,7 @@ import pytest
 from common import tokenizer_bundle, wire
 from gateway.api import openai_protocol as oai
 from gateway.cli import served
+from gateway.dispatch.leading import YIELD_S
 from gateway.dispatch.prompts import PromptBuilder
 from gateway.http.app import create_app
 from gateway.http.services import Gateway, redis_client
@@ -87,7 +88,8 @@ async def test_one_gateway_serves_two_models_each_its_own_domain(redis_url: str,
             replies = await asyncio.gather(*(
                 http.post("/v1/completions", headers=auth, json={"model": m, "prompt": [1, 2, 3], "max_tokens": 8})
                 for m in ("alpha", "beta") for _ in range(REQUESTS)))
-            assert [r.status_code for r in replies] == [200] * 2 * REQUESTS, [r.text for r in replies]
+            assert [r.status_code for r in replies] == [200] * 2 * REQUESTS, [r.text for r in replies
+                                                                               if r.status_code != 200]
             for r in replies:  # the worker of the model asked for answered: its token count says which
                 doc = r.json()
                 assert doc["usage"]["completion_tokens"] == TOKENS[doc["model"]], doc
@@ -213,3 +215,19 @@ async def test_a_model_s_step_time_model_learns_only_its_own_workers_steps(redis
             await _until(lambda: fitted("alpha") > before["alpha"], "alpha's steps fitted")
             await asyncio.sleep(1.0)  # any step of alpha's worker that beta could have read is in by now
             assert fitted("beta") == before["beta"], (before, fitted("alpha"), fitted("beta"))
+
+
+async def test_two_gateways_serving_two_models_elect_a_scheduler_each_and_one_takes_both_when_the_other_goes(
+        redis_url: str, prompts: PromptBuilder) -> None:
+    """The first gateway up takes alpha's lease and lets beta's lie (``Leading.turn``): the
+    second gateway, scheduling nothing yet, takes beta's. When it goes, the first takes beta's
+    too, once the lease has lapsed and lain free its ``YIELD_S``."""
+    async with _gateway(redis_url, prompts, "beta", gateway_id="g1") as (one, _):
+        async with _gateway(redis_url, prompts, "beta", gateway_id="g2") as (two, _):
+            await asyncio.sleep(2 * YIELD_S)  # past any yield: the leases have settled
+            assert await one.client.get(wire.scheduler_lease("alpha")) == b"g1"
+            assert await one.client.get(wire.scheduler_lease("beta")) == b"g2/beta"
+            assert one.domain("alpha").dispatcher.leading.leader and not one.domain("beta").dispatcher.leading.leader
+            assert two.domain("beta").dispatcher.leading.leader and not two.domain("alpha").dispatcher.leading.leader
+        await _until(lambda: one.domain("beta").dispatcher.leading.leader, "g1 scheduling beta", timeout_s=5)
+        assert await one.client.get(wire.scheduler_lease("beta")) == b"g1/beta"
