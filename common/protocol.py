@@ -163,6 +163,9 @@ class Heartbeat:
     context: int = 0
     # the digest of the model's tokenizer files it published (``wire.tokenizer_key``); "" if none
     tokenizer: str = ""
+    # prompt tokens its engine keeps for reuse by a later prompt with the same prefix (0: none);
+    # placement credits a prompt's prefill with what it expects found there (gateway/dispatch/placement.py)
+    prefix_cache: int = 0
 
     def profile_part(self, name: str) -> dict[str, Any]:
         """``profile[name]`` (``facts``: the machine; ``summary``: what it measured) where it

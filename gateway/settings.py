@@ -15,7 +15,7 @@ from sched_core.policies import make_policy
 
 ADMIN_TOKEN_MIN_CHARS = 16
 TOKEN_WEIGHT_MAX = 1000.0  # a token of one model may cost at most this many budget tokens
-ROUTINGS = ("worker", "pool")  # where a dispatched job goes (--routing)
+ROUTINGS = ("prefix", "worker", "round-robin", "pool")  # where a dispatched job goes (--routing; placement.py)
 
 
 def _gateway_id() -> str:
@@ -44,7 +44,7 @@ class GatewaySettings:
     handoff_min_prompt: int = 0  # >0: prompts this long prefill on cpu and decode on gpu
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # cost priors from --cost-priors
     policy: str = "tokengate"  # sched_core.policies.make_policy: tokengate, fcfs, fixed:batch=B,window_ms=W, …
-    routing: str = "worker"  # worker: each job to the worker where it starts first; pool: to whichever reads it
+    routing: str = "prefix"  # prefix: the earliest first token, cached prefixes credited; pool: whichever reads it
     shutdown_grace_s: int = 10  # after Ctrl-C/SIGTERM, in-flight requests get this long
     max_in_flight: int = 4096  # requests admitted here and not yet answered; beyond: 503 at once
     redis_max_connections: int = 256  # the gateway's Redis pool; a request waits for a free one

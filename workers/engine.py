@@ -72,6 +72,11 @@ class Engine(Protocol):
     max_threads: int  # the intra-op threads it may run (0: it runs none of its own: echo, upstream)
     context_tokens: int  # the context window it serves, prompt plus completion (0: the model's own)
 
+    @property
+    def prefix_cache_tokens(self) -> int:
+        """Prompt tokens it keeps for a later prompt with the same prefix (0: none)."""
+        ...
+
     def add(self, seq: SeqJob, kv: dict[str, Any] | None = None) -> None:
         """Queue a sequence; with ``kv`` (a handed-over prefill) it skips prefill."""
         ...
@@ -125,6 +130,7 @@ class EchoEngine:
     metrics: dict[str, float] = {}
     max_threads = 0
     context_tokens = 0
+    prefix_cache_tokens = 0
 
     def __init__(self, tokens: int = 16, slots: int = 256, step_s: float = 0.0, prefill_s: float = 0.0) -> None:
         self.tokens = tokens

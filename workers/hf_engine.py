@@ -63,6 +63,7 @@ class HFEngine:
     down = ""
     metrics: dict[str, float] = {}
     context_tokens = 0  # the model's own, as the gateway reads it from the same config
+    prefix_cache_tokens = 0  # every sequence prefills its whole prompt: nothing is reused (docs/scheduling.md §15)
 
     def __init__(
         self,

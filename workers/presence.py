@@ -140,6 +140,7 @@ class Presence:
             cpu_starved=self._starved(),
             threads=self.governor.threads if self.governor is not None else self.engine.max_threads,
             context=self.engine.context_tokens,
+            prefix_cache=self.engine.prefix_cache_tokens,
             tokenizer=self.tokenizer[0] if self.tokenizer is not None else "",
         )
 

@@ -56,9 +56,11 @@ GATEWAY_FLAGS: tuple[tuple[str, str, str | None], ...] = (
      "table or one `tokengate policy solve` wrote), fcfs, or fixed:batch=B,window_ms=W (a dynamic "
      "batcher); baselines send no contract headers"),
     ("routing", "routing",
-     "worker: the scheduler sends each job to the worker of its pool where it is predicted to start "
-     "first, within that worker's free slots (docs/scheduling.md §15); pool: to whichever worker of "
-     "the pool reads it first"),
+     "prefix (default): the scheduler sends each job to the worker of its pool where its first token "
+     "is predicted earliest, crediting the prompt prefix that worker's engine should hold cached, within "
+     "that worker's free slots (docs/scheduling.md §15); worker: the same without the cache credit; "
+     "round-robin: to each worker with a free slot in turn; pool: to whichever worker of the pool reads it "
+     "first"),
     ("max-in-flight", "max_in_flight",
      "requests this gateway holds at once (admitted, not yet answered); beyond it a 503 at once"),
     ("redis-max-connections", "redis_max_connections",

@@ -72,7 +72,7 @@ class SchedulerShell:
 
     def __init__(self, gateway_id: str, reply_to: str, config: SchedulerConfig | None = None,
                  handoff_min_prompt: int = 0, lease_s: float = 150.0, policy: str = "tokengate",
-                 routing: str = "worker") -> None:
+                 routing: str = "prefix") -> None:
         self.policy = policy
         self.driver = Driver(make_policy(policy, config or SchedulerConfig()), lease_s=lease_s)
         self.gateway_id = gateway_id
@@ -94,10 +94,9 @@ class SchedulerShell:
         self._parts: dict[int, dict[str, tuple[str, tuple[str, ...]]]] = {}
         # per pool: sequences a previous scheduler left on the workers (from their heartbeats), until they end
         self._foreign: dict[str, int] = {}
-        self.placement = Placement() if routing == "worker" else None  # None: jobs go to the pool's stream
+        self.placement = Placement(routing) if routing != "pool" else None  # None: jobs go to the pool's stream
         if self.placement is not None:  # it follows the driver's ledger: a slot back is a place freed
             self.driver.on_free = self.placement.release
-        self._tenants: dict[str, str] = {}  # a queued request's tenant, for the placement's prefix hint
 
     def __len__(self) -> int:
         return self.driver.queued
@@ -108,6 +107,9 @@ class SchedulerShell:
         promise = self.driver.promised(rid)
         if found is not None and promise is not None:
             found["contract"] = dataclasses.asdict(promise)
+        placed = self.placement.placed(rid) if self.placement is not None else None
+        if found is not None and placed is not None:  # its worker, and the prefix credited there
+            found["placement"] = dataclasses.asdict(placed)
         return found
 
     def snapshot(self) -> dict[str, object]:
@@ -188,8 +190,6 @@ class SchedulerShell:
             self._seqs[seq.rid] = seq
             if forwarded is not None:
                 self._origin[seq.rid] = forwarded
-            if self.placement is not None:
-                self._tenants[seq.rid] = who.tenant
         return decision
 
     def knows(self, rid: str) -> bool:
@@ -298,8 +298,7 @@ class SchedulerShell:
             seqs = tuple(
                 replace(s, handoff="gpu") if len(s.prompt_ids) >= self.handoff_min_prompt else s for s in seqs
             )
-        tenants = {s.rid: self._tenants.pop(s.rid, "") for s in seqs}
-        workers = self.placement.place(d.path, seqs, tenants) if self.placement is not None else {}
+        workers = self.placement.place(d.path, seqs) if self.placement is not None else {}
         groups: dict[tuple[str, str], tuple[list[p.SeqJob], list[str]]] = {}
         for s in seqs:
             reply_to, entry = self._origin.pop(s.rid, (self.reply_to, "")) if self._origin else (self.reply_to, "")
