@@ -34,15 +34,21 @@ Telemetry. The upstream is a black box, so its steps are inferred from what the 
 show: a sequence's first token closes a prefill step (its prompt tokens, the sequences
 decoding beside it, the time from request to first token), and each ``step`` call in which
 tokens arrived is one decode step (the sequences decoding, their KV tokens, the mean gap
-between consecutive tokens of a sequence). Where the upstream exports Prometheus metrics
-(vLLM's ``/metrics``), running and waiting requests and KV-cache use go into the heartbeat,
-and the running count sizes the inferred decode steps (others may share the upstream).
+between consecutive tokens of a sequence). An upstream that says in its usage the prompt
+tokens it found in its prefix cache (llama-server, vLLM: ``prompt_tokens_details``) has a
+sequence's prefill step recorded at the sequence's end, on the tokens it really prefilled, so
+a cached conversation does not teach the scheduler that prefill is cheap. Where the upstream
+exports Prometheus metrics (vLLM's and llama-server's ``/metrics``: ``UPSTREAM_METRICS``),
+running and waiting requests, KV-cache use and its prompt tokens prefilled and found cached go
+into the heartbeat, and the running count sizes the inferred decode steps (others may share
+the upstream).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -66,13 +72,21 @@ _RETRY_STATUS = frozenset({408, 429, 502, 503, 504})  # busy, slow or restarting
 _JSON = {"content-type": "application/json"}
 _REJECT_STATUS = frozenset({400, 413, 422})  # the request's own fault: the client gets a 400
 
-# vLLM's Prometheus names (both the older and the newer KV-cache gauge); other upstreams
-# export none of them and the heartbeat then carries no upstream figures
-VLLM_METRICS = {
+# vLLM's and llama-server's (``--metrics``) Prometheus names, as the heartbeat's upstream
+# figures: requests running and waiting, KV-cache use (0-1), and the prompt tokens it was sent
+# and found cached (counters, where it exports them); other upstreams export none of them
+UPSTREAM_METRICS = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
-    "vllm:gpu_cache_usage_perc": "kv_cache_usage",
+    "vllm:gpu_cache_usage_perc": "kv_cache_usage",  # the older name
     "vllm:kv_cache_usage_perc": "kv_cache_usage",
+    "vllm:prefix_cache_queries_total": "prompt_tokens",
+    "vllm:prefix_cache_hits_total": "prompt_tokens_cached",
+    "llamacpp:requests_processing": "running",
+    "llamacpp:requests_deferred": "waiting",
+    "llamacpp:kv_cache_usage_ratio": "kv_cache_usage",
+    "llamacpp:prompt_tokens_total": "prompt_tokens",
+    "llamacpp:prompt_tokens_cached_total": "prompt_tokens_cached",
 }
 
 
@@ -102,6 +116,7 @@ class _Seq:
     chars: int = 0  # characters received so far
     sent: int = 0  # characters delivered to the client (resume_chars at first)
     text: list[str] = field(default_factory=list)  # a non-streaming sequence's completion
+    prefill: StepRecord | None = None  # its prefill step, held until its usage says what was cached
 
 
 def request_body(seq: SeqJob, model: str) -> tuple[str, dict[str, Any]]:
@@ -129,14 +144,23 @@ def request_body(seq: SeqJob, model: str) -> tuple[str, dict[str, Any]]:
     return "/v1/completions", body
 
 
+def cached_tokens(usage: dict[str, Any] | None) -> int | None:
+    """The prompt tokens an upstream found in its prefix cache, as its usage says
+    (``prompt_tokens_details.cached_tokens``: llama-server, vLLM); None where it does not say."""
+    details = usage.get("prompt_tokens_details") if usage else None
+    n = details.get("cached_tokens") if isinstance(details, dict) else None
+    return n if isinstance(n, int) else None
+
+
 def parse_metrics(text: str) -> dict[str, float]:
-    """vLLM's gauges from a Prometheus exposition, summed over label sets (one per model)."""
+    """The upstream's figures (``UPSTREAM_METRICS``) from a Prometheus exposition, summed over
+    label sets (one per model)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            name = VLLM_METRICS.get(sample.name)
+            name = UPSTREAM_METRICS.get(sample.name)
             if name is not None:
                 out[name] = out.get(name, 0.0) + float(sample.value)
     return out
@@ -174,8 +198,11 @@ class UpstreamEngine:
         self.context_tokens = context_tokens  # what it serves, as it said when it came up (0: unknown)
         self.timeout_s = timeout_s
         self.probe_s = probe_s
-        self.metrics: dict[str, float] = {}  # the upstream's own gauges (vLLM), if it exports them
+        self.metrics: dict[str, float] = {}  # the upstream's own figures (vLLM's, llama-server's), if it exports them
         self._has_metrics: bool | None = None  # unknown until /metrics answers once
+        # its usage says the prompt tokens it found cached: a sequence's prefill step is then
+        # recorded at its end, priced on the tokens it really prefilled
+        self.says_cached = False
         self._streams = 0  # upstream requests in flight (the loop's thread)
         self._alive_at = 0.0  # when one was last sent or last received a chunk
         self.down = "not probed yet"  # why no job should come here now; empty while the upstream answers
@@ -305,6 +332,12 @@ class UpstreamEngine:
             self._inbox.get_nowait()
 
     @property
+    def prefix_cache_tokens(self) -> int:
+        """What placement may expect it to keep: each slot's last prompt (llama-server keeps
+        one per slot; vLLM's prefix cache holds more), where the upstream said its context."""
+        return self.slots * self.context_tokens
+
+    @property
     def busy(self) -> bool:
         return bool(self._seqs or self._cancelled)
 
@@ -350,7 +383,7 @@ class UpstreamEngine:
                 self._piece(s, payload, at, result, observed, gaps, decoded, decoding, kv)
             elif kind == "end":
                 del self._seqs[rid]
-                self._end(s, payload, result)
+                self._end(s, payload, result, observed)
             else:  # "error"
                 del self._seqs[rid]
                 if payload.retry:
@@ -391,7 +424,11 @@ class UpstreamEngine:
             ttft = at - s.sent_at
             result.prefills.append(Prefill((rid,), prompt, ttft))
             result.prefill_tokens += prompt
-            observed.append(StepRecord(prompt, decoding, kv, ttft * 1000))
+            record = StepRecord(prompt, decoding, kv, ttft * 1000)
+            if self.says_cached:  # the prompt tokens it found cached come with its usage, at the end
+                s.prefill = record
+            else:
+                observed.append(record)
         else:
             gaps.append(at - s.last_at)
             decoded.add(rid)
@@ -408,13 +445,20 @@ class UpstreamEngine:
         else:
             s.text.append(fresh)
 
-    def _end(self, s: _Seq, payload: tuple[str, dict[str, Any] | None], result: StepResult) -> None:
+    def _end(self, s: _Seq, payload: tuple[str, dict[str, Any] | None], result: StepResult,
+             observed: list[StepRecord]) -> None:
         reason, usage = payload
         prompt = len(s.job.prompt_ids)
         tokens = s.tokens
         if usage:  # the upstream's own counts, where it reports them
             prompt = int(usage.get("prompt_tokens", prompt))
             tokens = int(usage.get("completion_tokens", tokens))
+        cached = cached_tokens(usage)
+        if cached is not None:
+            self.says_cached = True
+        if s.prefill is not None:  # it prefilled only what it did not find cached
+            observed.append(dataclasses.replace(s.prefill, prefill_tokens=max(
+                1, s.prefill.prefill_tokens - (cached or 0))))
         text = "" if s.job.stream else "".join(s.text)
         result.events.append(Finished(s.job.rid, text, reason if reason in ("stop", "length") else "stop",
                                       prompt, tokens))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common import protocol as p
-from workers.upstream import parse_metrics, request_body
+from workers.upstream import cached_tokens, parse_metrics, request_body
 
 GREEDY = p.SamplingParams(12, temperature=0.0)
 
@@ -49,3 +49,32 @@ def test_vllms_gauges_are_read_and_other_metrics_ignored() -> None:
     newer = VLLM_METRICS.replace("gpu_cache_usage_perc", "kv_cache_usage_perc")
     assert parse_metrics(newer)["kv_cache_usage"] == 0.25
     assert parse_metrics("# an upstream with other metrics\nprocess_cpu_seconds_total 4.5\n") == {}
+
+
+#: llama-server 0.5.0-dev (the pinned llama-cpp-python 0.3.36's vendored source) with --metrics, abridged
+LLAMA_SERVER_METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 33
+# HELP llamacpp:prompt_tokens_cached_total Number of prompt tokens served from the cache.
+# TYPE llamacpp:prompt_tokens_cached_total counter
+llamacpp:prompt_tokens_cached_total 31
+# HELP llamacpp:n_decode_total Total number of llama_decode() calls
+# TYPE llamacpp:n_decode_total counter
+llamacpp:n_decode_total 5
+# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 2
+# HELP llamacpp:requests_deferred Number of requests deferred.
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 1
+"""
+
+
+def test_llama_servers_metrics_are_read_under_the_same_names() -> None:
+    assert parse_metrics(LLAMA_SERVER_METRICS) == {"running": 2.0, "waiting": 1.0, "prompt_tokens": 33.0,
+                                                   "prompt_tokens_cached": 31.0}
+
+
+def test_the_cached_prompt_tokens_come_from_the_usage_where_it_says_them() -> None:
+    assert cached_tokens({"prompt_tokens": 32, "prompt_tokens_details": {"cached_tokens": 31}}) == 31
+    assert cached_tokens({"prompt_tokens": 32}) is None and cached_tokens(None) is None
