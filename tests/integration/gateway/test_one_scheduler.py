@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -210,14 +211,23 @@ async def test_each_job_goes_to_a_worker_with_a_free_slot_and_no_worker_runs_mor
             calls = asyncio.gather(*(lead.complete(key, max_tokens=6) for _ in range(12)))
             most = {first: 0, "second": 0}
             ran = {first: 0, "second": 0}
+            explained: list[dict[str, Any]] = []
             while not calls.done():
                 for wid, held in lead.gw.domain().dispatcher.shell.placement.held().items():  # type: ignore[union-attr]
                     most[wid] = max(most[wid], held)
                     ran[wid] += held > 0
                 most["second"] = max(most["second"], second.engine.running)
+                for rid in list(lead.gw.domain().dispatcher.pending):
+                    why = lead.gw.domain().dispatcher.shell.explain(rid)
+                    if why is not None and why["state"] == "dispatched":
+                        explained.append(why)
                 await asyncio.sleep(0.005)
             assert [r.status_code for r in await calls] == [200] * 12
             assert most[first] <= 2 and most["second"] <= 2, most
+            # a running request's explanation says where it went and what was credited there
+            placed = [why["placement"] for why in explained]
+            assert placed and all(pl["worker"] in (first, "second") and pl["cached_tokens"] == 0  # echo: no cache
+                                  and set(pl["first_token_s"]) <= {first, "second"} for pl in placed), placed
             assert ran[first] and ran["second"], ran  # both took work
 
 
