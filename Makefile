@@ -41,7 +41,7 @@ $(LLAMACPP_STAMP): $(STAMP)
 	rm -f $(VENV)/.llamacpp-*
 	touch $(LLAMACPP_STAMP)
 
-# out of the default install too (issue 40, under way): llama.cpp's C++ server for --upstream-url;
+# llama.cpp's C++ server for --upstream-url, and the tests in front of it (make test builds it);
 # CMake from PyPI where the machine has none (about 4 min of compiling on 2 cores, once)
 install-llama-server: $(STAMP)
 	test -x $(LLAMA_SERVER_BIN) || { set -e; src=$$(mktemp -d); \
@@ -77,7 +77,7 @@ install-browser:
 run: install
 	$(VENV)/bin/tokengate serve
 
-test: install install-llamacpp install-browser
+test: install install-llamacpp install-llama-server install-browser
 	$(PY) -m pytest
 
 test-fast: install
