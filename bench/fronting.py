@@ -1,7 +1,11 @@
 """tokengate in front of llama.cpp's OpenAI-compatible server, against the server directly.
 
-    python -m bench.fronting [--concurrency 1,8,32] [--requests 16,32,64] [--max-tokens 48] [--pairs 40]
-                             [--rounds 2] [--kill-s 30] [--no-plot]
+    python -m bench.fronting [--engine llamacpp-python|llama-server] [--slots N] [--concurrency 1,8,32]
+                             [--requests 16,32,64] [--max-tokens 48] [--pairs 40] [--rounds 2]
+                             [--load 0.7] [--load-s 60] [--kill-s 30] [--no-plot]
+
+``--engine``: llama-cpp-python's server (one sequence at a time, ``--slots 1``) or llama.cpp's
+C++ server (``make install-llama-server``; ``-np --slots``, 4 by default: continuous batching).
 
 One run, the same workload both ways: closed loops of streaming greedy chats (four prompts
 in turn, each numbered so that none is a cached prefix of the next), at each concurrency a
@@ -22,6 +26,12 @@ a third of the way in the server is SIGKILLed, and started again 2 s later. Ever
 must end in a result or a clear error before its client's 60 s timeout (a hang is counted),
 and the time from the server answering again to the first token a client receives is
 reported. Writes ``bench/out/upstream.png``.
+
+With ``--load`` > 0, before the fault run: the engine's capacity is measured direct (a closed
+loop of 2 x slots clients), then requests arrive through tokengate in an open loop (Poisson)
+at that share of it for ``--load-s`` seconds: the share that ended inside their p99 bound, and
+the first-token promise's mean absolute error relative to the mean first token
+(mean |measured - promised| / mean measured, ``x-tokengate-ttft-ms``).
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,7 +48,8 @@ import httpx
 import orjson
 
 from bench.harness import ADMIN_TOKEN, OUT, auth, console, pct, save_plot, stack, table
-from bench.llamacpp import LlamaServer
+from bench.llamacpp import LlamaCppServer, LlamaServer
+from workers.model_store import DEFAULT_MODEL_NAME as MODEL
 
 GATEWAY_CPUS = (0,)
 SERVER_CPUS = "1"
@@ -70,6 +82,7 @@ class Outcome:
     error: str = ""
     promised_s: float | None = None  # x-tokengate-latency-ms
     p99_s: float | None = None  # x-tokengate-p99-ms
+    ttft_promised_s: float | None = None  # x-tokengate-ttft-ms
     first_at: float | None = None  # monotonic time of the first token
     retry_after_s: float = 0.0  # a 429/503's Retry-After
     ended: float = 0.0  # monotonic time it ended (a result or an error)
@@ -87,6 +100,7 @@ async def one(client: httpx.AsyncClient, url: str, headers: dict[str, str], mode
             if "x-tokengate-p99-ms" in reply.headers:
                 out.p99_s = float(reply.headers["x-tokengate-p99-ms"]) / 1000
                 out.promised_s = float(reply.headers["x-tokengate-latency-ms"]) / 1000
+                out.ttft_promised_s = float(reply.headers["x-tokengate-ttft-ms"]) / 1000
             if reply.status_code != 200:
                 out.error = (await reply.aread()).decode(errors="replace")[:200]
                 out.retry_after_s = float(reply.headers.get("retry-after", 0))
@@ -158,6 +172,38 @@ def _accuracy(outcomes: Sequence[Outcome]) -> tuple[int, int, float]:
     inside = sum(1 for o in kept if o.total_s is not None and o.p99_s is not None and o.total_s <= o.p99_s)
     ratios = [o.total_s / o.promised_s for o in kept if o.total_s and o.promised_s]
     return len(kept), inside, pct(ratios, 50)
+
+
+def ttft_error(outcomes: Sequence[Outcome]) -> float:
+    """The first-token promise's mean absolute error, relative: mean |measured - promised| over
+    the mean measured first token, for the requests answered with a promise."""
+    pairs = [(o.ttft_s, o.ttft_promised_s) for o in outcomes
+             if o.ttft_s is not None and o.ttft_promised_s is not None and not o.error]
+    if not pairs:
+        return float("nan")
+    return sum(abs(m - p) for m, p in pairs) / sum(m for m, _ in pairs)
+
+
+async def load_run(url: str, headers: dict[str, str], model: str, rate: float, seconds: float,
+                   max_tokens: int) -> list[Outcome]:
+    """Poisson arrivals at ``rate`` per second for ``seconds`` (open loop: arrivals do not wait
+    for answers), each a streamed greedy chat; every outcome."""
+    rng = random.Random(7)
+    outcomes: list[Outcome] = []
+    limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+    async with httpx.AsyncClient(limits=limits) as client:
+
+        async def send() -> None:
+            outcomes.append(await one(client, url, headers, model, prompt(), max_tokens))
+
+        tasks = []
+        due = started = time.monotonic()
+        while due - started < seconds:
+            due += rng.expovariate(rate)
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            tasks.append(asyncio.create_task(send()))
+        await asyncio.gather(*tasks)
+    return outcomes
 
 
 async def paired_ttft(sides: dict[str, tuple[str, dict[str, str], str]], pairs: int,
@@ -244,11 +290,14 @@ async def main_async(args: argparse.Namespace) -> None:
     requests = [int(x) for x in args.requests.split(",")]
     if len(requests) != len(concurrency):
         raise SystemExit("--requests needs one count per --concurrency")
-    server = LlamaServer(OUT / "llamacpp.log", cpus=SERVER_CPUS).start()
+    server = (LlamaCppServer(OUT / "llama-server.log", slots=args.slots, cpus=SERVER_CPUS)
+              if args.engine == "llama-server" else LlamaServer(OUT / "llamacpp.log", cpus=SERVER_CPUS))
+    server.start()
+    load: dict[str, float] | None = None
     try:
         # Redis, one upstream worker and a gateway, all on core 0
-        with stack("upstream", slots=1, gateway_cpus=GATEWAY_CPUS, backend_cpus=GATEWAY_CPUS,
-                   extra_worker=["--upstream-url", server.url]) as (base, _redis_url, key):
+        with stack("upstream", slots=args.slots, gateway_cpus=GATEWAY_CPUS, backend_cpus=GATEWAY_CPUS,
+                   extra_worker=["--upstream-url", server.url, "--model-name", MODEL]) as (base, _redis_url, key):
             model = httpx.get(base + "/v1/models", headers=auth(key)).json()["data"][0]["id"]
             sides = {"direct": (server.url, {}, "any"), "tokengate": (base, auth(key), model)}
             for url, headers, name in sides.values():  # warm both (and the worker's telemetry)
@@ -265,6 +314,16 @@ async def main_async(args: argparse.Namespace) -> None:
                         pooled[side] = (pooled[side][0] + outcomes, pooled[side][1] + wall)
                 rows[c] = {side: _summary(outcomes, wall) for side, (outcomes, wall) in pooled.items()}
                 accuracy.append((c, *_accuracy(pooled["tokengate"][0])))
+            if args.load > 0:  # the engine's capacity direct, then Poisson arrivals at a share of it
+                done, wall = await closed_loop(server.url, {}, "any", 2 * args.slots, 8 * args.slots,
+                                               args.max_tokens)
+                capacity = sum(1 for o in done if not o.error) / wall
+                outcomes = await load_run(base, auth(key), model, args.load * capacity, args.load_s, args.max_tokens)
+                kept, inside, ratio = _accuracy(outcomes)
+                load = {"capacity_per_s": capacity, "rate_per_s": args.load * capacity, "requests": len(outcomes),
+                        "failed": sum(1 for o in outcomes if o.error), "kept": kept, "inside": inside,
+                        "inside_share": inside / kept if kept else float("nan"),
+                        "measured_over_promised_p50": ratio, "ttft_mae": ttft_error(outcomes)}
             fault = None
             if args.kill_s > 0:
                 fault = await fault_run(server, base, auth(key), model, args.kill_s, args.max_tokens)
@@ -272,7 +331,8 @@ async def main_async(args: argparse.Namespace) -> None:
         server.stop()
 
     table(
-        f"llama.cpp's server direct vs through tokengate (streaming greedy chats, {args.max_tokens} tokens max)",
+        f"{args.engine} (--slots {args.slots}) direct vs through tokengate (streaming greedy chats, "
+        f"{args.max_tokens} tokens max)",
         ["clients", "direct tok/s", "tokengate tok/s", "ratio", "direct TTFT p50 ms", "tokengate TTFT p50 ms",
          "added p50 ms", "direct TTFT p90 ms", "tokengate TTFT p90 ms", "failed"],
         [
@@ -299,6 +359,13 @@ async def main_async(args: argparse.Namespace) -> None:
     kept = sum(a[1] for a in accuracy)
     inside = sum(a[2] for a in accuracy)
     console.print(f"all concurrencies: {inside}/{kept} inside the p99 bound ({inside / max(kept, 1):.1%})")
+    if load is not None:
+        console.print(
+            f"open loop at {args.load:.0%} of the engine's capacity ({load['capacity_per_s']:.2f} req/s direct, "
+            f"{args.slots * 2} clients): {load['requests']:.0f} requests over {args.load_s:.0f} s, "
+            f"{load['failed']:.0f} failed; {load['inside']:.0f}/{load['kept']:.0f} inside the p99 bound "
+            f"({load['inside_share']:.1%}); first-token mean absolute error {load['ttft_mae']:.1%} of the mean; "
+            f"measured / promised latency p50 {load['measured_over_promised_p50']:.2f}")
     if fault is not None:
         console.print(f"fault run ({args.kill_s:.0f} s, 8 clients, server SIGKILLed after "
                       f"{fault['killed_after_s']:.1f} s, started again 2 s later): {fault}")
@@ -314,8 +381,16 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=40, help="paired one-client requests for the added TTFT")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per concurrency, every other one reversed")
     parser.add_argument("--kill-s", type=float, default=30.0, help="the fault run's length (0: none)")
+    parser.add_argument("--engine", choices=("llamacpp-python", "llama-server"), default="llamacpp-python",
+                        help="llama-cpp-python's server (one sequence at a time) or llama.cpp's C++ server")
+    parser.add_argument("--slots", type=int, default=0, help="the engine's parallelism (default: 1, llama-server 4)")
+    parser.add_argument("--load", type=float, default=0.0,
+                        help="after the rounds, Poisson arrivals at this share of the engine's capacity (0: none)")
+    parser.add_argument("--load-s", type=float, default=60.0, help="the load run's length")
     parser.add_argument("--no-plot", action="store_true")
-    asyncio.run(main_async(parser.parse_args()))
+    args = parser.parse_args()
+    args.slots = args.slots or (4 if args.engine == "llama-server" else 1)
+    asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":
