@@ -60,12 +60,15 @@ def words(rng: random.Random, n: int) -> str:
 
 
 async def conversation(client: httpx.AsyncClient, base: str, key: str, model: str, system: str, user: int,
-                       args: argparse.Namespace, until: float) -> list[tuple[int, float, float, int]]:
-    """One user's turns: (turn, TTFT s, total s, completion tokens) each."""
+                       args: argparse.Namespace, until: float,
+                       refusals: list[int]) -> list[tuple[int, float, float, int]]:
+    """One user's turns: (turn, TTFT s, total s, completion tokens) each; a refusal (429/503 with
+    Retry-After) is counted in ``refusals`` and the turn sent again after it."""
     rng = random.Random(user)
     messages: list[dict[str, str]] = [{"role": "system", "content": system}]
     out: list[tuple[int, float, float, int]] = []
-    for turn in range(args.turns):
+    turn = 0
+    while turn < args.turns:
         if time.monotonic() > until:
             break
         messages.append({"role": "user", "content": f"({user}.{turn}) {words(rng, args.user_words)}"})
@@ -76,6 +79,11 @@ async def conversation(client: httpx.AsyncClient, base: str, key: str, model: st
         pieces: list[str] = []
         async with client.stream("POST", base + "/v1/chat/completions", json=body, headers=auth(key),
                                  timeout=120) as reply:
+            if reply.status_code in (429, 503) and "retry-after" in reply.headers:  # as the openai client does
+                refusals.append(reply.status_code)
+                await asyncio.sleep(float(reply.headers["retry-after"]))
+                messages.pop()
+                continue
             if reply.status_code != 200:
                 raise RuntimeError(f"{reply.status_code}: {(await reply.aread())[:200]!r}")
             async for line in reply.aiter_lines():
@@ -90,6 +98,7 @@ async def conversation(client: httpx.AsyncClient, base: str, key: str, model: st
         ended = time.monotonic()
         out.append((turn, (first or ended) - sent, ended - sent, len(pieces)))
         messages.append({"role": "assistant", "content": "".join(pieces)})
+        turn += 1
     return out
 
 
@@ -113,7 +122,9 @@ async def run_routing(routing: str, args: argparse.Namespace) -> dict[str, Any]:
                           "--slots", str(args.slots), "--worker-id", f"replica-{i}", "--model-name", MODEL],
                          OUT / f"multiturn-worker-{i}.log") for i, s in enumerate(servers)]
         stack.callback(stop, workers)
-        with gateway_server(redis.url, ["--routing", routing], backend_procs=workers) as (base, _proc):
+        # the bench compares routings: no request is refused for a long predicted wait
+        with gateway_server(redis.url, ["--routing", routing, "--max-queue-wait-ms", "0"],
+                            backend_procs=workers) as (base, _proc):
             key = bench_key(base)
             async with httpx.AsyncClient(limits=httpx.Limits(max_connections=args.users + 2)) as client:
                 model = (await client.get(base + "/v1/models", headers=auth(key))).json()["data"][0]["id"]
@@ -123,8 +134,9 @@ async def run_routing(routing: str, args: argparse.Namespace) -> dict[str, Any]:
                 before = engine_figures(servers)
                 system = words(random.Random(-1), args.system_words)
                 started = time.monotonic()
+                refusals: list[int] = []
                 turns = await asyncio.gather(*(conversation(client, base, key, model, system, u, args,
-                                                            started + args.max_seconds)
+                                                            started + args.max_seconds, refusals)
                                                for u in range(args.users)))
                 wall = time.monotonic() - started
             after = engine_figures(servers)
@@ -137,6 +149,7 @@ async def run_routing(routing: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "routing": routing,
         "turns": len(flat),
+        "refused": len(refusals),
         "ttft_p50_ms": pct(ttfts, 50) * 1000,
         "ttft_p99_ms": pct(ttfts, 99) * 1000,
         "later_ttft_p50_ms": pct(later, 50) * 1000,
@@ -180,10 +193,11 @@ def main() -> None:
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
     table(f"{args.users} users x {args.turns} turns on {args.replicas} llama-server replicas (-np {args.slots})",
-          ["routing", "turns", "TTFT p50 ms", "TTFT p99 ms", "later turns p50 ms", "turns/s", "tok/s",
+          ["routing", "turns", "refused", "TTFT p50 ms", "TTFT p99 ms", "later turns p50 ms", "turns/s", "tok/s",
            "engines: prompt tokens prefilled", "found cached", "hit"],
-          [(r["routing"], r["turns"], r["ttft_p50_ms"], r["ttft_p99_ms"], r["later_ttft_p50_ms"], r["turns_per_s"],
-            r["tokens_per_s"], int(r["engine_prefilled"]), int(r["engine_cached"]), f"{r['engine_hit']:.1%}")
+          [(r["routing"], r["turns"], r["refused"], r["ttft_p50_ms"], r["ttft_p99_ms"], r["later_ttft_p50_ms"],
+            r["turns_per_s"], r["tokens_per_s"], int(r["engine_prefilled"]), int(r["engine_cached"]),
+            f"{r['engine_hit']:.1%}")
            for r in result["rows"].values()])
     for other, ratio in result["prefix_vs"].items():
         console.print(f"prefix vs {other}: TTFT p50 {ratio['ttft_p50']:.2f}x better, p99 {ratio['ttft_p99']:.2f}x, "
