@@ -15,6 +15,10 @@ reads (``sched_core.simulate.profile.CostProfile``):
   (``--step-tokens``) beside the 8 decoding sequences, the steps a loaded worker runs; they
   check the fit (``mixed_error``), they do not move it.
 
+In that order of value: the prompts of 64, 256 and 1,024 tokens, the decode phases' first
+pass (always, even past the budget), then the other prompts and a second, warm pass of the decode phases
+where the budget has room.
+
 The scheduler's step model takes the fit term for term: ``prefill_launch = a``,
 ``prefill_token = b``, ``prefill_attention = b2`` (attention's quadratic share of one
 prompt, which the online fit leaves as measured), ``decode_launch, decode_seq, kv_token =
@@ -201,23 +205,25 @@ def measure(engine: Engine, budget_s: float, slots: int) -> dict[str, Any]:
             if run.over() and run.prefill:
                 break
             longest = prefill(length)
+        # the decode phases next, whatever is left of the budget: a profile without decode
+        # steps would price decode by nothing it measured (on a slow CPU the prefills above
+        # can take the whole budget: 8.4 of 10 s on an AMD EPYC of the first Zen generation)
+        decoded_from = len(run.decode)
+        started = time.monotonic()
+        decode_phases(run, slots, first_pass=True)
+        decode_took = time.monotonic() - started
         # attention's growth shows best on a long prompt: one of LONG_PROMPT tokens where the
-        # budget leaves room for it (≈ 2.2x the longest so far) and for the decode phases
-        # (≈ 3x it), else the longest once more
+        # budget leaves room for it (≈ 2.2x the longest so far), else the longest once more
         left = t0 + budget_s - time.monotonic()
         if not run.over():
-            prefill(LONG_PROMPT if 2.2 * longest + 3 * longest <= left else PREFILL_LENGTHS[-1] + SHAPE_STEP)
+            prefill(LONG_PROMPT if 2.2 * longest <= left else PREFILL_LENGTHS[-1] + SHAPE_STEP)
         for length in PREFILL_LENGTHS[:-1]:
             if not run.over():
                 prefill(length + SHAPE_STEP)
-        decoded_from = len(run.decode)
-        started = time.monotonic()
-        if not run.over():
-            decode_phases(run, slots, first_pass=True)
         # decode widths recur in serving, prompt lengths hardly: the decode phases run again,
         # where the budget has room, and their second, warm pass is the one kept
         cold = run.decode[decoded_from:]
-        if cold and time.monotonic() - started < t0 + budget_s - time.monotonic():
+        if cold and decode_took < t0 + budget_s - time.monotonic():
             del run.decode[decoded_from:]
             if not decode_phases(run, slots, first_pass=False):
                 run.decode[decoded_from:] = cold
@@ -228,15 +234,17 @@ def measure(engine: Engine, budget_s: float, slots: int) -> dict[str, Any]:
 
 def decode_phases(run: Run, slots: int, first_pass: bool) -> bool:
     """One sequence of ``LONG_DECODE_PROMPT`` tokens decoding alone, then a batch of 32 short
-    ones decoding and, once 8 are left, a prompt prefilled in chunks beside them. The second
-    pass files no prefill point (its prompt lengths were seen) and runs no chunked prompt.
-    False if the budget ran out before the batch."""
+    ones decoding and, once 8 are left, a prompt prefilled in chunks beside them (where the
+    budget has room). The first pass runs both widths whatever the budget: the decode fit needs
+    more than one width to tell a step's launch from its per-sequence cost. The second pass
+    files no prefill point (its prompt lengths were seen), runs no chunked prompt, and stops
+    (False) if the budget runs out before the batch."""
     engine = run.engine
     filed = 1 if first_pass else 0  # prefills filed as points: the first pass's
     run.add(1, LONG_DECODE_PROMPT, LONG_DECODE_STEPS + 1)
     run.step(filed, LONG_DECODE_PROMPT)
     run.drain()
-    if run.over():
+    if run.over() and not first_pass:  # the first pass's batch runs past the budget: one width fits nothing
         return False
     big, small = (min(n, slots) for n in BATCH_SIZES)
     first = BATCH_STEPS + 1
