@@ -65,14 +65,8 @@ class HFEngine:
     context_tokens = 0  # the model's own, as the gateway reads it from the same config
     prefix_cache_tokens = 0  # every sequence prefills its whole prompt: nothing is reused (docs/scheduling.md §15)
 
-    def __init__(
-        self,
-        model_dir: Path,
-        choice: DeviceChoice,
-        slots: int = 32,
-        max_prefill_tokens: int = IDLE_PREFILL_TOKENS,
-        step_tokens: int = 0,
-    ) -> None:
+    def __init__(self, model_dir: Path, choice: DeviceChoice, slots: int = 32,
+                 max_prefill_tokens: int = IDLE_PREFILL_TOKENS, step_tokens: int = 0) -> None:
         self.slots = slots
         self.step_tokens = step_tokens  # 0: no per-step budget, prompts prefilled whole
         self.device = choice.device

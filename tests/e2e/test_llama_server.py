@@ -121,11 +121,11 @@ def test_four_requests_run_at_once_in_the_engine_and_the_heartbeat_carries_its_m
         (w,) = _workers(fronted)
         figures = w["upstream"]
         assert isinstance(figures, dict)
-        if figures.get("prompt_tokens", 0) > 0:
+        if figures.get("prompt_tokens_prefilled", 0) > 0:
             break
         assert time.monotonic() < deadline, w
         time.sleep(0.3)
-    assert {"running", "waiting", "prompt_tokens"} <= set(figures), figures
+    assert {"running", "waiting", "prompt_tokens_prefilled", "prompt_tokens_cached"} <= set(figures), figures
     assert w["context"] == CONTEXT and w["slots"] == SLOTS and w["prefix_cache"] == SLOTS * CONTEXT, w
 
 

@@ -57,7 +57,7 @@ def test_four_sequences_decode_in_the_same_steps_and_the_metrics_reach_the_engin
     decodes = [rec for r in results for rec in r.records() if not rec.prefill_tokens]
     assert max(rec.decode_seqs for rec in decodes) == SLOTS  # several sequences per step, as it batches
     time.sleep(1.5)  # the next probe reads /metrics
-    assert engine.metrics["prompt_tokens"] > 0 and "running" in engine.metrics and "waiting" in engine.metrics
+    assert engine.metrics["prompt_tokens_prefilled"] > 0 and "running" in engine.metrics and "waiting" in engine.metrics
 
 
 def test_a_prompt_the_engine_found_cached_is_recorded_as_the_prefill_it_did(engine: UpstreamEngine) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common import protocol as p
-from workers.upstream import cached_tokens, parse_metrics, request_body
+from workers.upstream_api import cached_tokens, parse_metrics, request_body
 
 GREEDY = p.SamplingParams(12, temperature=0.0)
 
@@ -71,7 +71,7 @@ llamacpp:requests_deferred 1
 
 
 def test_llama_servers_metrics_are_read_under_the_same_names() -> None:
-    assert parse_metrics(LLAMA_SERVER_METRICS) == {"running": 2.0, "waiting": 1.0, "prompt_tokens": 33.0,
+    assert parse_metrics(LLAMA_SERVER_METRICS) == {"running": 2.0, "waiting": 1.0, "prompt_tokens_prefilled": 33.0,
                                                    "prompt_tokens_cached": 31.0}
 
 

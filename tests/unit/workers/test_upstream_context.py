@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from common import protocol as p
-from workers.upstream import listed_context, props_context, request_body
+from workers.upstream_api import listed_context, props_context, request_body
 
 
 def test_vllms_model_list_says_its_max_model_len() -> None:
