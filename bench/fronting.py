@@ -174,6 +174,11 @@ def _accuracy(outcomes: Sequence[Outcome]) -> tuple[int, int, float]:
     return len(kept), inside, pct(ratios, 50)
 
 
+def _mean(values: Sequence[float | None]) -> float:
+    kept = [v for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else float("nan")
+
+
 def ttft_error(outcomes: Sequence[Outcome]) -> float:
     """The first-token promise's mean absolute error, relative: mean |measured - promised| over
     the mean measured first token, for the requests answered with a promise."""
@@ -323,7 +328,9 @@ async def main_async(args: argparse.Namespace) -> None:
                 load = {"capacity_per_s": capacity, "rate_per_s": args.load * capacity, "requests": len(outcomes),
                         "failed": sum(1 for o in outcomes if o.error), "kept": kept, "inside": inside,
                         "inside_share": inside / kept if kept else float("nan"),
-                        "measured_over_promised_p50": ratio, "ttft_mae": ttft_error(outcomes)}
+                        "measured_over_promised_p50": ratio, "ttft_mae": ttft_error(outcomes),
+                        "ttft_mean_s": _mean([o.ttft_s for o in outcomes if o.ttft_promised_s is not None]),
+                        "ttft_promised_mean_s": _mean([o.ttft_promised_s for o in outcomes if o.ttft_s is not None])}
             fault = None
             if args.kill_s > 0:
                 fault = await fault_run(server, base, auth(key), model, args.kill_s, args.max_tokens)
@@ -364,7 +371,9 @@ async def main_async(args: argparse.Namespace) -> None:
             f"open loop at {args.load:.0%} of the engine's capacity ({load['capacity_per_s']:.2f} req/s direct, "
             f"{args.slots * 2} clients): {load['requests']:.0f} requests over {args.load_s:.0f} s, "
             f"{load['failed']:.0f} failed; {load['inside']:.0f}/{load['kept']:.0f} inside the p99 bound "
-            f"({load['inside_share']:.1%}); first-token mean absolute error {load['ttft_mae']:.1%} of the mean; "
+            f"({load['inside_share']:.1%}); first-token mean absolute error {load['ttft_mae']:.1%} of the mean "
+            f"(measured mean {load['ttft_mean_s'] * 1000:.0f} ms, "
+            f"promised {load['ttft_promised_mean_s'] * 1000:.0f} ms); "
             f"measured / promised latency p50 {load['measured_over_promised_p50']:.2f}")
     if fault is not None:
         console.print(f"fault run ({args.kill_s:.0f} s, 8 clients, server SIGKILLed after "
