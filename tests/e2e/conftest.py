@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from gateway.cli.embedded_redis import free_port
@@ -122,3 +123,41 @@ def served(model_spec: ModelSpec, tmp_path_factory: pytest.TempPathFactory) -> I
     s.key = banner_key(s)
     yield s
     s.stop()
+
+
+def same_greedy_answers(tg: openai.OpenAI, direct: openai.OpenAI, model: str) -> None:
+    """Greedy answers through tokengate (``tg``) are the upstream's own (``direct``): a chat, the
+    same chat streamed token by token, a completion and the completion streamed."""
+    kw = {"messages": [{"role": "user", "content": "Write a haiku about the sea."}], "max_tokens": 40,
+          "temperature": 0}
+    via = tg.chat.completions.create(model=model, **kw)  # type: ignore[call-overload]
+    own = direct.chat.completions.create(model="any", **kw)  # type: ignore[call-overload]
+    assert via.choices[0].message.content and via.choices[0].message.content == own.choices[0].message.content
+    assert via.choices[0].finish_reason == own.choices[0].finish_reason
+    assert via.usage is not None and own.usage is not None
+    assert (via.usage.prompt_tokens, via.usage.completion_tokens) == (own.usage.prompt_tokens,
+                                                                      own.usage.completion_tokens)
+    stream = tg.chat.completions.create(model=model, stream=True, **kw)  # type: ignore[call-overload]
+    chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert len(chunks) > 5 and "".join(chunks) == own.choices[0].message.content  # token by token
+
+    prompt = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
+    via_text = tg.completions.create(model=model, **prompt)  # type: ignore[call-overload]
+    own_text = direct.completions.create(model="any", **prompt)  # type: ignore[call-overload]
+    assert via_text.choices[0].text and via_text.choices[0].text == own_text.choices[0].text
+    streamed = tg.completions.create(model=model, stream=True, **prompt)  # type: ignore[call-overload]
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == own_text.choices[0].text
+
+
+def upstream_clients(fronted: Served, upstream_url: str) -> tuple[openai.OpenAI, openai.OpenAI]:
+    """The official client through tokengate (the demo key), and straight to the upstream."""
+    tg = openai.OpenAI(base_url=fronted.base_url + "/v1", api_key=fronted.key, max_retries=0, timeout=60)
+    direct = openai.OpenAI(base_url=upstream_url + "/v1", api_key="none", max_retries=0, timeout=60)
+    return tg, direct
+
+
+def admin_workers(fronted: Served) -> list[dict[str, object]]:
+    """``GET /admin/workers``' workers."""
+    reply = httpx.get(fronted.base_url + "/admin/workers", headers={"authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert reply.status_code == 200
+    return list(reply.json()["data"])

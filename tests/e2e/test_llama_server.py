@@ -17,7 +17,15 @@ import openai
 import pytest
 
 from bench.llamacpp import LlamaCppServer, llama_server_bin
-from tests.e2e.conftest import ADMIN_TOKEN, Served, banner_key, start
+from tests.e2e.conftest import (
+    ADMIN_TOKEN,
+    Served,
+    admin_workers,
+    banner_key,
+    same_greedy_answers,
+    start,
+    upstream_clients,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -49,36 +57,9 @@ def fronted(upstream: LlamaCppServer, tmp_path_factory: pytest.TempPathFactory) 
     s.stop()
 
 
-def _clients(fronted: Served, upstream: LlamaCppServer) -> tuple[openai.OpenAI, openai.OpenAI]:
-    tg = openai.OpenAI(base_url=fronted.base_url + "/v1", api_key=fronted.key, max_retries=0, timeout=60)
-    direct = openai.OpenAI(base_url=upstream.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    return tg, direct
-
-
-def _workers(fronted: Served) -> list[dict[str, object]]:
-    reply = httpx.get(fronted.base_url + "/admin/workers", headers={"authorization": f"Bearer {ADMIN_TOKEN}"})
-    assert reply.status_code == 200
-    return list(reply.json()["data"])
-
-
 def test_greedy_answers_through_tokengate_are_the_engines_own(fronted: Served, upstream: LlamaCppServer) -> None:
-    tg, direct = _clients(fronted, upstream)
-    kw = {"messages": HAIKU, "max_tokens": 40, "temperature": 0}
-    via = tg.chat.completions.create(model=fronted.model, **kw)  # type: ignore[call-overload]
-    own = direct.chat.completions.create(model="any", **kw)  # type: ignore[call-overload]
-    assert via.choices[0].message.content and via.choices[0].message.content == own.choices[0].message.content
-    assert via.choices[0].finish_reason == own.choices[0].finish_reason
-    assert via.usage is not None and own.usage is not None
-    assert (via.usage.prompt_tokens, via.usage.completion_tokens) == (own.usage.prompt_tokens,
-                                                                      own.usage.completion_tokens)
-    stream = tg.chat.completions.create(model=fronted.model, stream=True, **kw)  # type: ignore[call-overload]
-    chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
-    assert len(chunks) > 5 and "".join(chunks) == own.choices[0].message.content  # token by token
-
-    prompt = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
-    via_text = tg.completions.create(model=fronted.model, **prompt)  # type: ignore[call-overload]
-    own_text = direct.completions.create(model="any", **prompt)  # type: ignore[call-overload]
-    assert via_text.choices[0].text and via_text.choices[0].text == own_text.choices[0].text
+    tg, direct = upstream_clients(fronted, upstream.url)
+    same_greedy_answers(tg, direct, fronted.model)
     # llama-server takes token ids too (llama-cpp-python's server does not)
     ids = tg.completions.create(model=fronted.model, prompt=[504, 3575, 282], max_tokens=8, temperature=0)
     assert ids.choices[0].text == direct.completions.create(model="any", prompt=[504, 3575, 282], max_tokens=8,
@@ -88,7 +69,7 @@ def test_greedy_answers_through_tokengate_are_the_engines_own(fronted: Served, u
 def test_four_requests_run_at_once_in_the_engine_and_the_heartbeat_carries_its_metrics_and_context(
     fronted: Served, upstream: LlamaCppServer
 ) -> None:
-    tg, _direct = _clients(fronted, upstream)
+    tg, _direct = upstream_clients(fronted, upstream.url)
     answers: dict[str, str] = {}
     busy: list[int] = []
     done = threading.Event()
@@ -118,7 +99,7 @@ def test_four_requests_run_at_once_in_the_engine_and_the_heartbeat_carries_its_m
 
     deadline = time.monotonic() + 10
     while True:  # the next heartbeats carry the engine's counters, with these prompts in them
-        (w,) = _workers(fronted)
+        (w,) = admin_workers(fronted)
         figures = w["upstream"]
         assert isinstance(figures, dict)
         if figures.get("prompt_tokens_prefilled", 0) > 0:
@@ -130,7 +111,7 @@ def test_four_requests_run_at_once_in_the_engine_and_the_heartbeat_carries_its_m
 
 
 def test_a_cancelled_stream_stops_its_generation_in_the_engine(fronted: Served, upstream: LlamaCppServer) -> None:
-    tg, _direct = _clients(fronted, upstream)
+    tg, _direct = upstream_clients(fronted, upstream.url)
     stream = tg.chat.completions.create(model=fronted.model, messages=STORY, max_tokens=1000, temperature=0,
                                         stream=True)
     for n, _chunk in enumerate(stream):
@@ -144,7 +125,7 @@ def test_a_cancelled_stream_stops_its_generation_in_the_engine(fronted: Served, 
 
 
 def test_the_engine_killed_and_restarted_under_load_loses_nothing(fronted: Served, upstream: LlamaCppServer) -> None:
-    tg, _direct = _clients(fronted, upstream)
+    tg, _direct = upstream_clients(fronted, upstream.url)
     outcomes: dict[int, str] = {}
 
     def one(i: int) -> None:
@@ -162,13 +143,13 @@ def test_the_engine_killed_and_restarted_under_load_loses_nothing(fronted: Serve
     time.sleep(1.0)  # four streaming, four queued
     upstream.kill()
     deadline = time.monotonic() + 10
-    while not any(w["down"] for w in _workers(fronted)):
+    while not any(w["down"] for w in admin_workers(fronted)):
         assert time.monotonic() < deadline, "the worker never said its upstream is down"
         time.sleep(0.2)
     time.sleep(1.0)
     upstream.start()
     back = time.monotonic()
-    while any(w["down"] for w in _workers(fronted)):
+    while any(w["down"] for w in admin_workers(fronted)):
         assert time.monotonic() - back < 5.0, "the worker did not take jobs again within 5 s"
         time.sleep(0.1)
     for t in clients:

@@ -17,7 +17,15 @@ import openai
 import pytest
 
 from bench.llamacpp import LlamaServer
-from tests.e2e.conftest import ADMIN_TOKEN, Served, banner_key, start
+from tests.e2e.conftest import (
+    ADMIN_TOKEN,
+    Served,
+    admin_workers,
+    banner_key,
+    same_greedy_answers,
+    start,
+    upstream_clients,
+)
 
 pytest.importorskip("llama_cpp.server", reason="the llamacpp extra (make install-llamacpp)")
 
@@ -46,35 +54,11 @@ def fronted(upstream: LlamaServer, tmp_path_factory: pytest.TempPathFactory) -> 
     s.stop()
 
 
-def _clients(fronted: Served, upstream: LlamaServer) -> tuple[openai.OpenAI, openai.OpenAI]:
-    tg = openai.OpenAI(base_url=fronted.base_url + "/v1", api_key=fronted.key, max_retries=0, timeout=60)
-    direct = openai.OpenAI(base_url=upstream.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    return tg, direct
-
-
 def test_the_openai_client_gets_the_same_answers_through_tokengate_as_directly(
     fronted: Served, upstream: LlamaServer
 ) -> None:
-    tg, direct = _clients(fronted, upstream)
-    kw = {"messages": HAIKU, "max_tokens": 40, "temperature": 0}
-    via = tg.chat.completions.create(model=fronted.model, **kw)  # type: ignore[call-overload]
-    own = direct.chat.completions.create(model="any", **kw)  # type: ignore[call-overload]
-    assert via.choices[0].message.content and via.choices[0].message.content == own.choices[0].message.content
-    assert via.choices[0].finish_reason == own.choices[0].finish_reason
-    assert via.usage is not None and own.usage is not None
-    assert (via.usage.prompt_tokens, via.usage.completion_tokens) == (own.usage.prompt_tokens,
-                                                                      own.usage.completion_tokens)
-
-    stream = tg.chat.completions.create(model=fronted.model, stream=True, **kw)  # type: ignore[call-overload]
-    chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
-    assert len(chunks) > 5 and "".join(chunks) == own.choices[0].message.content  # token by token
-
-    prompt = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
-    via_text = tg.completions.create(model=fronted.model, **prompt)  # type: ignore[call-overload]
-    own_text = direct.completions.create(model="any", **prompt)  # type: ignore[call-overload]
-    assert via_text.choices[0].text and via_text.choices[0].text == own_text.choices[0].text
-    streamed = tg.completions.create(model=fronted.model, stream=True, **prompt)  # type: ignore[call-overload]
-    assert "".join(c.choices[0].text for c in streamed if c.choices) == own_text.choices[0].text
+    tg, direct = upstream_clients(fronted, upstream.url)
+    same_greedy_answers(tg, direct, fronted.model)
 
 
 def test_the_contract_headers_come_from_the_upstream_workers_telemetry(fronted: Served) -> None:
@@ -93,7 +77,7 @@ def test_the_contract_headers_come_from_the_upstream_workers_telemetry(fronted: 
 def test_a_failed_request_is_a_clear_error_at_once_and_a_cancelled_stream_frees_the_upstream(
     fronted: Served, upstream: LlamaServer
 ) -> None:
-    tg, direct = _clients(fronted, upstream)
+    tg, direct = upstream_clients(fronted, upstream.url)
     # llama-cpp-python's server takes no token-id prompt, and says so with a 500
     started = time.monotonic()
     with pytest.raises(openai.APIStatusError, match="upstream answered 500") as refused:
@@ -122,7 +106,7 @@ def test_a_prompt_over_the_engines_context_is_refused_before_it_is_sent(
     """Straight to llama.cpp's server such a prompt is its 400 (streamed: a stream that ends
     with no word); through tokengate it is a 400 ``context_length_exceeded`` naming the
     engine's context, not the model's, and the upstream never sees it."""
-    tg, _direct = _clients(fronted, upstream)
+    tg, _direct = upstream_clients(fronted, upstream.url)
     before = _posts(upstream)
     long = [{"role": "user", "content": "word " * 2600}]  # about 2,600 tokens: under the model's 8192
     for stream in (True, False):
@@ -146,7 +130,7 @@ def test_a_prompt_over_the_engines_context_is_refused_before_it_is_sent(
 def test_a_chat_of_text_parts_is_answered_as_the_same_chat_of_strings(fronted: Served, upstream: LlamaServer) -> None:
     """guidellm's body: each message's content a list of text parts. The engine gets one string
     per message, and answers as it does the plain chat."""
-    tg, direct = _clients(fronted, upstream)
+    tg, direct = upstream_clients(fronted, upstream.url)
     parts = [{"role": "user", "content": [{"type": "text", "text": "Write a haiku "},
                                           {"type": "text", "text": "about the sea."}]}]
     reply = httpx.post(fronted.base_url + "/v1/chat/completions", headers=fronted.auth(), timeout=60,
@@ -156,16 +140,10 @@ def test_a_chat_of_text_parts_is_answered_as_the_same_chat_of_strings(fronted: S
     assert reply.json()["choices"][0]["message"]["content"] == own.choices[0].message.content
 
 
-def _workers(fronted: Served) -> list[dict[str, object]]:
-    reply = httpx.get(fronted.base_url + "/admin/workers", headers={"authorization": f"Bearer {ADMIN_TOKEN}"})
-    assert reply.status_code == 200
-    return list(reply.json()["data"])
-
-
 def test_a_killed_upstream_gives_clear_errors_and_redelivery_and_serves_again_once_back(
     fronted: Served, upstream: LlamaServer
 ) -> None:
-    tg, _direct = _clients(fronted, upstream)
+    tg, _direct = upstream_clients(fronted, upstream.url)
     outcomes: dict[int, str] = {}
 
     def one(i: int) -> None:
@@ -184,10 +162,10 @@ def test_a_killed_upstream_gives_clear_errors_and_redelivery_and_serves_again_on
     upstream.kill()
 
     deadline = time.monotonic() + 10
-    while not any(w["down"] for w in _workers(fronted)):
+    while not any(w["down"] for w in admin_workers(fronted)):
         assert time.monotonic() < deadline, "the worker never said its upstream is down"
         time.sleep(0.2)
-    why = str(_workers(fronted)[0]["down"])  # the stream's failure, then the probe's
+    why = str(admin_workers(fronted)[0]["down"])  # the stream's failure, then the probe's
     assert why.startswith(f"upstream {upstream.url} ") and ("failed" in why or "does not answer" in why), why
     refused = httpx.post(fronted.base_url + "/v1/chat/completions", headers=fronted.auth(), timeout=30,
                          json={"model": fronted.model, "messages": HAIKU, "max_tokens": 4})
@@ -197,7 +175,7 @@ def test_a_killed_upstream_gives_clear_errors_and_redelivery_and_serves_again_on
     time.sleep(1.0)
     upstream.start()
     back = time.monotonic()
-    while any(w["down"] for w in _workers(fronted)):
+    while any(w["down"] for w in admin_workers(fronted)):
         assert time.monotonic() - back < 5.0, "the worker did not take jobs again within 5 s"
         time.sleep(0.1)
     reply = httpx.post(fronted.base_url + "/v1/chat/completions", headers=fronted.auth(), timeout=60,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -10,7 +11,7 @@ import redis
 
 from common import protocol as p
 from common import wire
-from workers.engine import Engine
+from workers.engine import Engine, StepResult
 from workers.settings import WorkerSettings, connect
 from workers.worker import Worker
 
@@ -53,3 +54,13 @@ def collect(client: redis.Redis, stream: str, until_batches: int, timeout_s: flo
                 last = entry_id
                 events.extend(p.decode_events(fields))
     return events
+
+
+def run_engine(engine: Engine, timeout_s: float = 60) -> list[StepResult]:
+    """Step ``engine`` until it holds nothing: every step's result."""
+    results = []
+    deadline = time.monotonic() + timeout_s
+    while engine.busy:
+        assert time.monotonic() < deadline, "the engine did not finish"
+        results.append(engine.step())
+    return results

@@ -11,7 +11,7 @@ import pytest
 
 from bench.llamacpp import LlamaCppServer, llama_server_bin
 from common import protocol as p
-from workers.engine import StepResult
+from tests.integration.helpers import run_engine
 from workers.upstream import UpstreamEngine
 
 pytestmark = pytest.mark.model
@@ -37,21 +37,12 @@ def engine(server: LlamaCppServer) -> Iterator[UpstreamEngine]:
     e.close()
 
 
-def _run(engine: UpstreamEngine, timeout_s: float = 60) -> list[StepResult]:
-    results = []
-    deadline = time.monotonic() + timeout_s
-    while engine.busy:
-        assert time.monotonic() < deadline, "the engine did not finish"
-        results.append(engine.step())
-    return results
-
-
 def test_four_sequences_decode_in_the_same_steps_and_the_metrics_reach_the_engine(engine: UpstreamEngine) -> None:
     assert engine.context_tokens == 2048 and engine.prefix_cache_tokens == SLOTS * 2048  # from /props
     for i in range(SLOTS):
         engine.add(p.SeqJob(f"s{i}", (1,) * 12, p.SamplingParams(48, temperature=0.0),
                             messages=(("user", f"Write a poem about the number {i}."),)))
-    results = _run(engine)
+    results = run_engine(engine)
     ends = [ev for r in results for ev in r.events if isinstance(ev, p.Finished)]
     assert len(ends) == SLOTS and all(ev.text for ev in ends)
     decodes = [rec for r in results for rec in r.records() if not rec.prefill_tokens]
@@ -64,7 +55,7 @@ def test_a_prompt_the_engine_found_cached_is_recorded_as_the_prefill_it_did(engi
     def prefills(rid: str, question: str) -> list[p.StepRecord]:
         engine.add(p.SeqJob(rid, (1,) * 400, p.SamplingParams(4, temperature=0.0),
                             messages=(("user", LONG + question),)))
-        return [rec for r in _run(engine) for rec in r.records() if rec.prefill_tokens]
+        return [rec for r in run_engine(engine) for rec in r.records() if rec.prefill_tokens]
 
     (first,) = prefills("a", "Which is the first?")
     (again,) = prefills("b", "Which is the last?")  # the same long start: the engine has it cached

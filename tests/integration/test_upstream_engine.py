@@ -14,7 +14,7 @@ import pytest
 from bench.llamacpp import LlamaServer
 from common import protocol as p
 from gateway.cli.embedded_redis import free_port
-from workers.engine import StepResult
+from tests.integration.helpers import run_engine
 from workers.upstream import UpstreamEngine
 
 pytest.importorskip("llama_cpp.server", reason="the llamacpp extra (make install-llamacpp)")
@@ -45,15 +45,6 @@ def engine(server: LlamaServer) -> Iterator[UpstreamEngine]:
     e.close()
 
 
-def _run(engine: UpstreamEngine, timeout_s: float = 60) -> list[StepResult]:
-    results = []
-    deadline = time.monotonic() + timeout_s
-    while engine.busy:
-        assert time.monotonic() < deadline, "the engine did not finish"
-        results.append(engine.step())
-    return results
-
-
 def _ask(server: LlamaServer, question: str) -> str:
     body = {"messages": [{"role": "user", "content": question}], "max_tokens": GREEDY.max_tokens, "temperature": 0}
     reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
@@ -74,7 +65,7 @@ def test_several_sequences_at_once_answer_as_direct_calls_and_their_steps_are_in
     for i, q in enumerate(QUESTIONS):
         engine.add(p.SeqJob(f"s{i}", (1,) * (10 + i), GREEDY, stream=i == 0, messages=(("user", q),)))
     assert engine.free_slots == 0 and engine.queued_prefill == 10 + 11 + 12
-    results = _run(engine)
+    results = run_engine(engine)
     texts = {ev.rid: ev.text for r in results for ev in r.events if isinstance(ev, p.Finished)}
     deltas = "".join(ev.text for r in results for ev in r.events if isinstance(ev, p.Delta))
     assert texts["s0"] == "" and deltas == _direct(server, QUESTIONS[0])  # streamed, token by token
@@ -98,7 +89,7 @@ def test_a_cancelled_sequence_ends_cancelled_and_its_slot_comes_back(engine: Ups
         got_tokens = any(isinstance(ev, p.Delta) for ev in engine.step().events)
     assert engine.cancel("c") and not engine.cancel("c")
     assert engine.free_slots == 3
-    ends = [ev for r in _run(engine, 10) for ev in r.events if isinstance(ev, p.Finished)]
+    ends = [ev for r in run_engine(engine, 10) for ev in r.events if isinstance(ev, p.Finished)]
     assert [(ev.rid, ev.finish_reason) for ev in ends] == [("c", "cancelled")]
 
 
@@ -127,7 +118,7 @@ def test_a_shared_upstreams_running_count_sizes_the_inferred_decode_steps(engine
     assert engine.metrics == {}  # llama-cpp-python serves no /metrics
     engine.metrics = {"running": 4.0}  # as a vLLM shared with three other requests would say
     engine.add(p.SeqJob("v", (1,) * 20, GREEDY, messages=(("user", QUESTIONS[0]),)))
-    decodes = [rec for r in _run(engine) for rec in r.records() if not rec.prefill_tokens]
+    decodes = [rec for r in run_engine(engine) for rec in r.records() if not rec.prefill_tokens]
     assert decodes and all(rec.decode_seqs == 4 for rec in decodes)
     assert all(rec.kv_tokens >= 4 * 21 for rec in decodes)  # four sequences of at least 20 + 1 tokens
 
