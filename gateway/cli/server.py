@@ -156,7 +156,9 @@ async def _run_gateway(
         ending = lambda: server.should_exit or stopped.is_set()  # noqa: E731
         background.append(asyncio.create_task(served.watch(gw, cache_dir, fatal, ending)))
         if ready is not None:
-            while not task.done():
+            # a stop signal during start-up raised inside the loop can be lost in a callback;
+            # ``StopSignals.serving`` then told the server to exit: it says no "ready"
+            while not task.done() and not server.should_exit:
                 workers = {wid: hb for dom in gw.domains.values() for wid, hb in dom.dispatcher.workers.items()}
                 if server.started and workers:
                     ready(workers)

@@ -54,6 +54,7 @@ log = logging.getLogger("tokengate.dispatch")
 CANCEL_TTL_S = 600
 WATCH_S = 0.5  # how often workers and peers are re-read (and slot leases checked)
 MODEL_SAVE_S = 10.0  # how often the fitted model and calibration are saved for the next start
+BACKGROUND_DRAIN_S = 2.0  # at close, what ``spawn`` started may run this long, then is cancelled
 
 
 @dataclass(slots=True)
@@ -154,6 +155,11 @@ class Dispatcher:
             for task in stuck:
                 log.error("the %s loop did not stop within 5 s", task.get_name())
         self.fail_all("shutdown", "The gateway is shutting down; retry on another replica.")
+        if self._background:  # cancels, settlements of a follower: briefly, then cancelled
+            _done, late = await asyncio.wait(set(self._background), timeout=BACKGROUND_DRAIN_S)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         await self.inbox.close()
         await self.leading.close()
         with contextlib.suppress(RedisError):

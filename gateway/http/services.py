@@ -64,8 +64,15 @@ class Tasks:
         return task
 
     async def drain(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for them; any still running then is cancelled and awaited, so
+        that none of them writes to Redis after the gateway closed its connections."""
         if self._running:
-            await asyncio.wait(set(self._running), timeout=timeout_s)
+            _done, late = await asyncio.wait(set(self._running), timeout=timeout_s)
+            if late:
+                log.warning("%d settlements still running at shutdown: cancelled", len(late))
+                for task in late:
+                    task.cancel()
+                await asyncio.gather(*late, return_exceptions=True)
 
 
 @dataclass(slots=True)

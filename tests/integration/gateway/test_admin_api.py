@@ -247,7 +247,7 @@ async def test_the_cluster_view_counts_admissions_refusals_and_contracts(harness
 async def test_any_request_is_explained_while_queued_and_its_record_after(
     redis_url: str, prompts: Any, model_spec: Any
 ) -> None:
-    slow = EchoEngine(tokens=4, slots=1, step_s=0.1)  # one at a time: the others queue
+    slow = EchoEngine(tokens=4, slots=1, step_s=0.3)  # one at a time: the last queued ~2.4 s (a slow CPU's GET)
     async with make_harness(redis_url, prompts, model_spec.name, engine=slow) as h:
         _, key = await h.tenant("acme", rate=10**6, burst=10**7)
         sent = [asyncio.create_task(h.complete(key, max_tokens=4)) for _ in range(3)]
