@@ -70,6 +70,8 @@ class _Worker:
         return n * BLOCK
 
     def remember(self, hashes: list[int]) -> None:
+        if not self.cache_blocks:  # its engine keeps nothing
+            return
         for h in hashes:
             self.cache[h] = None
             self.cache.move_to_end(h)
@@ -129,14 +131,14 @@ class Placement:
                 out[s.rid] = ""
                 continue
             n = len(s.prompt_ids)
-            hashes = block_hashes(s.prompt_ids) if self.routing == "prefix" else []
+            # hashed only where a candidate's engine caches (``cache_blocks`` is 0 but under prefix routing)
+            hashes = block_hashes(s.prompt_ids) if any(w.cache_blocks for _, w in free) else []
             cached = {wid: w.cached(hashes) for wid, w in free}
             predicted = {wid: w.first_token_s(n, cached[wid]) for wid, w in free}
             if self.routing == "round-robin":  # the next in the pool's order with a free slot
-                turn = self._turn.get(pool, 0)
-                k = next(k for k in range(len(pool_workers)) if pool_workers[(turn + k) % len(pool_workers)][1]
-                         in (w for _, w in free))
-                wid = pool_workers[(turn + k) % len(pool_workers)][0]
+                turn, ids = self._turn.get(pool, 0), [wid for wid, _ in pool_workers]
+                k = next(k for k in range(len(ids)) if ids[(turn + k) % len(ids)] in cached)
+                wid = ids[(turn + k) % len(ids)]
                 self._turn[pool] = turn + k + 1
             else:
                 wid = min(free, key=lambda f: (predicted[f[0]], len(f[1].held), f[0]))[0]
