@@ -46,6 +46,7 @@ from gateway.dispatch.role import Role
 from gateway.dispatch.scheduling import Origin, SchedulerShell, Send
 from gateway.redis_batch import AutoPipeline
 from gateway.settings import GatewaySettings
+from gateway.tasks import Tasks
 from sched_core import Contract, Reject, SchedulerConfig
 from sched_core.contracts import Accuracy
 
@@ -103,7 +104,7 @@ class Dispatcher:
         self.closing = False  # loops end at their next turn (a cancel can be swallowed, see close)
         self.outage = Outage()  # shared by the loops: one warning when Redis fails, one line when it is back
         self._tasks: list[asyncio.Task[None]] = []
-        self._background: set[asyncio.Task[None]] = set()
+        self._background = Tasks("background calls")  # cancels, a follower's notes
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -155,11 +156,7 @@ class Dispatcher:
             for task in stuck:
                 log.error("the %s loop did not stop within 5 s", task.get_name())
         self.fail_all("shutdown", "The gateway is shutting down; retry on another replica.")
-        if self._background:  # cancels, settlements of a follower: briefly, then cancelled
-            _done, late = await asyncio.wait(set(self._background), timeout=BACKGROUND_DRAIN_S)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
+        await self._background.drain(BACKGROUND_DRAIN_S)
         await self.inbox.close()
         await self.leading.close()
         with contextlib.suppress(RedisError):
@@ -263,9 +260,7 @@ class Dispatcher:
             log.warning("could not write to %s: %s", stream, exc)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background.spawn(coro)
 
     def fail_all(self, code: str, message: str) -> None:
         """End every waiting request with an error event (shutdown, a lost loop)."""

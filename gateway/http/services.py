@@ -6,13 +6,10 @@ drives one request through them (its tokenizing, its settlement)."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -24,6 +21,7 @@ from gateway.http.saturation import LoopLag
 from gateway.metrics import Metrics, ModelMetrics
 from gateway.redis_batch import AutoPipeline
 from gateway.settings import GatewaySettings
+from gateway.tasks import Tasks
 from gateway.tenancy import limits
 from gateway.tenancy.auth import Authenticator
 from gateway.tenancy.budget import Budget
@@ -48,31 +46,6 @@ def redis_client(settings: GatewaySettings) -> aioredis.Redis:
         socket_connect_timeout=settings.redis_timeout_s,
     )
     return aioredis.Redis(connection_pool=pool)
-
-
-class Tasks:
-    """Tasks that must run to their end even if the handler that started them is cancelled
-    (settlements, a cancelled request's drain); awaited at shutdown."""
-
-    def __init__(self) -> None:
-        self._running: set[asyncio.Future[Any]] = set()
-
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
-        task = asyncio.ensure_future(coro)
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
-        return task
-
-    async def drain(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for them; any still running then is cancelled and awaited, so
-        that none of them writes to Redis after the gateway closed its connections."""
-        if self._running:
-            _done, late = await asyncio.wait(set(self._running), timeout=timeout_s)
-            if late:
-                log.warning("%d settlements still running at shutdown: cancelled", len(late))
-                for task in late:
-                    task.cancel()
-                await asyncio.gather(*late, return_exceptions=True)
 
 
 @dataclass(slots=True)
@@ -107,7 +80,7 @@ class Gateway:
         self.auth = Authenticator(self.tenants, settings.auth_cache_s)
         self.started = int(time.time())
         self.in_flight = 0  # requests between admission and their end (RequestLife)
-        self.tasks = Tasks()
+        self.tasks = Tasks("settlements")
         self.long_prompts = LongPrompts()
         self.refusals = limits.RefusalBucket()  # refusals for size, per tenant: bursts allowed, floods held
         self.lag = LoopLag()  # how far behind the event loop runs: this process saturated
