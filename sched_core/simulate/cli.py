@@ -64,9 +64,9 @@ def add_workload_args(p: argparse.ArgumentParser, rows: bool = True) -> None:
     p.add_argument("--trace", type=Path, help="CSV with TIMESTAMP,ContextTokens,GeneratedTokens")
     p.add_argument("--workload", choices=("trace", "poisson", "onoff"),
                    help="arrival process (default: trace with --trace, else poisson)")
-    p.add_argument("--lengths", choices=("trace", "lognormal", "pareto"),
+    p.add_argument("--lengths", choices=("trace", "lognormal", "pareto", *wl.LENGTH_MIXES),
                    help="lengths of synthetic arrivals (default: resampled from --trace, "
-                        "else lognormal)")
+                        "else lognormal; chat, classify, agent: other workloads' published mixes)")
     p.add_argument("--requests", type=int, default=4000,
                    help="requests per run: the trace's first N rows, or N synthetic arrivals")
     if rows:
@@ -274,8 +274,9 @@ def workloads(args: argparse.Namespace, rows_in: list[wl.TraceRow], time_scale: 
     lengths_kind = lengths_kind or args.lengths or ("trace" if rows_in else "lognormal")
     if lengths_kind == "trace" and not rows_in:
         raise ValueError("--lengths trace needs --trace")
-    lengths = {"trace": lambda: wl.trace_lengths(rows_in, args.length_scale),
-               "lognormal": wl.lognormal_lengths, "pareto": wl.pareto_lengths}[lengths_kind]()
+    lengths = (wl.mix_lengths(lengths_kind) if lengths_kind in wl.LENGTH_MIXES else
+               {"trace": lambda: wl.trace_lengths(rows_in, args.length_scale),
+                "lognormal": wl.lognormal_lengths, "pareto": wl.pareto_lengths}[lengths_kind]())
     native = wl.trace_rate(rows_in) if rows_in else 0.0
 
     def make(rate: float) -> wl.Workload:

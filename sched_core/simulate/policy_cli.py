@@ -25,9 +25,11 @@ from sched_core.simulate import solve as sv
 from sched_core.simulate import workload as wl
 from sched_core.smdp import STATE_NAMES, PolicyTable, heuristic_table, packaged_table
 
-#: The synthetic workloads a table is also reported on: (arrivals, lengths), as in
-#: docs/benchmarks.md's simulator runs.
-SYNTHETIC = {"poisson": ("poisson", "trace"), "onoff": ("onoff", "pareto")}
+#: The synthetic workloads a table can also be reported on: (arrivals, lengths), as in
+#: docs/benchmarks.md's simulator runs, and other workloads' length mixes
+#: (``workload.LENGTH_MIXES``: chat and classify arrive as Poisson, agents in on/off bursts).
+SYNTHETIC = {"poisson": ("poisson", "trace"), "onoff": ("onoff", "pareto"), "chat": ("poisson", "chat"),
+             "classify": ("poisson", "classify"), "agent": ("onoff", "agent")}
 
 
 def add_commands(sub: Any) -> None:
@@ -60,8 +62,8 @@ SYNTHETIC_REQUESTS = 4000
 def _common(p: argparse.ArgumentParser) -> None:
     p.set_defaults(requests=None)  # a trace part whole; SYNTHETIC_REQUESTS synthetic arrivals
     p.add_argument("--synthetic", default="poisson,onoff",
-                   help="synthetic workloads also reported on (poisson: trace lengths; onoff: pareto lengths), "
-                        "comma-separated, or none")
+                   help="synthetic workloads also reported on (poisson: trace lengths; onoff: pareto lengths; "
+                        "chat, classify, agent: other workloads' mixes), comma-separated, or none")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="simulations run in parallel")
     p.add_argument("--max-queue-wait-ms", type=float, default=MAX_QUEUE_WAIT_MS,
                    help="a request without an SLO predicted to wait longer is refused, as the gateway does "

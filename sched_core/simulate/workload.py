@@ -237,6 +237,30 @@ def pareto_lengths(prompt_min: float = 256.0, prompt_alpha: float = 1.5,
                         round(output_min * rng.paretovariate(output_alpha)))
 
 
+#: Length mixes of other workloads, from published distributions (lognormal fits of their
+#: medians and spreads; docs/scheduling.md §13.4 names the sources). None was used to tune a
+#: policy: they are held out, as the conversation trace is.
+#: chat: ShareGPT conversations as vLLM's and others' serving benchmarks replay them (prompts
+#: p50 ~150 tokens, answers p50 ~250, long-tailed both ways);
+#: classify: short classification or extraction prompts answered in a label (prompt p50 250,
+#: output p50 2);
+#: agent: tool-using agents resending a long context each call, answering briefly (prompt p50
+#: 4,000, output p50 80), replayed with on/off bursts.
+LENGTH_MIXES: dict[str, tuple[float, float, float, float]] = {
+    # (prompt median, prompt sigma, output median, output sigma) of the lognormals
+    "chat": (150.0, 1.1, 250.0, 0.9),
+    "classify": (250.0, 0.6, 2.0, 0.5),
+    "agent": (4000.0, 0.5, 80.0, 0.8),
+}
+
+
+def mix_lengths(name: str) -> LengthSampler:
+    """The lengths of one of ``LENGTH_MIXES``."""
+    if name not in LENGTH_MIXES:
+        raise ValueError(f"unknown length mix {name!r}; known: {', '.join(LENGTH_MIXES)}")
+    return lognormal_lengths(*LENGTH_MIXES[name])
+
+
 def poisson(rate: float, count: int, lengths: LengthSampler, *,
             tenants: Sequence[Tenant] = DEFAULT_TENANTS, max_tokens: int = 256,
             seed: int = 0) -> Workload:

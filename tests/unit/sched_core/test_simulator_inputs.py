@@ -6,8 +6,10 @@ import pytest
 
 from sched_core.simulate import CostProfile, TraceError, on_off, parse_trace, poisson, replay
 from sched_core.simulate.workload import (
+    LENGTH_MIXES,
     MAX_PROMPT,
     lognormal_lengths,
+    mix_lengths,
     pareto_lengths,
     parse_tenants,
     trace_rate,
@@ -81,6 +83,18 @@ def test_on_off_is_burstier_than_poisson() -> None:
     lengths = pareto_lengths()
     assert dispersion(on_off(20.0, 10_000, lengths, seed=2)) > 3 * dispersion(
         poisson(20.0, 10_000, lengths, seed=2))
+
+
+@pytest.mark.parametrize("name", sorted(LENGTH_MIXES))
+def test_a_length_mix_has_the_medians_it_names(name: str) -> None:
+    prompt_median, _, output_median, _ = LENGTH_MIXES[name]
+    w = poisson(10.0, 4000, mix_lengths(name), seed=4)
+    prompts = sorted(a.prompt_tokens for a in w.arrivals)
+    outputs = sorted(a.output_tokens for a in w.arrivals)
+    assert prompts[len(prompts) // 2] == pytest.approx(prompt_median, rel=0.1)
+    assert outputs[len(outputs) // 2] == pytest.approx(output_median, rel=0.1, abs=1)
+    with pytest.raises(ValueError, match="unknown length mix"):
+        mix_lengths("nope")
 
 
 def test_tenant_specs_are_normalized() -> None:
