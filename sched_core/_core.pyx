@@ -1290,16 +1290,34 @@ cdef class Scheduler:
         if (fc if target == CPU else fg) > 0 and self._releases(target, k, n, now, t_cut):
             return target
         # The target is busy or holds the batch for its running sequences: the other path
-        # takes it if it finishes it no later than the target would after it frees up.
+        # takes it if it finishes it no later than the target would after it frees up, or
+        # if only there does its oldest request still make its SLO.
         cdef int other = 1 - target
         if (fc if other == CPU else fg) <= 0:
             return -1
         size = lmin(lmin(n, self._free(other)), self.maxb[other])
         cdef FM fo = self._fm(other, k, nbar)
         cdef FM ft = self._fm(target, k, nbar)
-        if fo.f + fo.m * size > self._busy_for(target, now) + (ft.f + ft.m * size):
+        if (fo.f + fo.m * size > self._busy_for(target, now) + (ft.f + ft.m * size)
+                and not self._rescues(other, k, n, size, now)):
             return -1
         return other if self._releases(other, k, n, now, t_cut) else -1
+
+    cdef bint _rescues(self, int other, int k, long long n, long long size, double now) except -1:
+        """The overflow that keeps a request's SLO where the target path cannot start it now:
+        the other path takes the batch if bucket k's oldest request gets its first token there
+        within the TTFT SLO and its decode step stays within the TPOT SLO
+        (``reference.Scheduler._rescues``)."""
+        cdef int head = self._fifo_head(k)
+        if head < 0:
+            return False
+        cdef double w = self.workers[other]
+        cdef double u = self.used[other] / w, kv = self.kv[other] / w
+        cdef double tokens = <double>size * (<double>self.psum[k] / <double>n)
+        cdef double queue = self._prefill_s(other, self.pend[other] / w, u, kv)
+        if (now - self.reqs[head].t_in) + queue + self._prefill_s(other, tokens, u, kv) > self.slo:
+            return False
+        return self._step_s(other, 0.0, u + size, kv + tokens) <= self.tpot
 
     cdef int _bucket_order(self) except -1:
         """Non-empty buckets into sortbuf: first the one holding the best request of the

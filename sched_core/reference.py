@@ -818,16 +818,37 @@ class Scheduler:
         if free[target] > 0 and self._releases(target, k, n, now, t_cut):
             return target
         # The target is busy or holds the batch for its running sequences: the other path
-        # takes it if it finishes it no later than the target would after it frees up.
+        # takes it if it finishes it no later than the target would after it frees up, or
+        # if only there does its oldest request still make its SLO.
         other = 1 - target
         if free[other] <= 0:
             return -1
         size = min(n, free[other], self._max_batch[other])
         fo, mo = self._fm(other, k, nbar)
         ft, mt = self._fm(target, k, nbar)
-        if fo + mo * size > self._busy_for(target, now) + (ft + mt * size):
+        if (fo + mo * size > self._busy_for(target, now) + (ft + mt * size)
+                and not self._rescues(other, k, n, size, now)):
             return -1
         return other if self._releases(other, k, n, now, t_cut) else -1
+
+    def _rescues(self, other: int, k: int, n: int, size: int, now: float) -> bool:
+        """The overflow that keeps a request's SLO where the target path cannot start it now
+        (no free slot, or it holds the batch): the other path takes the batch though it
+        finishes it later, if bucket k's oldest request gets its first token there within the
+        TTFT SLO (after the prompts already sent there, then its own) and its decode step,
+        with the batch beside its running sequences, stays within the TPOT SLO. Waiting for
+        the target is not priced: a full path's next free slot is the least known figure here
+        (its running sequences' lengths are estimates), and the other path's is not needed
+        (docs/scheduling.md §7)."""
+        head = self._fifo_head(k)
+        if head is None:
+            return False
+        u, kv = self._per_worker(other)
+        tokens = size * (self._psum[k] / n)
+        queue = self._prefill_s(other, self._pend[other] / self._workers[other], u, kv)
+        if (now - head.t_in) + queue + self._prefill_s(other, tokens, u, kv) > self.config.ttft_p99_slo_s:
+            return False
+        return self._step_s(other, 0.0, u + size, kv + tokens) <= self.config.tpot_slo_s
 
     def _bucket_order(self) -> list[int]:
         """Non-empty buckets: first the one holding the best request of the most-behind

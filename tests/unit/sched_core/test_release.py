@@ -191,6 +191,27 @@ def test_work_conservation_uses_cpu_when_gpu_is_busy_for_long(make: Factory) -> 
     assert d.path == "cpu" and set(d.request_ids) == {"a", "b", "c"}
 
 
+@pytest.mark.parametrize(("cpu_step", "path"), [(0.05, "cpu"), (0.15, None)])
+def test_a_full_gpu_overflows_to_a_cpu_that_keeps_the_slo_though_it_finishes_later(
+        make: Factory, cpu_step: float, path: str | None) -> None:
+    # a gpu full past its predicted end (its batch runs longer than priced: the wait for its
+    # next slot is unknown) and a cpu that decodes 5-15x slower: the cpu finishes a 200-token
+    # answer later than the gpu would once free, so it takes the request only to keep its
+    # SLO: its first token within 1 s and, at cpu_step a token, within the 0.1 s TPOT SLO
+    cpu = PathConfig(cpu_step, 0.0, 0.0, 0.004, 4e-5, max_batch=8, step_tokens=1024)
+    gpu = PathConfig(0.01, 0.0, 0.0, 0.01, 1e-5, max_batch=8, step_tokens=1024)
+    s = make(cpu=cpu, gpu=gpu, ttft_p99_slo_s=1.0, tpot_slo_s=0.1)
+    s.worker_capacity("cpu", 8, 0.0)
+    s.worker_capacity("gpu", 1, 0.0)
+    s.arrive(req("g1", prompt=100, out=10), 0.0)
+    (busy,) = dispatches(s.tick(0.0))
+    assert busy.path == "gpu"
+    now = busy.predicted_s + 0.5  # still running
+    s.arrive(req("a", prompt=100, out=200, arrival=now), now)
+    out = dispatches(s.tick(now))
+    assert [(d.path, d.request_ids) for d in out] == ([(path, ("a",))] if path else [])
+
+
 def test_busy_gpu_is_awaited_when_it_frees_soon(make: Factory) -> None:
     s = make(ttft_p99_slo_s=100.0)
     s.worker_capacity("cpu", 8, 0.0)
