@@ -23,7 +23,7 @@ from sched_core.simulate import cli as sim
 from sched_core.simulate import experiment as ex
 from sched_core.simulate import solve as sv
 from sched_core.simulate import workload as wl
-from sched_core.smdp import STATE_NAMES, PolicyTable, heuristic_table, packaged_table
+from sched_core.smdp import QUEUE_LEVELS, STATE_NAMES, PolicyTable, heuristic_table, packaged_table
 
 #: The synthetic workloads a table can also be reported on: (arrivals, lengths), as in
 #: docs/benchmarks.md's simulator runs, and other workloads' length mixes
@@ -44,6 +44,10 @@ def add_commands(sub: Any) -> None:
     solve.add_argument("--out", type=Path, default=Path("smdp-table.json"), help="where the table is written")
     solve.add_argument("--name", default="smdp", help="the table's name (shown in snapshots and the console)")
     solve.add_argument("--passes", type=int, default=1, help="rounds of coordinate descent")
+    solve.add_argument("--dispatch-levels", default=",".join(QUEUE_LEVELS),
+                       help="the queue levels whose states' dispatch knobs (prefill queue, slot share, aging) are "
+                            "searched, comma-separated; the other states dispatch as the heuristic does; admission "
+                            "knobs are searched everywhere")
     _common(solve)
     report = cmds.add_parser("report", help="a table beside FCFS and the heuristic, on a part of a trace and "
                              "on the synthetic workloads", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -141,7 +145,8 @@ def _solve(args: argparse.Namespace) -> int:
          f"{base:.3g} req/s; scenarios {', '.join(sc.label() for sc in plan)}")
     config = ex.scheduler_config(setup, next(iter(loads.values())))
     with sv.Runner(setup, loads, args.jobs) as runner:
-        found, how = sv.solve(runner, plan, heuristic_table(config.prefill_queue_steps), args.passes, _log)
+        found, how = sv.solve(runner, plan, heuristic_table(config.prefill_queue_steps), args.passes, _log,
+                              dispatch_levels=_levels(args.dispatch_levels))
     how["seconds"] = time.perf_counter() - started
     about: dict[str, Any] = {
         "objective": "mean over scenarios of SLO attainment (no SLO) or goodput (SLO at admission) relative "
@@ -166,6 +171,14 @@ def _solve(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"table": table.to_json(), "report": figures}, default=_json))
     return 0
+
+
+def _levels(spec: str) -> tuple[str, ...]:
+    levels = tuple(x for x in spec.split(",") if x)
+    unknown = [x for x in levels if x not in QUEUE_LEVELS]
+    if unknown or not levels:
+        raise ValueError(f"--dispatch-levels {spec!r}: expected some of {', '.join(QUEUE_LEVELS)}")
+    return levels
 
 
 def _report_only(args: argparse.Namespace) -> int:

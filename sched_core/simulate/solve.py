@@ -23,7 +23,7 @@ from sched_core.simulate import experiment as ex
 from sched_core.simulate.engine import simulate
 from sched_core.simulate.metrics import summarize
 from sched_core.simulate.workload import Workload
-from sched_core.smdp import N_STATES, STATE_NAMES, Action, PolicyTable
+from sched_core.smdp import N_STATES, QUEUE_LEVELS, STATE_NAMES, Action, PolicyTable
 
 #: The values each knob is searched over (the heuristic's are among them).
 GRID: dict[str, tuple[float, ...]] = {
@@ -33,6 +33,9 @@ GRID: dict[str, tuple[float, ...]] = {
     "admit_quantile": (0.5, 0.9, 0.99),
     "admit_slack": (0.5, 0.75, 1.0),
 }
+#: The knobs that decide admission (they act only on requests that carry an SLO); the others
+#: decide dispatch, in every run.
+ADMISSION_KNOBS = ("admit_quantile", "admit_slack")
 #: Loads (multiples of FCFS's 90%-SLO load) tuned on: without SLOs, and with them at admission.
 TUNE_LOADS = (0.5, 0.75, 1.0)  # the no-SLO target's loads (at 0.25x every policy meets the SLO)
 TUNE_SLO_LOADS = (1.0, 3.0, 6.0, 12.0)
@@ -175,9 +178,12 @@ def _knob(action: Action, name: str, value: float) -> Action:
 
 
 def solve(runner: Runner, plan: Sequence[Scenario], start: PolicyTable, passes: int = 1,
-          log: Callable[[str], None] = lambda _: None) -> tuple[PolicyTable, dict[str, Any]]:
+          log: Callable[[str], None] = lambda _: None,
+          dispatch_levels: Sequence[str] = QUEUE_LEVELS) -> tuple[PolicyTable, dict[str, Any]]:
     """Coordinate descent from ``start`` (the heuristic): the table found and how it was
-    found (scores, visits, evaluations)."""
+    found (scores, visits, evaluations). The dispatch knobs are searched only in the states
+    of the queue levels ``dispatch_levels`` (the others dispatch as ``start`` does); the
+    admission knobs in every state seen."""
 
     def score(tables: Sequence[PolicyTable]) -> list[float]:
         tasks = [("smdp", t, sc) for t in tables for sc in plan]
@@ -195,6 +201,9 @@ def solve(runner: Runner, plan: Sequence[Scenario], start: PolicyTable, passes: 
         + ", ".join(f"{STATE_NAMES[s]} {v / total:.1%}" for s, v in enumerate(visits) if v))
     searched = [s for s in sorted(range(N_STATES), key=lambda s: -visits[s]) if visits[s] / total >= MIN_VISITS]
 
+    def free(s: int, name: str) -> bool:
+        return name in ADMISSION_KNOBS or STATE_NAMES[s].split("+")[0] in dispatch_levels
+
     def step(candidates: list[tuple[str, PolicyTable]]) -> None:
         nonlocal best, best_score
         if not candidates:
@@ -205,29 +214,34 @@ def solve(runner: Runner, plan: Sequence[Scenario], start: PolicyTable, passes: 
             best, best_score = candidates[i][1], scores[i]
             log(f"  {candidates[i][0]}: score {best_score:.4f}")
 
-    def every(action: Action) -> PolicyTable:
-        """``action`` in every searched state; the states the tuning hardly saw keep the
-        heuristic's knobs (no evidence, no change)."""
+    def every(name: str, value: float) -> PolicyTable:
+        """The knob ``name`` at ``value`` in every searched state where it may change; the
+        states the tuning hardly saw keep the heuristic's knobs (no evidence, no change)."""
         table = best
         for s in searched:
-            table = table.with_action(s, action)
+            if free(s, name):
+                table = table.with_action(s, _knob(table.actions[s], name, value))
         return table
 
     for p in range(passes):
-        log(f"pass {p + 1}: one action for every state seen")
+        log(f"pass {p + 1}: one setting for every state seen")
         for name, values in GRID.items():
-            current = best.actions[searched[0] if searched else 0]
-            step([(f"every state seen {name}={v:g}", every(_knob(current, name, v)))
-                  for v in values if v != getattr(current, name)])
+            first = next((s for s in searched if free(s, name)), None)
+            if first is None:
+                continue
+            current = getattr(best.actions[first], name)
+            step([(f"every state seen {name}={v:g}", every(name, v)) for v in values if v != current])
         log(f"pass {p + 1}: state by state ({', '.join(STATE_NAMES[s] for s in searched)})")
         for s in searched:
             for name, values in GRID.items():
                 action = best.actions[s]
-                step([(f"{STATE_NAMES[s]} {name}={v:g}", best.with_action(s, _knob(action, name, v)))
-                      for v in values if v != getattr(action, name)])
+                if free(s, name):
+                    step([(f"{STATE_NAMES[s]} {name}={v:g}", best.with_action(s, _knob(action, name, v)))
+                          for v in values if v != getattr(action, name)])
     how = {"score_heuristic": first_score, "score": best_score, "evaluations": runner.evaluations,
            "ticks_per_state": {STATE_NAMES[s]: v / total for s, v in enumerate(visits)},
-           "searched_states": [STATE_NAMES[s] for s in searched], "passes": passes}
+           "searched_states": [STATE_NAMES[s] for s in searched], "dispatch_levels": list(dispatch_levels),
+           "passes": passes}
     return best, how
 
 

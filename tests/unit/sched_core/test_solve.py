@@ -73,6 +73,24 @@ def test_the_search_finds_a_better_table_where_the_heuristic_sheds_too_much(
     assert again == found
 
 
+def test_a_search_that_keeps_the_clear_states_dispatch_still_tunes_their_admission(
+        small: tuple[ex.Setup, dict[sv.Scenario, wl.Workload]], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sv, "GRID", {"admit_quantile": (0.5, 0.99), "slot_share": (0.5, 1.0)})
+    setup, workloads = small
+    plan = tuple(workloads)
+    start = heuristic_table(4.0)
+    with sv.Runner(setup, workloads) as runner:
+        found, how = sv.solve(runner, plan, start, dispatch_levels=("queue", "backlog"))
+    with sv.Runner(setup, workloads) as runner:
+        _, anywhere = sv.solve(runner, plan, start)
+    clear = [s for s, n in enumerate(STATE_NAMES) if n.startswith("clear")]
+    assert how["dispatch_levels"] == ["queue", "backlog"] and how["searched_states"] == ["clear"]  # all it saw
+    # the slot share's two tries (every state seen, then clear alone) are the ones left out
+    assert how["evaluations"] == anywhere["evaluations"] - 2
+    assert all(found.actions[s].slot_share == start.actions[s].slot_share for s in clear)
+    assert any(found.actions[s].admit_quantile == 0.5 for s in clear)  # the median admits what p99 refused
+
+
 def test_a_trace_part_is_shifted_to_start_at_zero() -> None:
     rows = [wl.TraceRow(float(i), 100 + i, 10) for i in range(10)]
     second = wl.trace_part(rows, "second-half")
