@@ -11,7 +11,7 @@ from common.pools import POOLS
 from common.protocol import TEMPERATURE_MAX, sampling_in_range
 from sched_core import SchedulerConfig
 from sched_core.driver import MAX_QUEUE_WAIT_MS
-from sched_core.policies import make_policy
+from sched_core.policies import DEFAULT_POLICY, make_policy
 
 ADMIN_TOKEN_MIN_CHARS = 16
 TOKEN_WEIGHT_MAX = 1000.0  # a token of one model may cost at most this many budget tokens
@@ -43,7 +43,7 @@ class GatewaySettings:
     auth_cache_s: float = 1.0  # verified keys are reused this long (revocation is immediate)
     handoff_min_prompt: int = 0  # >0: prompts this long prefill on cpu and decode on gpu
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # cost priors from --cost-priors
-    policy: str = "tokengate"  # sched_core.policies.make_policy: tokengate, fcfs, fixed:batch=B,window_ms=W, …
+    policy: str = DEFAULT_POLICY  # sched_core.policies.make_policy: smdp, tokengate, fcfs, fixed:batch=B,window_ms=W, …
     routing: str = "prefix"  # prefix: the earliest first token, cached prefixes credited; pool: whichever reads it
     shutdown_grace_s: int = 10  # after Ctrl-C/SIGTERM, in-flight requests get this long
     max_in_flight: int = 4096  # requests admitted here and not yet answered; beyond: 503 at once

@@ -28,6 +28,10 @@ if TYPE_CHECKING:  # the simulator's package imports this module
     from sched_core.simulate.profile import CostProfile
 
 BOTH = ("gpu", "cpu")
+#: The gateway's policy unless ``--policy`` says another: the scheduler with the packaged SMDP
+#: table, which dispatches below capacity as the heuristic does and admits and dispatches
+#: under overload as the table found best (docs/scheduling.md §16, issue 41).
+DEFAULT_POLICY = "smdp"
 
 
 class FifoPolicy:

@@ -51,10 +51,10 @@ GATEWAY_FLAGS: tuple[tuple[str, str, str | None], ...] = (
     ("keep-alive-timeout", "keep_alive_timeout_s",
      "seconds an idle keep-alive connection stays open"),
     ("policy", "policy",
-     "scheduling policy: tokengate (the step-time scheduler: fair share, least slack, latency "
-     "contracts), smdp or smdp:FILE (the same, its knobs set per macro-state by the packaged SMDP "
-     "table or one `tokengate policy solve` wrote), fcfs, or fixed:batch=B,window_ms=W (a dynamic "
-     "batcher); baselines send no contract headers"),
+     "scheduling policy: smdp (default) or smdp:FILE (the step-time scheduler: fair share, least slack, "
+     "latency contracts, its knobs set per macro-state by the packaged SMDP table or one `tokengate policy "
+     "solve` wrote), tokengate (the same scheduler with one fixed set of knobs: the heuristic), fcfs, or "
+     "fixed:batch=B,window_ms=W (a dynamic batcher); baselines send no contract headers"),
     ("routing", "routing",
      "prefix (default): the scheduler sends each job to the worker of its pool where its first token "
      "is predicted earliest, crediting the prompt prefix that worker's engine should hold cached, within "

@@ -25,7 +25,7 @@ from gateway.dispatch.placement import Placement
 from sched_core import BatchTimings, Contract, Dispatch, Reject, Request, SchedulerConfig
 from sched_core.contracts import Accuracy
 from sched_core.driver import Driver
-from sched_core.policies import make_policy
+from sched_core.policies import DEFAULT_POLICY, make_policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +71,7 @@ class SchedulerShell:
     is ``REPORT_GRACE_S`` late, or ``lease_s`` after dispatch at the latest."""
 
     def __init__(self, gateway_id: str, reply_to: str, config: SchedulerConfig | None = None,
-                 handoff_min_prompt: int = 0, lease_s: float = 150.0, policy: str = "tokengate",
+                 handoff_min_prompt: int = 0, lease_s: float = 150.0, policy: str = DEFAULT_POLICY,
                  routing: str = "prefix") -> None:
         self.policy = policy
         self.driver = Driver(make_policy(policy, config or SchedulerConfig()), lease_s=lease_s)

@@ -193,8 +193,8 @@ async def test_worker_step_telemetry_refits_the_scheduler_and_slots_come_back(ha
         if snap["paths"]["cpu"]["fitted_steps"] > before:
             break
         await asyncio.sleep(0.05)
-    assert snap["paths"]["cpu"]["fitted_steps"] > before and snap["policy"]["spec"] == "tokengate"
-    assert snap["policy"]["name"] == "tokengate" and snap["policy"]["state"] in STATE_NAMES
+    assert snap["paths"]["cpu"]["fitted_steps"] > before and snap["policy"]["spec"] == "smdp"
+    assert snap["policy"]["name"] == "smdp-code" and snap["policy"]["state"] in STATE_NAMES
 
 
 async def test_every_tenant_s_usage_in_the_minute_and_the_hour_with_its_slo_attainment(harness: Harness) -> None:
@@ -222,7 +222,7 @@ async def test_the_cluster_view_counts_admissions_refusals_and_contracts(harness
     assert before["object"] == "cluster" and before["gateway"] == harness.gw.settings.gateway_id
     assert [g["role"] for g in before["gateways"]] == ["scheduler"]
     assert before["scheduler"]["gateway"] == harness.gw.settings.gateway_id
-    assert before["scheduler"]["policy"]["spec"] == "tokengate"
+    assert before["scheduler"]["policy"]["spec"] == "smdp"
     assert before["scheduler"]["policy"]["state"] in STATE_NAMES
     assert {b["bucket"] for b in before["scheduler"]["buckets"]} == set(range(8))
     assert set(before["scheduler"]["backlog"]) == {"cpu", "gpu"}
