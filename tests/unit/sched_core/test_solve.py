@@ -52,12 +52,19 @@ def small() -> tuple[ex.Setup, dict[sv.Scenario, wl.Workload]]:
     return setup, {plan[0]: wl.poisson(6.0, 250, wl.lognormal_lengths(), seed=3)}
 
 
-def test_the_search_finds_a_better_table_where_the_heuristic_sheds_too_much(
-        small: tuple[ex.Setup, dict[sv.Scenario, wl.Workload]], monkeypatch: pytest.MonkeyPatch) -> None:
+Search = tuple[ex.Setup, dict[sv.Scenario, wl.Workload], tuple[sv.Scenario, ...], PolicyTable]
+
+
+@pytest.fixture
+def search(small: tuple[ex.Setup, dict[sv.Scenario, wl.Workload]], monkeypatch: pytest.MonkeyPatch) -> Search:
+    """``small``, its plan and the heuristic's table, with a grid of two knobs of two values."""
     monkeypatch.setattr(sv, "GRID", {"admit_quantile": (0.5, 0.99), "slot_share": (0.5, 1.0)})
     setup, workloads = small
-    plan = tuple(workloads)
-    start = heuristic_table(4.0)
+    return setup, workloads, tuple(workloads), heuristic_table(4.0)
+
+
+def test_the_search_finds_a_better_table_where_the_heuristic_sheds_too_much(search: Search) -> None:
+    setup, workloads, plan, start = search
     lines: list[str] = []
     with sv.Runner(setup, workloads) as runner:
         found, how = sv.solve(runner, plan, start, log=lines.append)
@@ -73,12 +80,8 @@ def test_the_search_finds_a_better_table_where_the_heuristic_sheds_too_much(
     assert again == found
 
 
-def test_a_search_that_keeps_the_clear_states_dispatch_still_tunes_their_admission(
-        small: tuple[ex.Setup, dict[sv.Scenario, wl.Workload]], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sv, "GRID", {"admit_quantile": (0.5, 0.99), "slot_share": (0.5, 1.0)})
-    setup, workloads = small
-    plan = tuple(workloads)
-    start = heuristic_table(4.0)
+def test_a_search_that_keeps_the_clear_states_dispatch_still_tunes_their_admission(search: Search) -> None:
+    setup, workloads, plan, start = search
     with sv.Runner(setup, workloads) as runner:
         found, how = sv.solve(runner, plan, start, dispatch_levels=("queue", "backlog"))
     with sv.Runner(setup, workloads) as runner:
