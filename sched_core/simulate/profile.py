@@ -48,7 +48,10 @@ class CostProfile:
                         self.decode_d, self.decode_e, self.noise_cv)
         if any(not math.isfinite(x) or x < 0.0 for x in coefficients):
             raise ValueError(f"profile {self.name!r}: coefficients must be finite and >= 0")
-        if self.prefill_a + self.prefill_b + self.prefill_b2 <= 0.0 or self.decode_c + self.decode_d <= 0.0:
+        # a decode step's time may all be in its KV term (a worker measured while another program
+        # ran can fit it so): every sequence holds KV tokens, so such a step still takes time
+        if (self.prefill_a + self.prefill_b + self.prefill_b2 <= 0.0
+                or self.decode_c + self.decode_d + self.decode_e <= 0.0):
             raise ValueError(f"profile {self.name!r}: prefill and decode must take time")
         object.__setattr__(self, "_fit", self.fit_dict())
 

@@ -113,6 +113,12 @@ def test_a_profile_reads_its_json_and_names_a_missing_field() -> None:
     assert p.derived and "derived" in p.label and p.prefill_b2 == 0.0
     assert p.prefill_s(2, 100) == pytest.approx(0.01 + 1e-6 * 200)
     assert p.decode_step_s(4, 1000) == pytest.approx(0.01 + 4e-4)
+    # a worker's fit may put all of a decode step in its KV term: it loads, and prices by it
+    data["fit"]["decode"] = {"c": 0.0, "d": 0.0, "e": 3.5e-4}  # type: ignore[index]
+    assert CostProfile.from_dict(data).decode_step_s(4, 1000) == pytest.approx(4 * 3.5e-4 * 1000)
+    data["fit"]["decode"] = {"c": 0.0, "d": 0.0}  # type: ignore[index]
+    with pytest.raises(ValueError, match="must take time"):
+        CostProfile.from_dict(data)
     del data["fit"]["decode"]["c"]  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="'c'"):
         CostProfile.from_dict(data)
