@@ -30,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from common.pools import POOLS
 from sched_core.contracts import Accuracy, Contracts
+from sched_core.recorded import Traffic
 from sched_core.shares import Backlogs, Shares
 from sched_core.smdp import weight_quantile
 from sched_core.types import (
@@ -164,6 +165,7 @@ class Driver:
         self.contracts = Contracts(config.bucket_bounds, config.default_output_tokens)
         self.shares = Shares(config.rate_window_s)
         self.backlogs = Backlogs()
+        self.traffic = Traffic()  # every request it saw, as a trace to tune on
         self._cap = dict.fromkeys(POOLS, 0)
         self._used = dict.fromkeys(POOLS, 0)
         self.lease_s = lease_s
@@ -180,7 +182,8 @@ class Driver:
         """The policy's decision; a contract comes back calibrated, or as an ``slo`` or ``wait``
         refusal. ``promised``: its client already holds a contract (another scheduler gave it,
         then stepped down), so neither refusal applies."""
-        if self.pricing is None:  # a baseline promises nothing
+        self.traffic.arrived(req.id, req.tenant, req.prompt_tokens, req.max_tokens, now)
+        if self.pricing is None:  # a baseline promises nothing (and refuses nothing)
             return self.policy.arrive(req, now)
         cal = self.contracts
         out, out_hi = cal.output(req)
@@ -189,6 +192,7 @@ class Driver:
                           req.priority, req.deadline, req.budget_wait, req.slo_ttft_s, req.slo_tpot_s, req.max_wait_s)
         decision = self.policy.arrive(req, now)
         if not isinstance(decision, Contract):
+            self.traffic.ended(req.id)  # (refused)
             return decision
         path = decision.path
         load = (self._used[path] + self.policy.queued) / max(self._cap[path], 1)
@@ -197,10 +201,12 @@ class Driver:
         if not promised and (req.slo_ttft_s is not None or req.slo_tpot_s is not None):
             refusal = self._refusal(req, c, decision, load, now)
             if refusal is not None:
+                self.traffic.ended(req.id)
                 return refusal
         if not promised and req.slo_ttft_s is None and req.max_wait_s is not None:
             refusal = self._wait_refusal(req, c, load, now)
             if refusal is not None:
+                self.traffic.ended(req.id)
                 return refusal
         self.shares.add(req.tenant, req.weight, req.prompt_tokens + c.output_tokens, now)
         return c
@@ -316,6 +322,7 @@ class Driver:
         if not self.policy.cancel(request_id, now):
             return False
         self.backlogs.remove(request_id)
+        self.traffic.ended(request_id)
         return True
 
     def outcome(self, request_id: str, ttft_s: float | None, total_s: float, tokens: int,
@@ -358,6 +365,7 @@ class Driver:
         for d in decisions:
             if isinstance(d, Reject):
                 self.backlogs.remove(d.request_id)
+                self.traffic.ended(d.request_id)
             else:
                 ids = d.request_ids
                 for rid in ids:
@@ -375,6 +383,7 @@ class Driver:
             return False
         batch.running.discard(request_id)
         self.backlogs.done(request_id)
+        self.traffic.finished(request_id, output_tokens)
         self._used[batch.path] -= 1
         if self.on_free is not None:
             self.on_free(request_id)
@@ -384,6 +393,7 @@ class Driver:
     def ended(self, request_id: str, now: float) -> None:
         """The request is over where it was sent from (answered, failed, timed out, cancelled):
         once its batch has no request left, its report has ``REPORT_GRACE_S`` to arrive."""
+        self.traffic.ended(request_id)  # (a finished one is closed already)
         batch = self._open.get(self._batch_of.get(request_id, -1))
         if batch is not None:
             batch.waiting.discard(request_id)
