@@ -95,6 +95,12 @@ def arrivals_stream(model: str) -> str:
     return model_slot(model) + "arrivals"
 
 
+def traffic_stream(model: str) -> str:
+    """The requests ``model``'s schedulers saw, one entry each, no content: a trace to tune on
+    (``gateway/dispatch/traffic_log.py``)."""
+    return model_slot(model) + "traffic"
+
+
 ARRIVALS_GROUP = "scheduler"  # its consumer group: an admission stays pending until dispatched or refused
 
 

@@ -37,7 +37,7 @@ from common import protocol as p
 from common import wire
 from common.retry import Outage, Retrier
 from gateway import keyspace
-from gateway.dispatch import election, saved_model
+from gateway.dispatch import election, saved_model, traffic_log
 from gateway.dispatch.forwarding import DECIDE_S, Forwarding, flat
 from gateway.dispatch.inbox import Inbox
 from gateway.dispatch.leading import BACKOFF, Leading
@@ -54,7 +54,7 @@ log = logging.getLogger("tokengate.dispatch")
 
 CANCEL_TTL_S = 600
 WATCH_S = 0.5  # how often workers and peers are re-read (and slot leases checked)
-MODEL_SAVE_S = 10.0  # how often the fitted model and calibration are saved for the next start
+MODEL_SAVE_S = 10.0  # how often the fitted model and calibration are saved for the next start, and the traffic kept
 BACKGROUND_DRAIN_S = 2.0  # at close, what ``spawn`` started may run this long, then is cancelled
 
 
@@ -161,6 +161,7 @@ class Dispatcher:
         await self.leading.close()
         with contextlib.suppress(RedisError):
             await saved_model.save(self.client, self.settings.model_name, self.shell)
+            await traffic_log.flush(self.client, self.settings.model_name, self.shell.driver.traffic)
             await self.liveness.leave(self.replies)
 
     # -- requests -------------------------------------------------------------------------
@@ -450,6 +451,7 @@ class Dispatcher:
                 if started - saved >= MODEL_SAVE_S:
                     saved = started
                     await saved_model.save(self.client, self.settings.model_name, self.shell)
+                    await traffic_log.flush(self.client, self.settings.model_name, self.shell.driver.traffic)
             except RedisError as exc:
                 wait = retry.count(exc)
                 continue

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.dispatch import records
+from gateway.dispatch import records, traffic_log
 from gateway.errors import ModelNotFound
 from gateway.http import console
 from gateway.http.web import ORJSONResponse, read_json
@@ -157,6 +157,14 @@ async def scheduler(request: Request) -> Response:
     return ORJSONResponse(_domain(request).dispatcher.snapshot())
 
 
+async def traffic(request: Request) -> Response:
+    """The requests one model's schedulers saw (``?model=``), as a trace to tune on: CSV, no
+    content (``gateway/dispatch/traffic_log.py``)."""
+    dom = _domain(request)
+    text = await traffic_log.read_csv(_gw(request).client, dom.name)
+    return Response(text, media_type="text/csv", headers={"content-disposition": "inline; filename=traffic.csv"})
+
+
 async def cluster(request: Request) -> Response:
     """The operator console's live view of one model (``?model=``): every gateway, worker and
     the scheduler's queues; ``models`` lists the models this gateway serves."""
@@ -200,6 +208,7 @@ def routes() -> list[Route]:
         "/keys/{prefix}": {"DELETE": revoke_key},
         "/workers": {"GET": workers},
         "/scheduler": {"GET": scheduler},
+        "/traffic": {"GET": traffic},
         "/cluster": {"GET": cluster},
         "/requests/{rid}": {"GET": explain_request},
     }

@@ -267,6 +267,11 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "One model's scheduler as this gateway sees it: queues, cost curves, thresholds, tenants", "admin",
         "AdminToken", (200, "SchedulerSnapshot"), {401: _ADMIN_401, 404: _NO_MODEL}, parameters=(_MODEL_QUERY,),
     ),
+    ("GET", "/admin/traffic"): Operation(
+        "The requests one model's schedulers saw, as a trace to tune on (CSV: arrival, prompt and generated "
+        "tokens, finished, tenant; no content)", "admin", "AdminToken", (200, ""),
+        {401: _ADMIN_401, 404: _NO_MODEL, 503: REDIS_DOWN}, parameters=(_MODEL_QUERY,),
+    ),
     ("GET", "/admin/usage"): Operation(
         "Every tenant's usage in the current minute and the last hour", "admin", "AdminToken",
         (200, "UsageOverview"), {401: _ADMIN_401, 503: REDIS_DOWN},
@@ -368,6 +373,8 @@ def _operation(method: str, path: str, op: Operation, settings: GatewaySettings)
         ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
         if path == OPENAPI_PATH:
             ok["content"] = _json({"type": "object"})
+        elif path == "/admin/traffic":
+            ok["content"] = {"text/csv": {"schema": {"type": "string"}}}
     else:
         ok["content"] = _json(ref(schema))
     if op.streams:

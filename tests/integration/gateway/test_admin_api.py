@@ -8,9 +8,11 @@ from typing import Any
 
 import pytest
 
+from gateway.dispatch import traffic_log
 from gateway.http import console as console_status
+from sched_core.simulate.workload import parse_trace
 from sched_core.smdp import STATE_NAMES
-from tests.integration.gateway.conftest import ADMIN, Harness, make_harness
+from tests.integration.gateway.conftest import ADMIN, ECHO_TOKENS, Harness, make_harness
 from workers.engine import EchoEngine
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
@@ -30,6 +32,7 @@ ROUTES = [
     ("DELETE", "/keys/0123abcd"),
     ("GET", "/workers"),
     ("GET", "/scheduler"),
+    ("GET", "/traffic"),
     ("GET", "/usage"),
     ("GET", "/cluster"),
     ("GET", "/requests/0123abcd"),
@@ -195,6 +198,30 @@ async def test_worker_step_telemetry_refits_the_scheduler_and_slots_come_back(ha
         await asyncio.sleep(0.05)
     assert snap["paths"]["cpu"]["fitted_steps"] > before and snap["policy"]["spec"] == "smdp"
     assert snap["policy"]["name"] == "smdp-code" and snap["policy"]["state"] in STATE_NAMES
+
+
+async def test_the_traffic_the_scheduler_saw_is_a_trace_to_tune_on(harness: Harness) -> None:
+    tenant, key = await harness.tenant("acme", rate=10**6, burst=10**7)
+    for n in (3, 5, 7):
+        assert (await harness.complete(key, prompt=list(range(1, n + 1)), max_tokens=10)).status_code == 200
+    traffic = harness.gw.domain(None).dispatcher.shell.driver.traffic
+    deadline = time.monotonic() + 5
+    while True:  # the watch loop flushes every 10 s; a test does not wait for it
+        await traffic_log.flush(harness.gw.client, harness.model, traffic)
+        r = await harness.admin("GET", "/traffic")
+        lines = r.text.splitlines()
+        if len(lines) == 4 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/csv")
+    assert lines[0] == "TIMESTAMP,ContextTokens,GeneratedTokens,Finished,Tenant"
+    rows = [line.split(",") for line in lines[1:]]
+    expected = [(n, ECHO_TOKENS, "1", tenant["id"]) for n in (3, 5, 7)]
+    assert [(int(r[1]), int(r[2]), r[3], r[4]) for r in rows] == expected
+    assert abs(float(rows[-1][0]) - time.time()) < 30  # wall time
+    trace = parse_trace(lines)  # the simulator's and the solver's reader takes it as it is
+    assert [t.prompt_tokens for t in trace] == [3, 5, 7] and trace[0].time_s == 0.0
+    assert (await harness.admin("GET", "/traffic?model=nope")).status_code == 404
 
 
 async def test_every_tenant_s_usage_in_the_minute_and_the_hour_with_its_slo_attainment(harness: Harness) -> None:

@@ -1,0 +1,58 @@
+"""The traffic a model's scheduler saw, kept in Redis as a trace to tune on (issue 41).
+
+The scheduler's driver closes one row per request (``sched_core.recorded``); on the cadence the
+fitted model is saved at (``MODEL_SAVE_S``) and at shutdown the gateway appends the rows closed
+since to the model's traffic stream (``wire.traffic_stream``, trimmed to the last
+``TRAFFIC_WINDOW``), each with its arrival as wall time. Any gateway reads it back, whichever
+one scheduled, and a scheduler that took over adds to the same stream. ``GET /admin/traffic``
+serves it as a CSV that ``tokengate simulate --trace`` and ``tokengate policy solve --trace``
+read: ``TIMESTAMP`` (Unix seconds), ``ContextTokens``, ``GeneratedTokens`` (for a request that
+did not finish, the ``max_tokens`` it asked for), ``Finished`` (1 or 0) and ``Tenant``.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+
+import orjson
+import redis.asyncio as aioredis
+
+from common import wire
+from sched_core.recorded import TRAFFIC_WINDOW, Traffic
+
+CSV_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens,Finished,Tenant"
+
+
+async def flush(client: aioredis.Redis, model: str, traffic: Traffic) -> int:
+    """Appends the rows closed since the last flush (their arrivals turned from the driver's
+    monotonic clock into wall time); how many."""
+    rows = traffic.take()
+    if not rows:
+        return 0
+    shift = time.time() - time.monotonic()
+    stream = wire.traffic_stream(model)
+    pipe = client.pipeline(transaction=False)
+    for r in rows:
+        doc = [round(r.arrival + shift, 3), r.prompt_tokens, r.output_tokens, r.max_tokens, r.tenant]
+        pipe.xadd(stream, {"r": orjson.dumps(doc)}, maxlen=TRAFFIC_WINDOW, approximate=True)
+    await pipe.execute()
+    return len(rows)
+
+
+async def read_csv(client: aioredis.Redis, model: str) -> str:
+    """The model's traffic stream as a trace, oldest arrival first."""
+    rows = []
+    for _id, fields in await client.xrange(wire.traffic_stream(model)) or ():
+        try:
+            at, prompt, output, max_tokens, tenant = orjson.loads((fields or {})[b"r"])
+        except (KeyError, ValueError, orjson.JSONDecodeError):
+            continue  # not an entry this module wrote
+        rows.append((float(at), int(prompt), int(output), int(max_tokens), str(tenant)))
+    rows.sort()
+    out = io.StringIO()
+    out.write(CSV_HEADER + "\n")
+    for at, prompt, output, max_tokens, tenant in rows:
+        done = output >= 0
+        out.write(f"{at:.3f},{prompt},{output if done else max_tokens},{int(done)},{tenant}\n")
+    return out.getvalue()
