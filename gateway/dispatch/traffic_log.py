@@ -33,8 +33,9 @@ async def flush(client: aioredis.Redis, model: str, traffic: Traffic) -> int:
     shift = time.time() - time.monotonic()
     stream = wire.traffic_stream(model)
     pipe = client.pipeline(transaction=False)
-    for r in rows:
-        doc = [round(r.arrival + shift, 3), r.prompt_tokens, r.output_tokens, r.max_tokens, r.tenant]
+    for r in rows:  # the trace's columns: an unfinished request counts the tokens it asked for
+        doc = [round(r.arrival + shift, 3), r.prompt_tokens, r.output_tokens if r.finished else r.max_tokens,
+               int(r.finished), r.tenant]
         pipe.xadd(stream, {"r": orjson.dumps(doc)}, maxlen=TRAFFIC_WINDOW, approximate=True)
     await pipe.execute()
     return len(rows)
@@ -45,14 +46,13 @@ async def read_csv(client: aioredis.Redis, model: str) -> str:
     rows = []
     for _id, fields in await client.xrange(wire.traffic_stream(model)) or ():
         try:
-            at, prompt, output, max_tokens, tenant = orjson.loads((fields or {})[b"r"])
+            at, prompt, generated, finished, tenant = orjson.loads((fields or {})[b"r"])
         except (KeyError, ValueError, orjson.JSONDecodeError):
             continue  # not an entry this module wrote
-        rows.append((float(at), int(prompt), int(output), int(max_tokens), str(tenant)))
+        rows.append((float(at), int(prompt), int(generated), int(finished), str(tenant)))
     rows.sort()
     out = io.StringIO()
     out.write(CSV_HEADER + "\n")
-    for at, prompt, output, max_tokens, tenant in rows:
-        done = output >= 0
-        out.write(f"{at:.3f},{prompt},{output if done else max_tokens},{int(done)},{tenant}\n")
+    for at, *rest in rows:
+        out.write(f"{at:.3f}," + ",".join(map(str, rest)) + "\n")
     return out.getvalue()
