@@ -92,6 +92,7 @@ class Operation:
     parameters: tuple[dict[str, Any], ...] = ()
     ok_headers: tuple[Sequence[str], Sequence[str]] = ((), ())  # required, optional
     streams: str | None = None  # the chunk schema of a text/event-stream 200
+    text_type: str = "text/plain"  # a text response's media type
 
 
 def _path_param(name: str, description: str) -> dict[str, Any]:
@@ -270,7 +271,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/admin/traffic"): Operation(
         "The requests one model's schedulers saw, as a trace to tune on (CSV: arrival, prompt and generated "
         "tokens, finished, tenant; no content)", "admin", "AdminToken", (200, ""),
-        {401: _ADMIN_401, 404: _NO_MODEL, 503: REDIS_DOWN}, parameters=(_MODEL_QUERY,),
+        {401: _ADMIN_401, 404: _NO_MODEL, 503: REDIS_DOWN}, parameters=(_MODEL_QUERY,), text_type="text/csv",
     ),
     ("GET", "/admin/usage"): Operation(
         "Every tenant's usage in the current minute and the last hour", "admin", "AdminToken",
@@ -370,11 +371,9 @@ def _operation(method: str, path: str, op: Operation, settings: GatewaySettings)
     status, schema = op.ok
     ok: dict[str, Any] = {"description": _STATUS_TEXT[status]}
     if schema == "":
-        ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
+        ok["content"] = {op.text_type: {"schema": {"type": "string"}}}
         if path == OPENAPI_PATH:
             ok["content"] = _json({"type": "object"})
-        elif path == "/admin/traffic":
-            ok["content"] = {"text/csv": {"schema": {"type": "string"}}}
     else:
         ok["content"] = _json(ref(schema))
     if op.streams:
