@@ -49,6 +49,11 @@ STATE_NAMES: tuple[str, ...] = tuple(
     for q in QUEUE_LEVELS for s in range(4))
 
 
+def level_of(state: int) -> str:
+    """The queue level of a macro-state (``classify``'s first figure)."""
+    return QUEUE_LEVELS[state // 4]
+
+
 def classify(queued: int, free: int, slots: int, long_waiting: bool, full: bool) -> int:
     """The macro-state of ``queued`` requests against ``free`` of ``slots`` slots (every
     path's, in use or not); the compiled core computes the same integer."""

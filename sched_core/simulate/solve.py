@@ -23,7 +23,7 @@ from sched_core.simulate import experiment as ex
 from sched_core.simulate.engine import simulate
 from sched_core.simulate.metrics import summarize
 from sched_core.simulate.workload import Workload
-from sched_core.smdp import N_STATES, QUEUE_LEVELS, STATE_NAMES, Action, PolicyTable
+from sched_core.smdp import N_STATES, QUEUE_LEVELS, STATE_NAMES, Action, PolicyTable, level_of
 
 #: The values each knob is searched over (the heuristic's are among them).
 GRID: dict[str, tuple[float, ...]] = {
@@ -202,7 +202,7 @@ def solve(runner: Runner, plan: Sequence[Scenario], start: PolicyTable, passes: 
     searched = [s for s in sorted(range(N_STATES), key=lambda s: -visits[s]) if visits[s] / total >= MIN_VISITS]
 
     def free(s: int, name: str) -> bool:
-        return name in ADMISSION_KNOBS or STATE_NAMES[s].split("+")[0] in dispatch_levels
+        return name in ADMISSION_KNOBS or level_of(s) in dispatch_levels
 
     def step(candidates: list[tuple[str, PolicyTable]]) -> None:
         nonlocal best, best_score
