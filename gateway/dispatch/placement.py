@@ -136,8 +136,8 @@ class Placement:
             cached = {wid: w.cached(hashes) for wid, w in free}
             predicted = {wid: w.first_token_s(n, cached[wid]) for wid, w in free}
             if self.routing == "round-robin":  # the next in the pool's order with a free slot
-                turn, ids = self._turn.get(pool, 0), [wid for wid, _ in pool_workers]
-                k = next(k for k in range(len(ids)) if ids[(turn + k) % len(ids)] in cached)
+                turn, ids, has_slot = self._turn.get(pool, 0), [wid for wid, _ in pool_workers], dict(free)
+                k = next(k for k in range(len(ids)) if ids[(turn + k) % len(ids)] in has_slot)
                 wid = ids[(turn + k) % len(ids)]
                 self._turn[pool] = turn + k + 1
             else:
