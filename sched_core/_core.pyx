@@ -10,7 +10,7 @@ admission-order FIFOs of the tail cut hold (handle, generation) tickets instead,
 no pin.
 """
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from libc.math cimport INFINITY, ceil
 from libc.stdlib cimport calloc, free, malloc, realloc
@@ -370,15 +370,7 @@ cdef class Scheduler:
         self.alpha = cfg.ewma_alpha
         self.slo = cfg.ttft_p99_slo_s
         self.tpot = cfg.tpot_slo_s
-        self.table = in_force(cfg.policy_table, cfg.prefill_queue_steps)
-        for k, action in enumerate(self.table.actions):
-            self.acts[k].queue_steps = action.prefill_queue_steps
-            self.acts[k].share = action.slot_share
-            self.acts[k].key_w = action.key_weight
-            self.acts[k].admit_w = action.admit_weight
-            self.acts[k].admit_slack = action.admit_slack
-        self.long_k = long_bucket(bounds, self.table.long_prompt)
-        self.full_share = self.table.full_share
+        self._load_table(in_force(cfg.policy_table, cfg.prefill_queue_steps))
         self.queue_steps = self.acts[0].queue_steps
         self.share = self.acts[0].share
         self.key_w = self.acts[0].key_w
@@ -521,6 +513,24 @@ cdef class Scheduler:
             if h >= 0:
                 batch.h[i] = -1
                 self._finish(h, batch.path, outs[i] if exact else -1)
+
+    def set_table(self, table):
+        """The SMDP table in force from now on (reference.py says what changes and what not)."""
+        self.config = replace(self.config, policy_table=table)
+        self._load_table(table)
+        self._apply(self.state)
+        self._limits()
+
+    def _load_table(self, table):
+        self.table = table
+        for k, action in enumerate(table.actions):
+            self.acts[k].queue_steps = action.prefill_queue_steps
+            self.acts[k].share = action.slot_share
+            self.acts[k].key_w = action.key_weight
+            self.acts[k].admit_w = action.admit_weight
+            self.acts[k].admit_slack = action.admit_slack
+        self.full_share = table.full_share
+        self.long_k = long_bucket(self.config.bucket_bounds, table.long_prompt)
 
     def set_prior(self, path, prior, trust=1.0):
         """``path``'s step-time model now starts from ``prior`` (its workers' measured

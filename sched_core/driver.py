@@ -32,7 +32,7 @@ from common.pools import POOLS
 from sched_core.contracts import Accuracy, Contracts
 from sched_core.recorded import Traffic
 from sched_core.shares import Backlogs, Shares
-from sched_core.smdp import weight_quantile
+from sched_core.smdp import PolicyTable, weight_quantile
 from sched_core.types import (
     HOLD_SLACK,
     BatchTimings,
@@ -100,6 +100,10 @@ class Prices(Protocol):
 
     def set_prior(self, path: str, prior: PathConfig, trust: float = 1.0) -> None:
         """Seed ``path``'s step-time model with a measured profile, held as firmly as ``trust``."""
+        ...
+
+    def set_table(self, table: PolicyTable) -> None:
+        """The SMDP table in force from now on (a re-solved one)."""
         ...
 
     def drift(self, path: str) -> float:

@@ -22,12 +22,13 @@ import heapq
 import math
 from bisect import bisect_left
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 from common.pools import POOLS
 from sched_core.costmodel import COEFFICIENTS, StepModel
 from sched_core.report import queued_explanation, route_reason, snapshot_dict, thresholds
-from sched_core.smdp import N_STATES, classify, describe, in_force, long_bucket
+from sched_core.smdp import N_STATES, PolicyTable, classify, describe, in_force, long_bucket
 from sched_core.types import (
     HOLD_SLACK,
     LN100,
@@ -273,6 +274,17 @@ class Scheduler:
         self._quad[p] = model.attention
         done = sum(rec[0] for rec in records)
         self._pend[p] = self._pend[p] - done if self._pend[p] > done else 0.0
+
+    def set_table(self, table: PolicyTable) -> None:
+        """The SMDP table in force from now on (a re-solved one, ``gateway/dispatch/tuning.py``):
+        the next arrival or tick takes its state's action, the current state's slot share
+        applies at once. What the scheduler learnt (step times, rates, estimates) stays, and
+        queued requests keep the aging keys they arrived with."""
+        self.config = replace(self.config, policy_table=table)
+        self._table = table
+        self._long_k = long_bucket(self._bounds, table.long_prompt)
+        self._apply(self._state)
+        self._limits()
 
     def set_prior(self, path: str, prior: PathConfig, trust: float = 1.0) -> None:
         """``path``'s step-time model now starts from ``prior`` (its workers' measured

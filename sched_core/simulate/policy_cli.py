@@ -3,6 +3,8 @@
 * ``solve``: search a table on one part of a trace, report it on another part and on the
   synthetic workloads, and write it (JSON, loadable with ``--policy smdp:FILE``);
 * ``report``: the same report for a table already written (the packaged one by default);
+* ``tune``: re-solve a table on recorded traffic and test it against the table in force on
+  the traffic that came after (``sched_core.simulate.tune``; the gateway's self-tuning runs it);
 * ``show``: a table's states and actions.
 """
 
@@ -22,6 +24,7 @@ from sched_core.driver import MAX_QUEUE_WAIT_MS
 from sched_core.simulate import cli as sim
 from sched_core.simulate import experiment as ex
 from sched_core.simulate import solve as sv
+from sched_core.simulate import tune as tn
 from sched_core.simulate import workload as wl
 from sched_core.smdp import QUEUE_LEVELS, STATE_NAMES, PolicyTable, heuristic_table, packaged_table
 
@@ -55,6 +58,18 @@ def add_commands(sub: Any) -> None:
     report.add_argument("--rows", default="second-half", help="the part of --trace to report on")
     report.add_argument("--table", type=Path, help="the table (default: the packaged one)")
     _common(report)
+    tune = cmds.add_parser("tune", help="re-solve the table in force on recorded traffic (GET /admin/traffic): "
+                           "tune on its earlier part, test against the table in force on its later part, "
+                           "say whether to swap", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sim.add_workload_args(tune, rows=False)
+    tune.add_argument("--table", type=Path, help="the table in force (default: the packaged one)")
+    tune.add_argument("--out", type=Path, default=Path("smdp-candidate.json"), help="where the candidate is written")
+    tune.add_argument("--name", default="tuned", help="the candidate's name")
+    tune.add_argument("--window", type=int, default=tn.WINDOW, help="the most recent requests of --trace read")
+    tune.add_argument("--budget", type=int, default=tn.BUDGET, help="simulations the search may run at most")
+    tune.add_argument("--margin", type=float, default=tn.MARGIN,
+                      help="the score on the later traffic a candidate must gain over the table in force")
+    _common(tune)
     show = cmds.add_parser("show", help="a table's states and actions")
     show.add_argument("table", nargs="?", type=Path, help="the table (default: the packaged one)")
 
@@ -81,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         if args.policy_command == "show":
             _show(PolicyTable.load(args.table) if args.table else packaged_table())
             return 0
+        if args.policy_command == "tune":
+            return _tune(args)
         return _solve(args) if args.policy_command == "solve" else _report_only(args)
     except (wl.TraceError, OSError, ValueError) as exc:
         print(f"tokengate policy: {exc}", file=sys.stderr)
@@ -170,6 +187,35 @@ def _solve(args: argparse.Namespace) -> int:
     table.dump(args.out)
     if args.json:
         print(json.dumps({"table": table.to_json(), "report": figures}, default=_json))
+    return 0
+
+
+def _tune(args: argparse.Namespace) -> int:
+    if args.trace is None:
+        raise ValueError("policy tune needs --trace: the traffic served (GET /admin/traffic)")
+    setup = _setup(args)
+    running = PolicyTable.load(args.table) if args.table else packaged_table()
+    rows = sim.read_rows(args.trace, "all", None)[-args.window:]
+    earlier, later = tn.split(rows)
+    makers = {tn.EARLIER: sim.workloads(args, earlier, kind="trace")[3],
+              tn.LATER: sim.workloads(args, later, kind="trace")[3]}
+    tune_plan, test_plan = tn.plans()
+    started = time.perf_counter()
+    loads: dict[sv.Scenario, Any] = {}
+    for kind, plan in ((tn.EARLIER, tune_plan), (tn.LATER, test_plan)):
+        base, part = _workloads({kind: makers[kind]}, setup, plan)
+        loads |= part
+        _log(f"{kind} {len(earlier if kind == tn.EARLIER else later)} requests: FCFS's 90%-SLO load {base:.3g} req/s")
+    with sv.Runner(setup, loads, args.jobs) as runner:
+        candidate, verdict = tn.retune(runner, running, args.name, args.budget, args.margin, _log)
+    candidate.dump(args.out)
+    doc = {"verdict": verdict.to_json(), "candidate": str(args.out), "requests": len(rows),
+           "seconds": time.perf_counter() - started}
+    if args.json:
+        print(json.dumps(doc, default=_json))
+    else:
+        _log(f"{'SWAP' if verdict.swap else 'KEEP'} {running.name}: {verdict.why}")
+        _show(candidate)
     return 0
 
 

@@ -179,11 +179,14 @@ def _knob(action: Action, name: str, value: float) -> Action:
 
 def solve(runner: Runner, plan: Sequence[Scenario], start: PolicyTable, passes: int = 1,
           log: Callable[[str], None] = lambda _: None,
-          dispatch_levels: Sequence[str] = QUEUE_LEVELS) -> tuple[PolicyTable, dict[str, Any]]:
+          dispatch_levels: Sequence[str] = QUEUE_LEVELS,
+          budget: int | None = None) -> tuple[PolicyTable, dict[str, Any]]:
     """Coordinate descent from ``start`` (the heuristic): the table found and how it was
     found (scores, visits, evaluations). The dispatch knobs are searched only in the states
     of the queue levels ``dispatch_levels`` (the others dispatch as ``start`` does); the
-    admission knobs in every state seen."""
+    admission knobs in every state seen. With a ``budget``, the search stops before a step
+    that would take the simulations run past it (``budget_spent``: it did)."""
+    spent = False
 
     def score(tables: Sequence[PolicyTable]) -> list[float]:
         tasks = [("smdp", t, sc) for t in tables for sc in plan]
@@ -205,8 +208,12 @@ def solve(runner: Runner, plan: Sequence[Scenario], start: PolicyTable, passes: 
         return name in ADMISSION_KNOBS or level_of(s) in dispatch_levels
 
     def step(candidates: list[tuple[str, PolicyTable]]) -> None:
-        nonlocal best, best_score
-        if not candidates:
+        nonlocal best, best_score, spent
+        if not candidates or spent:
+            return
+        if budget is not None and runner.evaluations + len(candidates) * len(plan) > budget:
+            spent = True
+            log(f"  the budget of {budget} simulations is spent: the search stops here")
             return
         scores = score([t for _, t in candidates])
         i = max(range(len(candidates)), key=lambda j: scores[j])
@@ -241,7 +248,7 @@ def solve(runner: Runner, plan: Sequence[Scenario], start: PolicyTable, passes: 
     how = {"score_heuristic": first_score, "score": best_score, "evaluations": runner.evaluations,
            "ticks_per_state": {STATE_NAMES[s]: v / total for s, v in enumerate(visits)},
            "searched_states": [STATE_NAMES[s] for s in searched], "dispatch_levels": list(dispatch_levels),
-           "passes": passes}
+           "passes": passes, "budget_spent": spent}
     return best, how
 
 
