@@ -101,6 +101,31 @@ def traffic_stream(model: str) -> str:
     return model_slot(model) + "traffic"
 
 
+def policy_key(model: str) -> str:
+    """The SMDP table in force for ``model``'s scheduler once one was re-solved, with when and
+    why it came in (JSON); a scheduler that takes over starts from it
+    (``gateway/dispatch/tuning.py``)."""
+    return model_slot(model) + "policy"
+
+
+def policy_status_key(model: str) -> str:
+    """What ``model``'s self-tuning is doing: a re-solve running, its last verdict, the watch
+    of the last swap (JSON, written by the scheduling gateway, read by every gateway)."""
+    return model_slot(model) + "policy:status"
+
+
+def policy_changes_stream(model: str) -> str:
+    """Every change of ``model``'s table in force: swapped in, rolled back (``POLICY_CHANGES_MAXLEN``)."""
+    return model_slot(model) + "policy:changes"
+
+
+def tune_asked_key(model: str) -> str:
+    """Set by ``POST /admin/scheduler/tune``: the scheduling gateway re-solves at its next turn."""
+    return model_slot(model) + "policy:tune"
+
+
+POLICY_CHANGES_MAXLEN = 100
+
 ARRIVALS_GROUP = "scheduler"  # its consumer group: an admission stays pending until dispatched or refused
 
 

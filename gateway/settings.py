@@ -51,6 +51,7 @@ class GatewaySettings:
     redis_timeout_s: float = 5.0  # a Redis command (or a wait for a pooled connection) fails after this
     gateway_dead_after_s: float = 15.0  # a gateway silent this long is dead: a survivor settles its requests
     max_queue_wait_ms: float = MAX_QUEUE_WAIT_MS  # a request without an SLO predicted to wait longer: 503 (0: none)
+    tune_every_s: float = 900.0  # --policy smdp: the table is re-solved on the traffic served this often (0: never)
     # connection hygiene (docs/operations.md, "Connection limits and timeouts")
     header_timeout_s: float = 10.0  # to send the request line and headers, from the first byte
     body_timeout_s: float = 30.0  # to send the whole body, from the end of the headers
@@ -105,6 +106,8 @@ class GatewaySettings:
             raise ValueError("the longest queue wait must be 0 (no bound) to 600000 ms")
         if self.max_connections < 1:
             raise ValueError("max connections must be at least 1")
+        if self.tune_every_s != 0.0 and not 60.0 <= self.tune_every_s <= 7 * 86400.0:
+            raise ValueError("the self-tuning interval must be 0 (never) or 60 s to 7 days")
         if any(not 0.0 < w <= TOKEN_WEIGHT_MAX for _m, w in self.token_weights):
             raise ValueError(f"a token weight must be in (0, {TOKEN_WEIGHT_MAX:g}]")
         if self.usage_retention_s < 60 or self.request_record_ttl_s < 1:

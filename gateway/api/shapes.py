@@ -397,6 +397,27 @@ class PoolBacklog(TypedDict):
     tokens: NonNegative
 
 
+@with_config(_FORBID)
+class SelfTuning(TypedDict):
+    """The scheduler's self-tuning (docs/scheduling.md §16.5): whether its table is re-solved,
+    the re-solved table in force (None: the packaged one), what it is doing, and the last
+    changes, newest first."""
+
+    enabled: bool  # the policy is the self-tuned table (--policy smdp)
+    every_s: float  # between automatic re-solves (0: only when asked)
+    in_force: dict[str, Any] | None  # name, since, kind (swap, rollback), why
+    status: dict[str, Any]  # solving_since, last (the verdict), judged (the watch's), watch
+    changes: list[dict[str, Any]]  # at, kind, from, to, why, figures
+
+
+@with_config(_FORBID)
+class TuneAsked(TypedDict):
+    """``POST /admin/scheduler/tune``: the scheduling gateway re-solves at its next turn."""
+
+    model: str
+    asked: Literal[True]
+
+
 @with_config(ConfigDict(extra="allow"))
 class SchedulerSnapshot(TypedDict):
     """``Dispatcher.snapshot()``: queues per bucket, fitted cost curves, thresholds,
@@ -408,6 +429,7 @@ class SchedulerSnapshot(TypedDict):
     gateways: int  # live gateway processes
     batches_in_flight: int
     backlog: dict[str, PoolBacklog]
+    tuning: SelfTuning
 
 
 RESPONSE_TYPES: tuple[type[Any], ...] = (
@@ -429,6 +451,7 @@ RESPONSE_TYPES: tuple[type[Any], ...] = (
     IssuedKey,
     ApiKeyList,
     KeyRevoked,
+    TuneAsked,
     UsageList,
     UsageOverview,
     WorkerList,

@@ -44,6 +44,7 @@ from gateway.dispatch.leading import BACKOFF, Leading
 from gateway.dispatch.liveness import Liveness
 from gateway.dispatch.role import Role
 from gateway.dispatch.scheduling import Origin, SchedulerShell, Send
+from gateway.dispatch.tuning import Tuning
 from gateway.redis_batch import AutoPipeline
 from gateway.settings import GatewaySettings
 from gateway.tasks import Tasks
@@ -90,6 +91,7 @@ class Dispatcher:
         # one gateway schedules for all (``election``): this one, or the one it forwards to
         self.leading = Leading(self)
         self.forwarding = Forwarding(self)  # a follower's: what it forwarded to the scheduler
+        self.tuning = Tuning(self)  # the scheduler's table re-solved on the traffic it served
         self.inbox = Inbox(self, settings.redis_timeout_s)  # replies and telemetry, on a connection of their own
         self.liveness = Liveness(client, settings)
         self.pending: dict[str, Pending] = {}
@@ -127,6 +129,7 @@ class Dispatcher:
             asyncio.create_task(self._supervised("workers", self._watch_loop), name="workers"),
             asyncio.create_task(self._supervised("election", self.leading.election_loop), name="election"),
             asyncio.create_task(self._supervised("arrivals", self.leading.arrivals_loop), name="arrivals"),
+            asyncio.create_task(self._supervised("tuning", self.tuning.loop), name="tuning"),
         ]
 
     async def _supervised(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:

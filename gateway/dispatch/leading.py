@@ -25,6 +25,7 @@ from common.retry import Outage, Retrier, backoff_policy
 from gateway.dispatch import election
 from gateway.dispatch.liveness import Liveness
 from gateway.dispatch.scheduling import Origin, SchedulerShell
+from gateway.dispatch.tuning import Tuning
 from gateway.redis_batch import AutoPipeline
 from gateway.settings import GatewaySettings
 from sched_core import Contract, Reject
@@ -52,6 +53,7 @@ class Host(Protocol):
     outage: Outage
     on_accuracy: Callable[[Accuracy | None], None] | None
     leads_elsewhere: Callable[[], int]
+    tuning: Tuning
 
     def new_shell(self) -> SchedulerShell: ...
 
@@ -101,7 +103,9 @@ class Leading:
     def ended(self, rid: str, ttft_s: float | None, total_s: float | None, tokens: int,
               now: float) -> Accuracy | None:
         self.d.shell.request_ended(rid, now)
-        return self.d.shell.outcome(rid, ttft_s, total_s, tokens, now)
+        accuracy = self.d.shell.outcome(rid, ttft_s, total_s, tokens, now)
+        self.d.tuning.outcome(ttft_s, total_s, tokens, accuracy)  # the watch of a swapped table
+        return accuracy
 
     def cancel(self, rid: str, now: float) -> bool:
         return self.d.shell.cancel(rid, now)
@@ -167,6 +171,7 @@ class Leading:
         await self.arrivals_group()
         workers = await self.d.liveness.workers()
         self.d.shell.take_over(workers)
+        await self.d.tuning.restore()  # the table in force, where it was re-solved
         self.d.seen(workers)
         self.leader = True
         self.leading.set()

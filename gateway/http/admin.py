@@ -12,8 +12,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.dispatch import records, traffic_log
-from gateway.errors import ModelNotFound
+from gateway.dispatch import records, traffic_log, tuning
+from gateway.errors import Conflict, ModelNotFound
 from gateway.http import console
 from gateway.http.web import ORJSONResponse, read_json
 from gateway.tenancy import admin_protocol as ap
@@ -153,8 +153,24 @@ async def workers(request: Request) -> Response:
 
 
 async def scheduler(request: Request) -> Response:
-    """One model's scheduler (``?model=``; default: the gateway's first model)."""
-    return ORJSONResponse(_domain(request).dispatcher.snapshot())
+    """One model's scheduler (``?model=``; default: the gateway's first model), with its
+    self-tuning as kept in Redis (any gateway shows the scheduling one's)."""
+    d = _domain(request).dispatcher
+    snap = d.snapshot()
+    snap["tuning"] = {"enabled": d.tuning.enabled, "every_s": d.tuning.every_s,
+                      **await tuning.read(_gw(request).client, d.settings.model_name)}
+    return ORJSONResponse(snap)
+
+
+async def tune(request: Request) -> Response:
+    """Ask one model's scheduler (``?model=``) to re-solve its table now (the scheduling
+    gateway takes the ask up within seconds; ``GET /admin/scheduler`` shows the verdict)."""
+    d = _domain(request).dispatcher
+    if not d.tuning.enabled:
+        raise Conflict(f"The scheduler runs a fixed policy (--policy {d.settings.policy}): nothing is re-solved; "
+                       "the self-tuned table is --policy smdp.")
+    await tuning.ask(_gw(request).client, d.settings.model_name)
+    return ORJSONResponse({"model": d.settings.model_name, "asked": True}, status_code=202)
 
 
 async def traffic(request: Request) -> Response:
@@ -208,6 +224,7 @@ def routes() -> list[Route]:
         "/keys/{prefix}": {"DELETE": revoke_key},
         "/workers": {"GET": workers},
         "/scheduler": {"GET": scheduler},
+        "/scheduler/tune": {"POST": tune},
         "/traffic": {"GET": traffic},
         "/cluster": {"GET": cluster},
         "/requests/{rid}": {"GET": explain_request},

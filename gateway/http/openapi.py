@@ -268,6 +268,14 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "One model's scheduler as this gateway sees it: queues, cost curves, thresholds, tenants", "admin",
         "AdminToken", (200, "SchedulerSnapshot"), {401: _ADMIN_401, 404: _NO_MODEL}, parameters=(_MODEL_QUERY,),
     ),
+    ("POST", "/admin/scheduler/tune"): Operation(
+        "Ask one model's scheduler to re-solve its policy table on the traffic it served now; the verdict "
+        "(swapped or kept, and why) appears in GET /admin/scheduler's `tuning`", "admin", "AdminToken",
+        (202, "TuneAsked"),
+        {401: _ADMIN_401, 404: _NO_MODEL, 409: "`conflict`: the scheduler runs a fixed policy (not `smdp`).",
+         503: REDIS_DOWN},
+        parameters=(_MODEL_QUERY,),
+    ),
     ("GET", "/admin/traffic"): Operation(
         "The requests one model's schedulers saw, as a trace to tune on (CSV: arrival, prompt and generated "
         "tokens, finished, tenant; no content)", "admin", "AdminToken", (200, ""),
@@ -302,8 +310,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
 }
 
 _STATUS_TEXT = {
-    200: "OK", 201: "Created", 400: "Bad request", 401: "Unauthorized", 404: "Not found", 408: "Request timeout",
-    409: "Conflict",
+    200: "OK", 201: "Created", 202: "Accepted", 400: "Bad request", 401: "Unauthorized", 404: "Not found",
+    408: "Request timeout", 409: "Conflict",
     413: "Payload too large", 415: "Unsupported media type", 429: "Too many requests",
     500: "Server error", 503: "Unavailable",
 }

@@ -42,6 +42,7 @@ GIVEN = {
     "redis-timeout": "2.75",
     "gateway-dead-after": "6.5",
     "max-queue-wait-ms": "2500.0",
+    "tune-every": "120.0",
 }
 # the other flags a gateway process takes
 OTHERS = {

@@ -41,7 +41,7 @@ def test_route_table_flattens_mounts_and_drops_head() -> None:
 
 def test_the_document_has_one_operation_per_route() -> None:
     doc = openapi.document(_routes(), SETTINGS)
-    assert sum(len(item) for item in doc["paths"].values()) == len(openapi.OPERATIONS) == 25  # +/admin/traffic
+    assert sum(len(item) for item in doc["paths"].values()) == len(openapi.OPERATIONS) == 26  # +POST .../tune
     assert "4096 bytes" in doc["paths"]["/v1/completions"]["post"]["responses"]["413"]["description"]
 
 

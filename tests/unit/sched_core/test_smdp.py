@@ -102,15 +102,16 @@ def test_the_slot_share_bounds_the_sequences_in_flight(make: Factory) -> None:
 
 
 def test_a_table_set_while_requests_wait_applies_from_the_next_decision(make: Factory) -> None:
-    s = make(policy_table=table(slot_share=1.0))
+    ungated = math.inf  # no prefill gate: the slot share alone decides
+    s = make(policy_table=table(slot_share=1.0, prefill_queue_steps=ungated))
     s.worker_capacity("cpu", 8, 0.0)
     for i in range(10):
         s.arrive(req(f"r{i}"), 0.0)
-    s.set_table(table(slot_share=0.5).with_action(0, Action()))  # queued ones stay queued
+    s.set_table(table(slot_share=0.5, prefill_queue_steps=ungated))  # queued ones stay queued
     assert s.queued == 10 and s.snapshot()["paths"]["cpu"]["slot_limit"] == 4  # in force at once
     assert len(dispatched(s.tick(0.0))) == 4
     assert s.snapshot()["policy"]["action"]["slot_share"] == 0.5
-    named = PolicyTable.uniform(Action(), name="re-solved")
+    named = PolicyTable.uniform(Action(prefill_queue_steps=ungated), name="re-solved")
     s.set_table(named)
     assert len(dispatched(s.tick(0.1))) == 4 and s.snapshot()["policy"]["name"] == "re-solved"
     assert s.config.policy_table is named
