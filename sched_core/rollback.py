@@ -1,5 +1,5 @@
 """After a policy table is swapped in, does the live service hold up? (issue 41,
-docs/scheduling.md §16.5)
+docs/scheduling.md §16.2)
 
 The gateway feeds the outcome of every promised request: whether it met the SLO (its first
 token within the TTFT SLO, each later token within the TPOT SLO) and whether it ended inside

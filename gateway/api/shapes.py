@@ -367,6 +367,19 @@ class WorkerView(TypedDict):
 
 
 @with_config(_FORBID)
+class SelfTuning(TypedDict):
+    """The scheduler's self-tuning (docs/scheduling.md §16.2): whether its table is re-solved,
+    the re-solved table in force (None: the packaged one), what it is doing, and the last
+    changes, newest first."""
+
+    enabled: bool  # the policy is the self-tuned table (--policy smdp)
+    every_s: float  # between automatic re-solves (0: only when asked)
+    in_force: dict[str, Any] | None  # name, since, kind (swap, rollback), why
+    status: dict[str, Any]  # solving_since, last (the verdict), judged (the watch's), watch
+    changes: list[dict[str, Any]]  # at, kind, from, to, why, figures
+
+
+@with_config(_FORBID)
 class Cluster(TypedDict):
     """The console's live view (``gateway.console.status.cluster``): counters are totals
     since each live gateway started; ``scheduler`` is the scheduling gateway's queues, paths
@@ -381,6 +394,7 @@ class Cluster(TypedDict):
     workers: list[WorkerView]
     counters: dict[str, Any]
     models: list[str]  # every model the answering gateway serves (``?model=`` picks the view)
+    tuning: SelfTuning  # the scheduler's table: re-solved or not, in force since when and why
 
 
 @with_config(_FORBID)
@@ -395,19 +409,6 @@ class PoolBacklog(TypedDict):
 
     requests: NonNegative
     tokens: NonNegative
-
-
-@with_config(_FORBID)
-class SelfTuning(TypedDict):
-    """The scheduler's self-tuning (docs/scheduling.md §16.5): whether its table is re-solved,
-    the re-solved table in force (None: the packaged one), what it is doing, and the last
-    changes, newest first."""
-
-    enabled: bool  # the policy is the self-tuned table (--policy smdp)
-    every_s: float  # between automatic re-solves (0: only when asked)
-    in_force: dict[str, Any] | None  # name, since, kind (swap, rollback), why
-    status: dict[str, Any]  # solving_since, last (the verdict), judged (the watch's), watch
-    changes: list[dict[str, Any]]  # at, kind, from, to, why, figures
 
 
 @with_config(_FORBID)

@@ -59,7 +59,7 @@ GATEWAY_FLAGS: tuple[tuple[str, str, str | None], ...] = (
      "with --policy smdp: seconds between re-solves of the policy table on the traffic served (the last "
      "3,000 requests, in a child process at idle CPU priority); a candidate runs only where it beats the "
      "table in force on the later third of that traffic, and is rolled back if live SLO attainment or "
-     "contract accuracy drops (docs/scheduling.md §16.5; 0: only when POST /admin/scheduler/tune asks)"),
+     "contract accuracy drops (docs/scheduling.md §16.2; 0: only when POST /admin/scheduler/tune asks)"),
     ("routing", "routing",
      "prefix (default): the scheduler sends each job to the worker of its pool where its first token "
      "is predicted earliest, crediting the prompt prefix that worker's engine should hold cached, within "

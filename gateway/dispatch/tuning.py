@@ -1,4 +1,4 @@
-"""The deployment tunes its own policy table (issue 41; docs/scheduling.md §16.5).
+"""The deployment tunes its own policy table (issue 41; docs/scheduling.md §16.2).
 
 The scheduling gateway of a model that runs the packaged SMDP table (``--policy smdp``, the
 default) re-solves the table every ``--tune-every`` seconds, or at once when an operator asks

@@ -28,6 +28,7 @@ from starlette.types import Scope
 
 from common import wire
 from gateway.console import status
+from gateway.dispatch import tuning
 from gateway.http.services import Gateway
 
 log = logging.getLogger("tokengate.console")
@@ -116,4 +117,6 @@ async def read(gw: Gateway, model: str | None = None) -> dict[str, Any]:
     view = status.cluster(dom.settings.gateway_id, parts, workers, now, wire.text(holder) if holder else "",
                           dom.name)
     view["models"] = list(gw.domains)
+    view["tuning"] = {"enabled": dom.dispatcher.tuning.enabled, "every_s": dom.dispatcher.tuning.every_s,
+                      **await tuning.read(gw.client, dom.name)}
     return view

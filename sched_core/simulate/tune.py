@@ -1,5 +1,5 @@
 """A re-solve on the traffic a deployment served, and the test a candidate table must pass
-before it runs (issue 41; docs/scheduling.md §16.5). Pure: ``tokengate policy tune`` does
+before it runs (issue 41; docs/scheduling.md §16.2). Pure: ``tokengate policy tune`` does
 the I/O, and the gateway runs that command off its request path
 (``gateway/dispatch/tuning.py``).
 

@@ -111,6 +111,8 @@ def test_an_operator_runs_a_tenant_from_sign_in_to_revoked_key(page: Page, gatew
     page.wait_for_function("document.querySelector('#policy').innerText.includes('macro-state')")
     assert "policy smdp" in _text(page, "#policy")  # the SMDP table in force, and its state now
     assert page.query_selector("#policy .state-now") is not None
+    # re-solved on the traffic it serves every 15 minutes; nothing re-solved yet in a fresh deployment
+    assert "self-tuning: every 15 min · the packaged table is in force" in _text(page, "#policy")
 
     # a tenant: first with a rate the admin API refuses, in its own words, then right
     page.click("a[data-view=tenants]")

@@ -227,7 +227,7 @@ async function refreshLive() {
         pct(x.errors ? x.error_sum / x.errors : null)];
     }));
 
-  drawPolicy(s);
+  drawPolicy(s, c.tuning);
   if (s) {
     table($("buckets"), ["bucket", "prompt ≤", "queued", "tokens", "arrivals/s", "mean output"],
       (s.buckets || []).map((b) => [b.bucket, num(b.max_prompt), num(b.queued), num(b.tokens), num(b.arrival_rate, 2),
@@ -266,7 +266,7 @@ function speed(drift) {
   return drift > 1 ? num(drift, 2) + "x slower" : num(1 / drift, 2) + "x faster";
 }
 
-function drawPolicy(s) {
+function drawPolicy(s, t) {
   const box = $("policy");
   if (!s || !s.policy) { box.replaceChildren(el("p", "no gateway schedules now", "muted")); return; }
   const p = s.policy;
@@ -289,7 +289,40 @@ function drawPolicy(s) {
     });
     return [level, ...cells];
   }));
-  box.replaceChildren(head, action, visits);
+  box.replaceChildren(head, action, visits, ...drawTuning(t));
+}
+
+// the self-tuning (docs/scheduling.md §16.2): the table in force, a re-solve running, its last
+// verdict, the watch of the last swap, and the changes, newest first
+function drawTuning(t) {
+  if (!t) return [];
+  const when = (at) => new Date(at * 1000).toLocaleString();
+  const out = [];
+  const line = el("p", null, "small");
+  if (!t.enabled) line.textContent = "self-tuning: off (a fixed policy)";
+  else {
+    line.append("self-tuning: ", el("strong", t.every_s ? `every ${num(t.every_s / 60)} min` : "when asked"),
+      t.in_force ? ` · table in force since ${when(t.in_force.since)} (${t.in_force.kind}): ${t.in_force.why}`
+        : " · the packaged table is in force");
+  }
+  out.push(line);
+  const st = t.status || {};
+  if (st.solving_since) out.push(el("p", `re-solving since ${when(st.solving_since)} (${st.reason || ""})`, "small"));
+  if (st.last) {
+    out.push(el("p", `last re-solve ${when(st.last.at)}: ${st.last.swap ? "swapped" : "kept"}: ${st.last.why}`,
+      "small"));
+  }
+  if (st.watch && st.watch.watching) {
+    out.push(el("p", `watching the swap: ${st.watch.outcomes_after_swap} of ${st.watch.needed} outcomes in`, "small"));
+  }
+  if (st.judged) out.push(el("p", `last swap judged ${when(st.judged.at)}: ${st.judged.why}`, "small"));
+  if ((t.changes || []).length) {
+    const changes = el("table");
+    table(changes, ["changed", "kind", "from", "to", "why"],
+      t.changes.map((c) => [when(c.at), c.kind, c.from || "–", c.to, c.why]));
+    out.push(changes);
+  }
+  return out;
 }
 
 // -- tenants -------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ ROUTES = [
     ("DELETE", "/keys/0123abcd"),
     ("GET", "/workers"),
     ("GET", "/scheduler"),
+    ("POST", "/scheduler/tune"),
     ("GET", "/traffic"),
     ("GET", "/usage"),
     ("GET", "/cluster"),
