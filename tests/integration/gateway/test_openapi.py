@@ -98,7 +98,7 @@ async def test_its_paths_are_exactly_the_routes(harness: Harness) -> None:
     routes = app.routes
     table = set(openapi.route_table(routes)) - set(openapi.route_table(console.routes()))  # pages, not API
     assert {(m.upper(), p) for p, item in doc["paths"].items() for m in item} == table
-    assert len(table) == 25 and {("GET", "/admin/tenants/{tenant}/usage"), ("GET", "/health")} <= table
+    assert len(table) == 26 and {("GET", "/admin/tenants/{tenant}/usage"), ("GET", "/health")} <= table
     for path, item in doc["paths"].items():
         for method, op in item.items():
             wanted = "AdminToken" if path.startswith("/admin") else "ApiKey" if path.startswith("/v1") else None
@@ -169,6 +169,7 @@ async def test_real_responses_conform(harness: Harness) -> None:
     check(await http.get(f"/admin/requests/{done.headers['x-request-id']}", headers=admin))
     check(await http.get("/admin/requests/0123", headers=admin))  # 404
     check(await http.get("/admin/traffic", headers=admin))  # text/csv
+    check(await http.post("/admin/scheduler/tune", headers=admin))  # 202: asked
 
     # generation's refusals
     check(await http.post("/v1/chat/completions", json=chat))  # 401
@@ -200,5 +201,5 @@ async def test_real_responses_conform(harness: Harness) -> None:
     check(await http.delete("/admin/tenants/acme", headers=admin))
 
     statuses = {s for _, _, s in conformance.seen}
-    assert statuses == {200, 201, 400, 401, 404, 409, 413, 429, 503}
-    assert len({(m, p) for m, p, _ in conformance.seen}) == 25  # every operation
+    assert statuses == {200, 201, 202, 400, 401, 404, 409, 413, 429, 503}
+    assert len({(m, p) for m, p, _ in conformance.seen}) == 26  # every operation
