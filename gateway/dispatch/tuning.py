@@ -239,6 +239,7 @@ class Tuning:
         policy is the self-tuned one."""
         if not self.tunable:
             return
+        await self._status({"solving_since": None})  # a re-solve of a scheduler that died with it
         raw = await self.d.client.get(wire.policy_key(self.model))
         if raw is None:
             return
@@ -288,6 +289,8 @@ class Tuning:
         if "last" in update:
             doc.pop("solving_since", None)
         doc |= update
+        for key in [k for k, v in doc.items() if v is None]:  # None: no longer so
+            del doc[key]
         doc["watch"] = self.watch.state()
         await self.d.client.set(key, orjson.dumps(doc))
 

@@ -72,3 +72,16 @@ def test_a_candidate_that_does_not_win_by_the_margin_is_not_swapped_in(
     verdict = doc["verdict"]
     assert not verdict["swap"] and "a swap needs +100" in verdict["why"]
     assert verdict["score_candidate"] > verdict["score_running"]
+
+
+def test_a_candidate_that_wins_on_average_but_loses_at_one_load_is_not_swapped_in() -> None:
+    def fig(scenario: str, running: float, candidate: float) -> dict[str, object]:
+        return {"scenario": scenario, "figure": "goodput_rps", "running": running, "candidate": candidate}
+
+    even = [fig("1x SLO later", 3.6, 3.6), fig("3x SLO later", 3.0, 3.9)]
+    swap, why = tn.decide(0.92, 0.96, even)
+    assert swap and "losing nowhere by more than 2%" in why
+    lost = [fig("1x SLO later", 3.634, 3.247), fig("3x SLO later", 3.053, 3.925)]  # the first live run's
+    swap, why = tn.decide(0.920, 0.956, lost)
+    assert not swap and "lost at 1x SLO later" in why
+    assert tn.decide(0.92, 0.93, even)[0] is False  # +0.01: under the margin
