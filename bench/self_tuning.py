@@ -12,10 +12,13 @@ worker's capacity is measured first (``bench.traffic.closed_loop`` under fcfs, m
 the code trace (through ``traffic_log.flush``, the gateway's own writer), so that a re-solve has
 as much to do as on a deployment's window of that size. The same slice of mix A
 (``--window-requests``, open loop at ``--load`` × capacity) is replayed four times: quiet; while
-the gateway's own re-solve runs (its child at ``SCHED_IDLE``, one simulation at a time); while
-the same re-solve runs as a plain ``tokengate policy tune`` at normal priority (the baseline:
-what bounding its CPU buys); quiet again. Per window: TTFT and end-to-end p50/p99 and their
-ratio to the quiet windows' mean, and how much of the window the re-solve covered.
+the gateway's own re-solve runs (its child at ``SCHED_IDLE`` and ``--tune-cpu`` of a core;
+killed at the window's end, so that it never spills into the next); while the same re-solve
+runs as a plain ``tokengate policy tune`` at normal priority, restarted as it ends (the
+baseline: what bounding its CPU buys); ``--rounds`` times, after a warm-up, with the same
+Poisson arrivals at ``--load`` × capacity. Per kind of window, every round's requests pooled:
+TTFT and end-to-end p50/p99, their ratio to the quiet windows', and the re-solve's CPU as a
+share of one core.
 
 **A traffic shift.** The stream is cleared; mix A (code trace rows from ``--start``, prompts ÷
 32, outputs ≤ 32) is served for ``--phase-requests``, then mix B (rows from ``--start-b``,
@@ -33,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -137,27 +142,59 @@ def gateway(redis_url: str, model_dir: str, procs: list[subprocess.Popen[bytes]]
 KINDS = ("quiet", "re-solve at idle priority", "re-solve at normal priority (baseline)")
 
 
-def keep_solving(kind: str, base: str, baseline_cmd: list[str], stop: threading.Event, solves: list[int]) -> None:
-    """Re-solve over and over until ``stop``: the gateway's own (asked; a re-solve still
-    running at ``stop`` is waited for, so that it never spills into the next window) or the
-    baseline's plain process (killed at ``stop``)."""
+def tuning_child() -> int | None:
+    """The pid of a gateway's re-solve child (``policy tune --name tuned-…``), if one runs."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"tune" in argv and any(a.startswith(b"tuned-") for a in argv):
+            return int(entry.name)
+    return None
+
+
+def cpu_s(pid: int) -> float:
+    """User and system CPU seconds of ``pid`` so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def keep_solving(kind: str, base: str, baseline_cmd: list[str], stop: threading.Event, used: list[float]) -> None:
+    """Re-solve through the window until ``stop``: the gateway's own (asked; at ``stop`` its
+    child is killed, so that it never spills into the next window: the gateway records the
+    failure) or the baseline's plain process at normal priority. ``used``: the CPU seconds the
+    re-solves took in the window."""
     while not stop.is_set():
         if kind == KINDS[1]:
-            asked = time.time()
             ask(base)
-            wait_verdict(base, asked)
-            solves[0] += 1
-        else:
-            proc = subprocess.Popen(baseline_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            while proc.poll() is None and not stop.is_set():
+            pid = None
+            while pid is None and not stop.is_set():
                 time.sleep(0.2)
-            if proc.poll() is None:
-                proc.kill()
-            elif proc.returncode == 0:
-                solves[0] += 1
-            else:
-                raise RuntimeError(f"the baseline re-solve failed: exit {proc.returncode}")
-            proc.wait()
+                pid = tuning_child()
+            while pid is not None and not stop.is_set() and Path(f"/proc/{pid}").exists():
+                used[0] = cpu_s(pid)
+                time.sleep(0.2)
+            if pid is not None and Path(f"/proc/{pid}").exists():
+                used[0] = cpu_s(pid)
+                os.kill(pid, signal.SIGKILL)
+            return  # one ask per window: a re-solve at 10 % of a core outlasts it
+        proc = subprocess.Popen(baseline_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while proc.poll() is None and not stop.is_set():
+            used[1] = cpu_s(proc.pid)
+            time.sleep(0.2)
+        used[0] += used[1]
+        used[1] = 0.0
+        if proc.poll() is None:
+            proc.kill()
+        elif proc.returncode != 0:
+            raise RuntimeError(f"the baseline re-solve failed: exit {proc.returncode}")
+        proc.wait()
 
 
 def serving_while_solving(base: str, keys: list[str], rows: list[Row], baseline_cmd: list[str],
@@ -166,22 +203,25 @@ def serving_while_solving(base: str, keys: list[str], rows: list[Row], baseline_
     the figures of every window's requests pooled."""
     asyncio.run(replay(base, keys, rows[: len(rows) // 4], 0))  # warm-up: not counted
     pooled: dict[str, list[Sample]] = {k: [] for k in KINDS}
-    solved = dict.fromkeys(KINDS, 0)
+    cpu = dict.fromkeys(KINDS, 0.0)
+    wall = dict.fromkeys(KINDS, 0.0)
     for r in range(rounds):
         for kind in KINDS:
-            stop, solves = threading.Event(), [0]
-            worker = threading.Thread(target=keep_solving, args=(kind, base, baseline_cmd, stop, solves))
+            stop, used = threading.Event(), [0.0, 0.0]
+            worker = threading.Thread(target=keep_solving, args=(kind, base, baseline_cmd, stop, used))
             if kind != KINDS[0]:
                 worker.start()
-            samples, _span = asyncio.run(replay(base, keys, rows, 0))
+            samples, span = asyncio.run(replay(base, keys, rows, 0))
             stop.set()
             if kind != KINDS[0]:
                 worker.join()
             pooled[kind] += samples
-            solved[kind] += solves[0]
-            print(f"  round {r + 1}, {kind}: " + ", ".join(f"{k} {v:.0f}" for k, v in latency(samples).items()))
-    return [{"window": kind, "requests": len(pooled[kind]), "solves": solved[kind], **latency(pooled[kind])}
-            for kind in KINDS]
+            cpu[kind] += used[0]
+            wall[kind] += span
+            print(f"  round {r + 1}, {kind}: re-solve CPU {used[0]:.1f} s of {span:.0f} s; "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in latency(samples).items()))
+    return [{"window": kind, "requests": len(pooled[kind]), "solve_cpu_share": cpu[kind] / wall[kind],
+             **latency(pooled[kind])} for kind in KINDS]
 
 
 def shift(base: str, keys: list[str], a: list[Row], b: list[Row], rate: float, slo: Slo) -> dict[str, Any]:
@@ -243,9 +283,10 @@ def main() -> None:
                 for k in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms"):
                     w[k.replace("_ms", "_vs_quiet")] = w[k] / quiet[k]
             table(f"serving at {args.load:g}x capacity (Poisson) while a re-solve runs, {args.rounds} rounds pooled",
-                  ["window", "done", "solves", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99", "TTFT p99 ratio",
+                  ["window", "done", "re-solve CPU", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99", "TTFT p99 ratio",
                    "e2e p99 ratio"],
-                  [[w["window"], f"{w['completed']}/{w['requests']}", w["solves"], f"{w['ttft_p50_ms']:.0f}",
+                  [[w["window"], f"{w['completed']}/{w['requests']}", f"{w['solve_cpu_share']:.0%}",
+                    f"{w['ttft_p50_ms']:.0f}",
                     f"{w['ttft_p99_ms']:.0f}", f"{w['e2e_p50_ms']:.0f}", f"{w['e2e_p99_ms']:.0f}",
                     f"{w['ttft_p99_vs_quiet']:.3f}", f"{w['e2e_p99_vs_quiet']:.3f}"] for w in windows])
             summary["windows"] = windows

@@ -52,6 +52,7 @@ class GatewaySettings:
     gateway_dead_after_s: float = 15.0  # a gateway silent this long is dead: a survivor settles its requests
     max_queue_wait_ms: float = MAX_QUEUE_WAIT_MS  # a request without an SLO predicted to wait longer: 503 (0: none)
     tune_every_s: float = 900.0  # --policy smdp: the table is re-solved on the traffic served this often (0: never)
+    tune_cpu: float = 0.1  # the share of one core a re-solve may use (its child is stopped the rest of the time)
     # connection hygiene (docs/operations.md, "Connection limits and timeouts")
     header_timeout_s: float = 10.0  # to send the request line and headers, from the first byte
     body_timeout_s: float = 30.0  # to send the whole body, from the end of the headers
@@ -108,6 +109,8 @@ class GatewaySettings:
             raise ValueError("max connections must be at least 1")
         if self.tune_every_s != 0.0 and not 60.0 <= self.tune_every_s <= 7 * 86400.0:
             raise ValueError("the self-tuning interval must be 0 (never) or 60 s to 7 days")
+        if not 0.01 <= self.tune_cpu <= 1.0:
+            raise ValueError("a re-solve's share of a core must lie in [0.01, 1]")
         if any(not 0.0 < w <= TOKEN_WEIGHT_MAX for _m, w in self.token_weights):
             raise ValueError(f"a token weight must be in (0, {TOKEN_WEIGHT_MAX:g}]")
         if self.usage_retention_s < 60 or self.request_record_ttl_s < 1:

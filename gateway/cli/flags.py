@@ -60,6 +60,9 @@ GATEWAY_FLAGS: tuple[tuple[str, str, str | None], ...] = (
      "3,000 requests, in a child process at idle CPU priority); a candidate runs only where it beats the "
      "table in force on the later third of that traffic, and is rolled back if live SLO attainment or "
      "contract accuracy drops (docs/scheduling.md §16.2; 0: only when POST /admin/scheduler/tune asks)"),
+    ("tune-cpu", "tune_cpu",
+     "the share of one core a re-solve may use: its child runs this share of every half second and is "
+     "stopped the rest (on top of its idle CPU priority), so that serving keeps its cores"),
     ("routing", "routing",
      "prefix (default): the scheduler sends each job to the worker of its pool where its first token "
      "is predicted earliest, crediting the prompt prefix that worker's engine should hold cached, within "

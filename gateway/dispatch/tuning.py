@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import resource
+import signal
 import sys
 import tempfile
 import time
@@ -54,7 +55,8 @@ log = logging.getLogger("tokengate.tuning")
 
 POLL_S = 2.0  # how often the scheduling gateway looks whether a re-solve is due or asked for
 CPU_LIMIT_S = 900  # CPU seconds one re-solve may use; the kernel stops it past this
-WALL_LIMIT_S = 3600.0  # and wall seconds (at SCHED_IDLE a busy machine may leave it little CPU)
+WALL_LIMIT_S = 6 * 3600.0  # and wall seconds (at --tune-cpu 0.1, 900 CPU seconds take 2.5 h)
+DUTY_PERIOD_S = 0.5  # the child runs --tune-cpu of every such period and is stopped the rest
 ASK_TTL_S = 3600  # an operator's ask stays this long for a scheduler to take it up
 
 
@@ -84,6 +86,25 @@ def _idle() -> None:
     except (AttributeError, OSError):  # not Linux: the lowest nice value instead
         os.nice(19)
     resource.setrlimit(resource.RLIMIT_CPU, (CPU_LIMIT_S, CPU_LIMIT_S))
+
+
+async def _duty_cycle(pid: int, share: float) -> None:
+    """Let the child ``pid`` run ``share`` of every ``DUTY_PERIOD_S`` and stop it the rest
+    (SIGSTOP/SIGCONT): idle priority alone still let a re-solve's bursts evict the model's
+    caches between its steps (docs/benchmarks.md, "The table that tunes itself")."""
+    if share >= 1.0:
+        return
+    try:
+        while True:
+            await asyncio.sleep(DUTY_PERIOD_S * share)
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(DUTY_PERIOD_S * (1.0 - share))
+            os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        return
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)  # never left stopped: a kill or its exit must go through
 
 
 def deployment_args(workers: dict[str, p.Heartbeat], model: str, out: Path) -> list[str]:
@@ -190,6 +211,7 @@ class Tuning:
             log.info("self-tuning of %s: re-solving on %d recorded requests (%s)", self.model, requests, reason)
             proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
                                                         stderr=asyncio.subprocess.PIPE, preexec_fn=_idle)
+            duty = asyncio.create_task(_duty_cycle(proc.pid, self.d.settings.tune_cpu))
             try:
                 out, err = await asyncio.wait_for(proc.communicate(), WALL_LIMIT_S)
             except (TimeoutError, asyncio.CancelledError):
@@ -197,6 +219,8 @@ class Tuning:
                     proc.kill()
                 await proc.wait()
                 raise
+            finally:
+                duty.cancel()
             if proc.returncode != 0:
                 tail = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
                 log.warning("self-tuning of %s failed: %s", self.model, tail[0])

@@ -114,7 +114,8 @@ def decide(score_running: float, score_candidate: float, figures: Sequence[dict[
     because the mean can hide a loss at the load the deployment runs at, bought with a gain
     at another: the first live test of self-tuning (docs/benchmarks.md, "The table that tunes
     itself") swapped in a table that gained 29 % of goodput at 3x and lost 11 % at 1x in the
-    simulator, and it lost 7 points of attainment live."""
+    simulator (live it then attained 7 points less than the fixed table, about as much as two
+    runs of one table differed there)."""
     gain = score_candidate - score_running
     if gain < margin:
         return False, (f"on the later traffic it scored {score_candidate:.3f} against the running table's "

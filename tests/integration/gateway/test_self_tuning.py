@@ -61,7 +61,7 @@ async def scheduler(h: Harness) -> dict[str, Any]:
 async def test_an_asked_re_solve_swaps_a_starving_table_for_one_that_won_on_the_later_traffic(
         redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec) -> None:
     await seed(redis_url, model_spec.name, 450)
-    async with make_harness(redis_url, prompts, model_spec.name) as h:
+    async with make_harness(redis_url, prompts, model_spec.name, tune_cpu=1.0) as h:  # a whole core: the test's time
         snap = await scheduler(h)
         assert snap["policy"]["name"] == "starving"  # the table in force, restored at the take-over
         assert snap["tuning"]["enabled"] and snap["tuning"]["every_s"] == 900.0

@@ -43,6 +43,7 @@ GIVEN = {
     "gateway-dead-after": "6.5",
     "max-queue-wait-ms": "2500.0",
     "tune-every": "120.0",
+    "tune-cpu": "0.25",
 }
 # the other flags a gateway process takes
 OTHERS = {
