@@ -134,7 +134,7 @@ class Tuning:
         self.enabled = s.policy == DEFAULT_POLICY  # a fixed table (smdp:FILE), the heuristic, a baseline: never
         self.automatic = self.enabled and s.tune_every_s > 0  # else only when an operator asks
         self.every_s = s.tune_every_s
-        self.budget = tn.BUDGET  # simulations per re-solve: with one core at idle priority, a few minutes
+        self.budget = tn.BUDGET  # simulations per re-solve
         self.watch = SwapWatch()
         self.previous: PolicyTable | None = None  # the table before the swap being watched
         self.solving = False
@@ -176,6 +176,9 @@ class Tuning:
         await self._status({"solving_since": started, "reason": reason})
         try:
             verdict = await self._run(running, reason)
+        except (OSError, ValueError, KeyError, IndexError) as exc:  # a failed re-solve costs a verdict, not serving
+            log.warning("self-tuning of %s failed: %r", self.model, exc)
+            verdict = {"swap": False, "why": f"the re-solve failed: {exc!r}"}
         finally:
             self.solving = False
         verdict |= {"at": time.time(), "seconds": time.time() - started, "reason": reason}
@@ -261,6 +264,8 @@ class Tuning:
     async def restore(self) -> None:
         """A scheduler taking over starts from the table in force (a re-solved one), where its
         policy is the self-tuned one."""
+        self.watch.cancel()  # a swap another scheduler made is not judged here
+        self.previous = None
         if not self.tunable:
             return
         await self._status({"solving_since": None})  # a re-solve of a scheduler that died with it

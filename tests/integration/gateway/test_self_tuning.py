@@ -15,6 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from common import wire
+from gateway.dispatch import tuning
 from gateway.dispatch.prompts import PromptBuilder
 from gateway.dispatch.tuning import Tuning
 from sched_core.contracts import Accuracy
@@ -117,3 +118,25 @@ async def test_a_swap_that_loses_live_attainment_is_rolled_back(harness: Harness
     assert (back["from"], back["to"]) == ("starving", "smdp-code") and back["why"].startswith("rolled back")
     assert back["figures"]["before"]["slo_attainment"] == 1.0 and back["figures"]["after"]["slo_attainment"] == 0.0
     assert tuning["in_force"]["kind"] == "rollback" and not tuning["status"].get("watch", {}).get("watching")
+
+
+async def test_a_re_solve_that_fails_costs_a_verdict_and_never_the_serving(
+        redis_url: str, prompts: PromptBuilder, model_spec: ModelSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    await seed(redis_url, model_spec.name, 450)
+    async with make_harness(redis_url, prompts, model_spec.name, tune_cpu=1.0) as h:
+        d = h.gw.domain().dispatcher
+        d.tuning.budget = "many"  # type: ignore[assignment]  # the child's own argument check refuses it
+        verdict = await d.tuning.solve("a test")
+        assert not verdict["swap"] and verdict["why"].startswith("the re-solve failed: ")
+        assert "--budget" in verdict["why"]
+
+        def broken(*_: object) -> list[str]:
+            raise OSError("no room for the traffic file")
+
+        monkeypatch.setattr(tuning, "deployment_args", broken)
+        verdict = await d.tuning.solve("a test")
+        assert verdict["why"] == "the re-solve failed: OSError('no room for the traffic file')"
+        assert d.failed is None and d.tuning.in_force() is not None and d.tuning.in_force().name == "starving"
+        assert (await scheduler(h))["tuning"]["status"]["last"]["why"] == verdict["why"]
+        _, key = await h.tenant("acme")
+        assert (await h.complete(key)).status_code == 200  # serving goes on
