@@ -16,6 +16,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import IO
 
@@ -35,10 +36,15 @@ def redis_server_binary() -> str:
     return str(REDIS_SERVER_PATH)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A port free now, none of ``avoid``: a port someone is about to listen on (`serve`'s own
+    --port, free until its gateway binds it) is free to the system too."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in avoid:
+            return port
 
 
 def default_data_dir() -> Path:
@@ -59,11 +65,12 @@ class EmbeddedRedis:
     (no acknowledged write is lost; an fsync per batch of writes).
     """
 
-    def __init__(self, port: int | None = None, data_dir: Path | None = None, fsync: str = "everysec") -> None:
+    def __init__(self, port: int | None = None, data_dir: Path | None = None, fsync: str = "everysec",
+                 avoid: Collection[int] = ()) -> None:
         if fsync not in FSYNC_CHOICES:
             raise ValueError(f"fsync must be one of {', '.join(FSYNC_CHOICES)}, not {fsync!r}")
         self.fsync = fsync
-        self.port = port or free_port()
+        self.port = port or free_port(avoid=avoid)
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.binary = redis_server_binary()
         # absolute: redis-server changes into --dir before it opens --logfile, so a relative

@@ -390,7 +390,8 @@ def serve(args: argparse.Namespace) -> None:
             data_dir = Path(args.data_dir or default_data_dir()).expanduser()
             if not redis_url:
                 log.info("data directory: %s", data_dir)
-                embedded = EmbeddedRedis(data_dir=data_dir, fsync=args.redis_fsync)
+                # not the port the gateway is about to listen on (free until it binds it)
+                embedded = EmbeddedRedis(data_dir=data_dir, fsync=args.redis_fsync, avoid=(args.port,))
                 embedded.start()  # locks the directory: one `serve` per data directory
                 redis_url = embedded.url
                 log.info("private redis-server (%s) at %s", embedded.binary, redis_url)
