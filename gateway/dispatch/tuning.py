@@ -49,6 +49,7 @@ from sched_core.contracts import Accuracy
 from sched_core.policies import DEFAULT_POLICY
 from sched_core.rollback import SwapWatch
 from sched_core.simulate import tune as tn
+from sched_core.simulate.metrics import Slo
 from sched_core.smdp import PolicyTable
 
 log = logging.getLogger("tokengate.tuning")
@@ -137,7 +138,6 @@ class Tuning:
         self.budget = tn.BUDGET  # simulations per re-solve
         self.watch = SwapWatch()
         self.previous: PolicyTable | None = None  # the table before the swap being watched
-        self.solving = False
         self._last_solve = time.monotonic()  # the first re-solve is one interval after the start
 
     @property
@@ -172,15 +172,12 @@ class Tuning:
         running = self.in_force()
         assert running is not None, "tunable first"
         started = time.time()
-        self.solving = True
         await self._status({"solving_since": started, "reason": reason})
         try:
             verdict = await self._run(running, reason)
         except (OSError, ValueError, KeyError, IndexError) as exc:  # a failed re-solve costs a verdict, not serving
             log.warning("self-tuning of %s failed: %r", self.model, exc)
             verdict = {"swap": False, "why": f"the re-solve failed: {exc!r}"}
-        finally:
-            self.solving = False
         verdict |= {"at": time.time(), "seconds": time.time() - started, "reason": reason}
         candidate = verdict.pop("table", None)
         if verdict.get("swap") and candidate is not None:
@@ -293,7 +290,7 @@ class Tuning:
         if accuracy is None or ttft_s is None or total_s is None or pricing is None:
             return
         cfg = pricing.config
-        met = ttft_s <= cfg.ttft_p99_slo_s and (tokens <= 1 or (total_s - ttft_s) / (tokens - 1) <= cfg.tpot_slo_s)
+        met = Slo(cfg.ttft_p99_slo_s, cfg.tpot_slo_s).meets(ttft_s, total_s, tokens)
         inside = accuracy.total_inside and accuracy.ttft_inside is not False
         judged = self.watch.observe(met, inside)
         if judged is None:

@@ -50,9 +50,11 @@ class Slo:
     def met(self, o: Outcome) -> bool:
         if o.rejected is not None or math.isnan(o.finished):
             return False
-        if o.ttft > self.ttft_s:
-            return False
-        return o.tokens <= 1 or (o.e2e - o.ttft) / (o.tokens - 1) <= self.tpot_s
+        return self.meets(o.ttft, o.e2e, o.tokens)
+
+    def meets(self, ttft_s: float, e2e_s: float, tokens: int) -> bool:
+        """A finished request's first token within the TTFT SLO, each later one within the TPOT SLO."""
+        return ttft_s <= self.ttft_s and (tokens <= 1 or (e2e_s - ttft_s) / (tokens - 1) <= self.tpot_s)
 
     def describe(self) -> str:
         return f"TTFT <= {self.ttft_s * 1000:g} ms and <= {self.tpot_s * 1000:g} ms per later token"
