@@ -98,6 +98,16 @@ def as_fit(model: dict[str, float]) -> dict[str, Any]:
             "decode": {"c": model["decode_launch"], "d": model["decode_seq"], "e": model["kv_token"]}}
 
 
+def serving(profile: dict[str, Any], model: dict[str, float], steps: int) -> dict[str, Any]:
+    """A worker's measured ``profile`` with its formulas replaced by ``model``, the step model a
+    scheduler fitted online on ``steps`` of the workers' live steps (``as_fit``; the measured
+    spread kept): the workers as they run while serving, beside the gateway and whatever else
+    shares their CPUs, where the profile timed the engine alone at start."""
+    fit_ = {**as_fit(model), "noise_cv": float(profile.get("fit", {}).get("noise_cv", 0.0))}
+    return {**profile, "fit": fit_, "learnt_steps": steps,
+            "source": f"fitted online on {steps} live steps, from {profile.get('name', 'a measured profile')}"}
+
+
 def published(profile: dict[str, Any]) -> dict[str, float] | None:
     """The step model a worker published (its heartbeat's ``profile["step_model"]``, made by
     ``step_model``): every term of ``TERMS`` as a float, a missing attention term as 0; None

@@ -40,7 +40,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from common import protocol as p
-from common import wire
+from common import stepmodel, wire
 from common.pools import POOLS
 from gateway.dispatch import traffic_log
 from gateway.dispatch.scheduling import SchedulerShell
@@ -108,9 +108,14 @@ async def _duty_cycle(pid: int, share: float) -> None:
             os.kill(pid, signal.SIGCONT)  # never left stopped: a kill or its exit must go through
 
 
-def deployment_args(workers: dict[str, p.Heartbeat], model: str, out: Path) -> list[str]:
+def deployment_args(workers: dict[str, p.Heartbeat], model: str, out: Path,
+                    learnt: dict[str, dict[str, Any]] | None = None) -> list[str]:
     """``tokengate policy tune``'s deployment flags for the live workers of ``model``: each
-    pool's workers and slots, and the profiles they measured (written to ``out``)."""
+    pool's workers and slots, and the profiles they measured (written to ``out``), each with
+    the formulas the scheduler fitted on its live steps where it fitted any (``learnt``: the
+    pricing snapshot's paths). A profile is timed on an idle machine; serving, the workers
+    share it with the gateway and Redis (``bench.policies_live``: live steps 0.75-1.27× the
+    start profile's), and a table is only as good as the speeds it was solved with."""
     live = [hb for hb in workers.values() if hb.model == model and not hb.down]
     args: list[str] = []
     for pool in POOLS:
@@ -119,6 +124,9 @@ def deployment_args(workers: dict[str, p.Heartbeat], model: str, out: Path) -> l
         if mine:
             args += [f"--{pool}-slots", str(max(hb.slots for hb in mine))]
     measured = p.by_pool([hb.profile for hb in live if hb.profile])
+    for pool, path in (learnt or {}).items():
+        if pool in measured and path.get("fitted_steps", 0) > 0:
+            measured[pool] = stepmodel.serving(measured[pool], path["step_model"], int(path["fitted_steps"]))
     if measured:
         out.write_bytes(orjson.dumps(measured))
         args += ["--fleet", str(out)]
@@ -145,6 +153,11 @@ class Tuning:
         """The policy is the self-tuned SMDP table (``--policy smdp``)."""
         pricing = self.d.shell.driver.pricing
         return self.enabled and pricing is not None and pricing.config.policy_table is not None
+
+    def _learnt(self) -> dict[str, dict[str, Any]]:
+        """The scheduler's paths as it fitted them on its workers' live steps."""
+        pricing = self.d.shell.driver.pricing
+        return pricing.snapshot()["paths"] if pricing is not None else {}
 
     def in_force(self) -> PolicyTable | None:
         pricing = self.d.shell.driver.pricing
@@ -205,7 +218,7 @@ class Tuning:
                    "--table", str(folder / "running.json"), "--out", str(folder / "candidate.json"),
                    "--name", name, "--json", "--jobs", "1", "--budget", str(self.budget), "--max-queue-wait-ms",
                    str(self.d.settings.max_queue_wait_ms),
-                   *deployment_args(self.d.workers, self.model, folder / "fleet.json")]
+                   *deployment_args(self.d.workers, self.model, folder / "fleet.json", self._learnt())]
             if cfg is not None:
                 cmd += ["--slo-ms", str(cfg.ttft_p99_slo_s * 1000.0), "--slo-tpot-ms", str(cfg.tpot_slo_s * 1000.0)]
             log.info("self-tuning of %s: re-solving on %d recorded requests (%s)", self.model, requests, reason)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.stepmodel import decode_s, fit, formula_points, mixed_error, prefill_s, step_model, summary
+from common.stepmodel import decode_s, fit, formula_points, mixed_error, prefill_s, serving, step_model, summary
 
 FIT = {"prefill": {"a": 0.004, "b": 6e-4, "b2": 1e-7}, "decode": {"c": 0.02, "d": 5e-4, "e": 2e-7}}
 PREFILL_GRID = [(1, 32), (1, 512), (1, 2048), (4, 128), (4, 1024), (16, 64)]
@@ -34,3 +34,18 @@ def test_the_operators_figures() -> None:
     figures = summary(FIT)
     assert figures["prefill_tokens_per_s"] == pytest.approx(512 / prefill_s(FIT, 1, 512))
     assert figures["decode_step_ms"] == pytest.approx(1000 * decode_s(FIT, 1, 256))
+
+
+def test_a_profile_as_served_prices_steps_as_the_online_fit_does() -> None:
+    measured = {"name": "cpu-x", "pool": "cpu", "fit": {**FIT, "noise_cv": 0.07}, "step_model": {"step_tokens": 64}}
+    learnt = {"decode_launch": 0.05, "decode_seq": 1e-3, "kv_token": 4e-7, "prefill_launch": 0.01,
+              "prefill_token": 9e-4, "prefill_attention": 2e-7}
+    served = serving(measured, learnt, 1200)
+    step = learnt["decode_launch"] + learnt["decode_seq"] * 4 + learnt["kv_token"] * 4 * 100
+    assert decode_s(served["fit"], 4, 100) == pytest.approx(step)
+    prompt = learnt["prefill_launch"] + learnt["prefill_token"] * 300 + learnt["prefill_attention"] * 300**2
+    assert prefill_s(served["fit"], 1, 300) == pytest.approx(prompt)
+    assert decode_s(measured["fit"], 4, 100) != pytest.approx(step)  # (the measured one prices it otherwise)
+    # what the simulator reads besides the formulas stays the measured profile's
+    assert served["fit"]["noise_cv"] == 0.07 and served["step_model"] == {"step_tokens": 64}
+    assert served["pool"] == "cpu" and served["learnt_steps"] == 1200 and "1200 live steps" in served["source"]
