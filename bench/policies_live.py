@@ -42,16 +42,17 @@ import asyncio
 import math
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import httpx
 import numpy as np
 import orjson
 import redis
 
-from bench.harness import OUT, backend, gateway_server, pct, table
+from bench.harness import ADMIN_TOKEN, OUT, backend, gateway_server, pct, table
 from bench.traffic import (
     BUDGETS,
     DEFAULT_TRACE,
@@ -64,8 +65,9 @@ from bench.traffic import (
     replay,
     scaled,
 )
-from common import protocol, wire
+from common import protocol, stepmodel, wire
 from common.stepmodel import nn_relative_fit
+from sched_core.driver import MAX_QUEUE_WAIT_MS
 from sched_core.policies import make_policy
 from sched_core.simulate import experiment as ex
 from sched_core.simulate.cli import fleet_profiles
@@ -79,6 +81,7 @@ from workers import model_store
 Figures = dict[str, float | str]  # one run's figures, as printed and as JSON
 Sims = dict[tuple[str, float], dict[str, float]]  # (policy, load) -> the simulator's figures
 
+ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 GRID = tuple(f"fixed:batch={b},window_ms={w}" for b in (1, 4, 8) for w in (0, 10, 50))
 
 
@@ -105,19 +108,28 @@ class Live:
     aging: float
     keys: list[str] = field(default_factory=list)
     steps: list[protocol.StepRecord] = field(default_factory=list)
+    learnt: dict[str, float] = field(default_factory=dict)  # the last run's online step model (none: {})
 
     @contextmanager
     def gateway(self, policy: str) -> Iterator[str]:
+        """A gateway of ``policy`` that starts as a new deployment would: what the run before
+        it learnt (step model, calibration, saved under ``wire.model_key``) is dropped, as each
+        simulation starts afresh; a gateway on the last run's calibration refused early and
+        read TTFT p50 half the simulator's. What it learnt of the step times is kept in
+        ``learnt`` when the run ends."""
         flags = ["--policy", policy, "--slo-ttft-ms", f"{self.slo.ttft_s * 1000:g}",
                  "--slo-tpot-ms", f"{self.slo.tpot_s * 1000:g}", "--aging-tokens", f"{self.aging:g}"]
+        client = redis.Redis.from_url(self.redis_url)
+        client.delete(wire.model_key(self.model))
         with gateway_server(self.redis_url, flags, self.model_dir, self.procs) as (base, _proc):
             if not self.keys:
                 self.keys = make_tenants(base, len(BUDGETS))
             yield base
-        client = redis.Redis.from_url(self.redis_url)
+            path = httpx.get(base + "/admin/scheduler", headers=ADMIN).json().get("paths", {}).get("cpu", {})
+            self.learnt = path["step_model"] if path.get("fitted_steps") else {}
         for _id, fields in client.xrange(wire.telemetry_stream(self.model)):
             self.steps.extend(protocol.decode_telemetry(fields).steps)
-        client.delete(wire.telemetry_stream(self.model))
+        client.delete(wire.telemetry_stream(self.model), wire.model_key(self.model))
         client.close()
 
 
@@ -141,18 +153,36 @@ def figures(run: Run, slo: Slo) -> Figures:
     return out
 
 
+#: The SLO's defaults, set where this bench's worker served 3.63 requests/s (``REFERENCE_CAPACITY``,
+#: Intel Xeon with AMX, 2 cores). A slower worker gets them stretched by the ratio of capacities:
+#: on an AMD EPYC that served 1.02 requests/s the unstretched 400 ms per token was under every
+#: run's TPOT p50, so every policy attained 7-55 % and the attainment told nothing.
+SLO_TTFT_MS, SLO_TPOT_MS, REFERENCE_CAPACITY = 3000.0, 400.0, 3.63
+
+
+def machine_slo(ttft_ms: float | None, tpot_ms: float | None, capacity: float) -> Slo:
+    """The SLO of the runs: each figure given, or its default stretched by
+    ``REFERENCE_CAPACITY / capacity`` where the worker is slower than the reference."""
+    stretch = max(1.0, REFERENCE_CAPACITY / capacity) if capacity > 0 else 1.0
+    return Slo((ttft_ms if ttft_ms is not None else SLO_TTFT_MS * stretch) / 1000,
+               (tpot_ms if tpot_ms is not None else SLO_TPOT_MS * stretch) / 1000)
+
+
 PACKAGED = CostProfile.from_dict(packaged_profile(DEFAULT_PROFILES["cpu"]))
 
 
 def simulated(policy: str, rows: list[Row], slo: Slo, aging: float, profile: CostProfile,
-              fit: dict[str, float] | None = None) -> dict[str, float]:
+              model: dict[str, float] | None = None) -> dict[str, float]:
     """The same arrivals through the simulator: one CPU worker of ``SLOTS`` slots, ``profile``
-    (or its cost formulas replaced by ``fit``, see ``step_check``), the workers' default step
-    budget; the policy built as the gateway builds it."""
-    if fit is not None:
-        profile = replace(profile, prefill_a=fit["a"], prefill_b=fit["b"], prefill_b2=0.0,
-                          decode_c=fit["c"], decode_d=fit["d"], decode_e=fit["e"])
-    setup = ex.Setup((Pool("cpu", 1, SLOTS, profile, profile.step_tokens or 64),), slo)
+    (or its cost formulas replaced by the step ``model``: a scheduler's online fit, or
+    ``step_check``'s), the workers' default step budget; the policy built as the gateway builds it."""
+    if model:
+        fit = stepmodel.as_fit(model)
+        profile = replace(profile, prefill_a=fit["prefill"]["a"], prefill_b=fit["prefill"]["b"],
+                          prefill_b2=fit["prefill"]["b2"], decode_c=fit["decode"]["c"],
+                          decode_d=fit["decode"]["d"], decode_e=fit["decode"]["e"])
+    setup = ex.Setup((Pool("cpu", 1, SLOTS, profile, profile.step_tokens or 64),), slo,
+                     max_wait_s=MAX_QUEUE_WAIT_MS / 1000)  # the gateway's default wait bound: its requests carry no SLO
     tenants = tuple(Tenant(f"t{i}", b, 1 / len(BUDGETS)) for i, b in enumerate(BUDGETS))
     arrivals = tuple(Arrival(f"r{i}", r.at, f"t{i % len(BUDGETS)}", r.prompt, r.output, r.output)
                      for i, r in enumerate(rows))
@@ -172,8 +202,10 @@ def main() -> None:
     parser.add_argument("--policies", default="fcfs,grid,tokengate,smdp",
                         help="comma-separated: fcfs, tokengate, smdp, smdp:FILE, fixed:batch=B,window_ms=W or grid")
     parser.add_argument("--loads", default="0.5,0.9,1.5", help="multiples of the measured capacity")
-    parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
-    parser.add_argument("--slo-tpot-ms", type=float, default=400.0)
+    parser.add_argument("--slo-ttft-ms", type=float, default=None,
+                        help=f"default {SLO_TTFT_MS:g}, stretched on a worker slower than the reference (machine_slo)")
+    parser.add_argument("--slo-tpot-ms", type=float, default=None,
+                        help=f"default {SLO_TPOT_MS:g}, scaled as --slo-ttft-ms")
     parser.add_argument("--aging-tokens", type=float, default=None,
                         help="the scheduler's aging rate (default: the gateway's, divided by --length-scale, "
                         "so the scaled prompts are ordered as the trace's own would be)")
@@ -185,7 +217,6 @@ def main() -> None:
     model_store.offline()
     spec = model_store.resolve(None, model_store.default_cache_dir())
     model_dir = str(spec.path)
-    slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
     policies = [p for name in _names(args.policies) for p in (GRID if name == "grid" else (name,))]
     simulated_policies = [p for p in policies if p in ("fcfs", "tokengate") or p.startswith("smdp")]
     rows = load_trace(args.trace, args.start, args.requests, 1.0, args.length_scale, args.max_output)
@@ -194,45 +225,66 @@ def main() -> None:
     started = time.perf_counter()
 
     runs: list[Figures] = []
-    sims: Sims = {}
-    packaged: Sims = {}
     loads = [float(x) for x in args.loads.split(",")]
     with backend("hf", slots=SLOTS, model_dir=model_dir) as (redis_url, procs):
-        live = Live(redis_url, procs, model_dir, spec.name, slo, aging)
+        live = Live(redis_url, procs, model_dir, spec.name, Slo(), aging)
         with live.gateway("fcfs") as base:  # capacity: a closed loop, every slot busy
             capacity = asyncio.run(closed_loop(base, live.keys, rows, args.seed, SLOTS))
+        live.slo = slo = machine_slo(args.slo_ttft_ms, args.slo_tpot_ms, capacity)
         measured = fleet_profiles(redis_url)["cpu"]  # the worker published it before it took a job
         print(f"the worker's profile, measured at start: {measured.label}, {measured.device}")
         live.steps.clear()
-        print(f"measured capacity: {capacity:.2f} requests/s ({SLOTS} requests always outstanding, fcfs)")
+        print(f"measured capacity: {capacity:.2f} requests/s ({SLOTS} requests always outstanding, fcfs); "
+              f"SLO: {slo.describe()}")
+        steps_at: dict[float, list[protocol.StepRecord]] = {}  # the worker's steps of each load's runs
+        learnt: dict[tuple[str, float], dict[str, float]] = {}  # each scheduling run's online step model
         for n, load in enumerate(loads):
             arrivals = scaled(rows, load * capacity)
+            mark = len(live.steps)
             for policy in policies if n % 2 == 0 else reversed(policies):  # order reversed load by load
                 with live.gateway(policy) as base:
                     samples, span = asyncio.run(replay(base, live.keys, arrivals, args.seed))
+                if live.learnt:
+                    learnt[(policy, load)] = live.learnt
                 runs.append(figures(Run(policy, load, load * capacity, samples, span), slo))
                 print(orjson.dumps(runs[-1]).decode() if args.json else f"  {policy} at {load}x: "
                       f"SLO {runs[-1]['slo_attainment']:.1%}, goodput {runs[-1]['goodput_rps']:.2f}/s")
-            for policy in simulated_policies:
-                sims[(policy, load)] = simulated(policy, arrivals, slo, aging, measured)
-                packaged[(policy, load)] = simulated(policy, arrivals, slo, aging, PACKAGED)
+            steps_at[load] = live.steps[mark:]
     print(f"live runs took {time.perf_counter() - started:.0f} s")
     check = step_check(live.steps, measured)
-    refit: Sims = {(policy, load): simulated(policy, scaled(rows, load * capacity), slo, aging, measured, check.fit)
-                   for load in loads for policy in simulated_policies}
+    fits = {load: step_check(steps_at[load], measured).fit for load in loads}
+    models: dict[str, Callable[[str, float], dict[str, float] | None]] = {
+        "start profile": lambda _p, _x: None,
+        "packaged profile": lambda _p, _x: None,
+        # a baseline learns nothing: its load's run of the scheduler stands in
+        "scheduler's online fit": lambda p, x: learnt.get((p, x)) or learnt.get(("tokengate", x)),
+        "refit on every run's steps": lambda _p, _x: check.fit,
+        "refit on the load's steps": lambda _p, x: fits[x]}
+    sims: dict[str, Sims] = {
+        source: {(p, x): simulated(p, scaled(rows, x * capacity), slo, aging,
+                                   PACKAGED if source == "packaged profile" else measured, model(p, x))
+                 for x in loads for p in simulated_policies}
+        for source, model in models.items()}
 
-    _tables(runs, sims, slo)
-    table("simulator with the packaged cpu profile vs live", ["policy", "load", "figure", "live", "simulated",
-          "relative error"], _sim_errors(runs, packaged))
+    _tables(runs, slo)
+    table("simulator vs live (same arrivals; the worker's start profile with the step model its run's "
+          "scheduler fitted online, as a re-solve simulates it)",
+          ["policy", "load", "figure", "live", "simulated", "relative error"],
+          _sim_errors(runs, sims["scheduler's online fit"]))
     table(f"live worker steps vs the profile it measured at start ({check.steps} steps of every run)",
           ["step", "count", "median ms", "median measured / profile"], check.rows)
-    print("the profile's formulas refit on the live steps: "
-          + ", ".join(f"{k} = {v:.3g}" for k, v in check.fit.items()))
-    table("simulator with the refit formulas vs live", ["policy", "load", "figure", "live", "simulated",
-          "relative error"], _sim_errors(runs, refit))
+    for label, fit in (("every run's", check.fit), *((f"the {x:g}x runs'", fits[x]) for x in loads)):
+        print(f"the profile's formulas refit on {label} steps: " + ", ".join(f"{k} = {v:.3g}" for k, v in fit.items()))
+    table("simulator vs live: worst relative error (TTFT p50, p99, SLO attainment) per policy and load",
+          ["policy", "load", *models], [[p, x, *(_worst(runs, sims[m], p, x) for m in models)]
+                                        for x in loads for p in simulated_policies])
     _plots(runs)
-    summary = _summary(runs, sims, refit, capacity, time.perf_counter() - started)
-    summary["sim_error_max_packaged"] = max((float(e[-1]) for e in _sim_errors(runs, packaged)), default=math.nan)
+    summary = _summary(runs, capacity, time.perf_counter() - started)
+    for key, source in (("sim_error_max", "start profile"), ("sim_error_max_packaged", "packaged profile"),
+                        ("sim_error_max_learnt", "scheduler's online fit"), ("sim_error_max_refit",
+                        "refit on every run's steps"), ("sim_error_max_refit_per_load", "refit on the load's steps")):
+        summary[key] = _worst(runs, sims[source])
+    summary["slo_ttft_ms"], summary["slo_tpot_ms"] = slo.ttft_s * 1000, slo.tpot_s * 1000
     print(orjson.dumps(summary).decode() if args.json else summary)
 
 
@@ -263,7 +315,8 @@ def step_check(steps: list[protocol.StepRecord], prof: CostProfile) -> StepCheck
     x = np.array([[1.0 if s.decode_seqs else 0.0, s.decode_seqs, s.kv_tokens, 1.0 if s.prefill_tokens else 0.0,
                    s.prefill_tokens] for s in timed])
     coef = nn_relative_fit(x, np.array([s.ms / 1000 for s in timed]))[0] if len(timed) >= 5 else np.zeros(5)
-    return StepCheck(rows, dict(zip(("c", "d", "e", "a", "b"), (float(c) for c in coef), strict=True)), len(steps))
+    fit = dict(zip(stepmodel.TERMS, (float(c) for c in coef), strict=False))  # (attention: left out, 0)
+    return StepCheck(rows, fit, len(steps))
 
 
 def _profile_step(prof: CostProfile, s: protocol.StepRecord) -> float:
@@ -301,7 +354,13 @@ def _sim_errors(runs: list[Figures], sims: Sims) -> list[list[object]]:
     return rows
 
 
-def _summary(runs: list[Figures], sims: Sims, refit: Sims, capacity: float, seconds: float) -> dict[str, float]:
+def _worst(runs: list[Figures], sims: Sims, policy: str | None = None, load: float | None = None) -> float:
+    """The largest relative error of ``sims`` (of ``policy`` at ``load`` only, where given)."""
+    return max((float(e[-1]) for e in _sim_errors(runs, sims)
+                if policy in (None, e[0]) and load in (None, e[1])), default=math.nan)
+
+
+def _summary(runs: list[Figures], capacity: float, seconds: float) -> dict[str, float]:
     at90, at150 = _nearest(runs, 0.9), _nearest(runs, 1.5)
     mine = {float(r["load"]): r for r in runs if r["policy"] == "tokengate"}
     others = [float(r["slo_attainment"]) for r in runs if r["policy"] != "tokengate"
@@ -310,18 +369,14 @@ def _summary(runs: list[Figures], sims: Sims, refit: Sims, capacity: float, seco
     margin = float(mine[at90]["slo_attainment"]) - max(others) if at90 in mine and others else math.nan
     ratio = (float(mine[at150]["goodput_rps"]) / float(fcfs[at150]["goodput_rps"])
              if at150 in mine and at150 in fcfs and float(fcfs[at150]["goodput_rps"]) else math.nan)
-    errors = [float(e[-1]) for e in _sim_errors(runs, sims)]
-    refit_errors = [float(e[-1]) for e in _sim_errors(runs, refit)]
     smdp = {float(r["load"]): r for r in runs if str(r["policy"]).startswith("smdp")}
     ratio_smdp = (float(smdp[at150]["goodput_rps"]) / float(fcfs[at150]["goodput_rps"])
                   if at150 in smdp and at150 in fcfs and float(fcfs[at150]["goodput_rps"]) else math.nan)
     return {"attainment_margin_90": margin, "goodput_ratio_150": ratio, "goodput_ratio_150_smdp": ratio_smdp,
-            "sim_error_max": max(errors) if errors else math.nan,
-            "sim_error_max_refit": max(refit_errors) if refit_errors else math.nan,
             "capacity_rps": capacity, "seconds": seconds}
 
 
-def _tables(runs: list[Figures], sims: Sims, slo: Slo) -> None:
+def _tables(runs: list[Figures], slo: Slo) -> None:
     table(f"policies on real traffic (one cpu worker, SLO: {slo.describe()})",
           ["load", "policy", "SLO %", "goodput/s", "req/s", "TTFT p50/p95/p99 ms", "TPOT p50/p95/p99 ms", "Jain"],
           [[r["load"], r["policy"], f"{float(r['slo_attainment']):.1%}", r["goodput_rps"], r["throughput_rps"],
@@ -333,8 +388,6 @@ def _tables(runs: list[Figures], sims: Sims, slo: Slo) -> None:
         table("the design notes' batcher grid (avg / p95 latency, throughput)",
               ["load", "setting", "avg ms", "p95 ms", "req/s"],
               [[r["load"], r["policy"], r["avg_ms"], r["p95_ms"], r["throughput_rps"]] for r in grid])
-    table("simulator vs live (same arrivals, the profile the worker measured at start)",
-          ["policy", "load", "figure", "live", "simulated", "relative error"], _sim_errors(runs, sims))
 
 
 def _plots(runs: list[Figures]) -> None:
