@@ -2,7 +2,7 @@
 
     python -m bench.policies_live [--policies fcfs,grid,tokengate,smdp] [--loads 0.5,0.9,1.5]
                              [--requests 60] [--start 6140] [--length-scale 32] [--max-output 32]
-                             [--slo-ttft-ms 3000] [--slo-tpot-ms 400] [--aging-tokens A] [--json]
+                             [--slo-ttft-ms MS] [--slo-tpot-ms MS] [--aging-tokens A] [--json]
 
 A slice of the Azure LLM code trace (``bench/traffic.py``'s reader: prompt lengths divided by
 --length-scale, random token ids, outputs capped at --max-output and forced with ignore_eos) is
@@ -10,29 +10,36 @@ replayed through ``tokengate gateway --policy P`` and one ``hf`` CPU worker, onc
 load, with identical arrivals: the slice's arrival times are scaled so that their mean rate is
 the given multiple of the worker's capacity, measured first in the same run (a closed loop under
 ``fcfs`` with every slot always busy: completions per second once the start is past and before
-the drain). One Redis and one worker serve every run; each run gets a fresh gateway, told the
-SLO (``--slo-ttft-ms``/``--slo-tpot-ms``) and an aging rate scaled like the prompts
-(``--aging-tokens``, default the gateway's ÷ --length-scale). Policies: ``fcfs``, the design
+the drain). One Redis and one worker serve every run; each run gets a fresh gateway that starts
+as a new deployment (what the run before learnt is dropped from Redis), told the SLO and an
+aging rate scaled like the prompts (``--aging-tokens``, default the gateway's ÷ --length-scale).
+The SLO is ``--slo-ttft-ms``/``--slo-tpot-ms``, by default 3000/400 ms stretched by 3.63 ÷ the
+measured capacity on a slower worker (``machine_slo``). Policies: ``fcfs``, the design
 notes' grid (``grid`` = ``fixed:batch=1|4|8,window_ms=0|10|50``), ``tokengate`` and ``smdp`` (the
 scheduler with the packaged SMDP table, or ``smdp:FILE``); the order
 of the runs is reversed from one load to the next. Three tenants share the traffic
-round-robin with budgets 4000/2000/1000 tokens/s.
+round-robin with budgets 4000/2000/1000 tokens/s; the requests carry no SLO header, so the
+gateway's default wait bound applies, in the simulator too.
 
 Per policy and load: SLO attainment (TTFT and time per later token both within the SLO), goodput
 (requests/s meeting it), TTFT and TPOT p50/p95/p99, throughput, and Jain's index of the three
 tenants' served tokens per budget over the whole run (a fairness figure only where all three
 stay backlogged, i.e. at overload; below it the index just reflects the traffic mix). The same
-slice goes through the simulator, for ``fcfs``, ``tokengate`` and ``smdp``, with the profile the live
-worker measured of itself at start (``workers/selfprofile.py``, read from its heartbeat), and
-again with the packaged CPU profile; each simulator's relative error is printed beside the
-live figures. The worker's step records of every run are checked against the measured
-profile (per kind of step) and the profile's formulas refit on them; the simulator is run
-again with the refit, to tell the profile's error from the rest of the model's. With
-``--json`` the last line is one object with ``attainment_margin_90`` (tokengate minus the best
-other policy at the load nearest 0.9), ``goodput_ratio_150`` (tokengate ÷ fcfs at the load
-nearest 1.5; ``goodput_ratio_150_smdp`` the same for ``smdp``), ``sim_error_max`` (the measured
-profile), ``sim_error_max_packaged`` and
-``sim_error_max_refit``. Tables go to stdout, plots to ``bench/out/policies_*.png``.
+slice goes through the simulator, for ``fcfs``, ``tokengate`` and ``smdp``, with five step models:
+the profile the live worker measured of itself at start (``workers/selfprofile.py``, read from
+its heartbeat); the packaged CPU profile; the start profile's formulas replaced by the step model
+the run's scheduler fitted online (``GET /admin/scheduler``; a baseline's run takes the
+scheduler's run at its load), as a re-solve of the self-tuning table simulates the workers;
+and the formulas refit on the worker's step records of every run, and of each load's runs. The
+live steps are also checked against the start profile per kind of step. Printed: the live
+figures, the simulator's relative errors with the online fit (TTFT p50, p99, SLO attainment),
+and the worst error per policy and load under each step model. With ``--json`` the last line is
+one object with ``attainment_margin_90`` (tokengate minus the best other policy at the load
+nearest 0.9), ``goodput_ratio_150`` (tokengate ÷ fcfs at the load nearest 1.5;
+``goodput_ratio_150_smdp`` the same for ``smdp``), ``sim_error_max`` (the start profile),
+``sim_error_max_packaged``, ``sim_error_max_learnt``, ``sim_error_max_refit`` and
+``sim_error_max_refit_per_load``, and the SLO. Tables go to stdout, plots to
+``bench/out/policies_*.png``.
 """
 
 from __future__ import annotations
@@ -66,7 +73,6 @@ from bench.traffic import (
     scaled,
 )
 from common import protocol, stepmodel, wire
-from common.stepmodel import nn_relative_fit
 from sched_core.driver import MAX_QUEUE_WAIT_MS
 from sched_core.policies import make_policy
 from sched_core.simulate import experiment as ex
@@ -299,8 +305,8 @@ def step_check(steps: list[protocol.StepRecord], prof: CostProfile) -> StepCheck
     """The live workers' step times against the profile the simulator uses (its
     ``fit``: ``decode = c + d·n + e·KV``, ``prefill = a + b·T + b2·T²``, a mixed step the
     sum): per kind of step, how many, the median measured time and the median ratio measured
-    ÷ profile. Then the same fit by least squares on these steps (non-negative, relative
-    error), so the simulator can be rerun with it."""
+    ÷ profile. Then the formulas fitted on these steps as a re-solve fits them
+    (``stepmodel.fit_steps``; {} under its minimum), so the simulator can be rerun with them."""
     rows: list[list[object]] = []
     kinds = {"decode only": lambda s: s.decode_seqs > 0 and not s.prefill_tokens,
              "prefill only": lambda s: s.prefill_tokens > 0 and not s.decode_seqs,
@@ -311,12 +317,8 @@ def step_check(steps: list[protocol.StepRecord], prof: CostProfile) -> StepCheck
             continue
         ratios = [s.ms / 1000 / _profile_step(prof, s) for s in mine]
         rows.append([kind, len(mine), float(np.median([s.ms for s in mine])), float(np.median(ratios))])
-    timed = [s for s in steps if s.ms > 0]
-    x = np.array([[1.0 if s.decode_seqs else 0.0, s.decode_seqs, s.kv_tokens, 1.0 if s.prefill_tokens else 0.0,
-                   s.prefill_tokens] for s in timed])
-    coef = nn_relative_fit(x, np.array([s.ms / 1000 for s in timed]))[0] if len(timed) >= 5 else np.zeros(5)
-    fit = dict(zip(stepmodel.TERMS, (float(c) for c in coef), strict=False))  # (attention: left out, 0)
-    return StepCheck(rows, fit, len(steps))
+    fit = stepmodel.fit_steps([(s.prefill_tokens, s.decode_seqs, s.kv_tokens, s.ms / 1000) for s in steps])
+    return StepCheck(rows, fit or {}, len(steps))
 
 
 def _profile_step(prof: CostProfile, s: protocol.StepRecord) -> float:

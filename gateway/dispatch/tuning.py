@@ -54,6 +54,8 @@ from sched_core.smdp import PolicyTable
 
 log = logging.getLogger("tokengate.tuning")
 
+LIVE_ENTRIES = 2000  # telemetry entries a re-solve reads (each up to TELEMETRY_MAX_STEPS step records)
+LIVE_STEPS = 5000  # and the step records per pool it refits the profile's formulas on (the latest)
 POLL_S = 2.0  # how often the scheduling gateway looks whether a re-solve is due or asked for
 CPU_LIMIT_S = 900  # CPU seconds one re-solve may use; the kernel stops it past this
 WALL_LIMIT_S = 6 * 3600.0  # and wall seconds (at --tune-cpu 0.1, 900 CPU seconds take 2.5 h)
@@ -109,13 +111,13 @@ async def _duty_cycle(pid: int, share: float) -> None:
 
 
 def deployment_args(workers: dict[str, p.Heartbeat], model: str, out: Path,
-                    learnt: dict[str, dict[str, Any]] | None = None) -> list[str]:
+                    steps: dict[str, list[tuple[int, int, int, float]]] | None = None) -> list[str]:
     """``tokengate policy tune``'s deployment flags for the live workers of ``model``: each
     pool's workers and slots, and the profiles they measured (written to ``out``), each with
-    the formulas the scheduler fitted on its live steps where it fitted any (``learnt``: the
-    pricing snapshot's paths). A profile is timed on an idle machine; serving, the workers
-    share it with the gateway and Redis (``bench.policies_live``: live steps 0.75-1.27× the
-    start profile's), and a table is only as good as the speeds it was solved with."""
+    its formulas refit on the pool's live ``steps`` where there are enough
+    (``stepmodel.fit_steps``). A profile is timed on an idle machine; serving, the workers
+    share it with the gateway and Redis (``bench.policies_live``: live steps 0.73-1.32× the
+    start profile's per kind of step), and a table is only as good as the speeds it was solved with."""
     live = [hb for hb in workers.values() if hb.model == model and not hb.down]
     args: list[str] = []
     for pool in POOLS:
@@ -124,9 +126,10 @@ def deployment_args(workers: dict[str, p.Heartbeat], model: str, out: Path,
         if mine:
             args += [f"--{pool}-slots", str(max(hb.slots for hb in mine))]
     measured = p.by_pool([hb.profile for hb in live if hb.profile])
-    for pool, path in (learnt or {}).items():
-        if pool in measured and path.get("fitted_steps", 0) > 0:
-            measured[pool] = stepmodel.serving(measured[pool], path["step_model"], int(path["fitted_steps"]))
+    for pool, records in (steps or {}).items():
+        fitted = stepmodel.fit_steps(records) if pool in measured else None
+        if fitted is not None:
+            measured[pool] = stepmodel.serving(measured[pool], fitted, len(records))
     if measured:
         out.write_bytes(orjson.dumps(measured))
         args += ["--fleet", str(out)]
@@ -154,10 +157,18 @@ class Tuning:
         pricing = self.d.shell.driver.pricing
         return self.enabled and pricing is not None and pricing.config.policy_table is not None
 
-    def _learnt(self) -> dict[str, dict[str, Any]]:
-        """The scheduler's paths as it fitted them on its workers' live steps."""
-        pricing = self.d.shell.driver.pricing
-        return pricing.snapshot()["paths"] if pricing is not None else {}
+    async def _live_steps(self) -> dict[str, list[tuple[int, int, int, float]]]:
+        """Per pool, the last ``LIVE_STEPS`` step records its workers sent (the model's
+        telemetry stream), as ``stepmodel.fit_steps`` reads them."""
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = await self.d.client.xrevrange(  # type: ignore[assignment]
+            wire.telemetry_stream(self.model), count=LIVE_ENTRIES)
+        steps: dict[str, list[tuple[int, int, int, float]]] = {}
+        for _id, fields in reversed(entries):
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                t = p.decode_telemetry(fields)
+                steps.setdefault(t.pool, []).extend(
+                    (s.prefill_tokens, s.decode_seqs, s.kv_tokens, s.ms / 1000) for s in t.steps)
+        return {pool: records[-LIVE_STEPS:] for pool, records in steps.items()}
 
     def in_force(self) -> PolicyTable | None:
         pricing = self.d.shell.driver.pricing
@@ -218,7 +229,9 @@ class Tuning:
                    "--table", str(folder / "running.json"), "--out", str(folder / "candidate.json"),
                    "--name", name, "--json", "--jobs", "1", "--budget", str(self.budget), "--max-queue-wait-ms",
                    str(self.d.settings.max_queue_wait_ms),
-                   *deployment_args(self.d.workers, self.model, folder / "fleet.json", self._learnt())]
+                   # (the refit off the event loop: a few lstsq on thousands of records)
+                   *await asyncio.to_thread(deployment_args, dict(self.d.workers), self.model,
+                                            folder / "fleet.json", await self._live_steps())]
             if cfg is not None:
                 cmd += ["--slo-ms", str(cfg.ttft_p99_slo_s * 1000.0), "--slo-tpot-ms", str(cfg.tpot_slo_s * 1000.0)]
             log.info("self-tuning of %s: re-solving on %d recorded requests (%s)", self.model, requests, reason)
