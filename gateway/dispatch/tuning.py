@@ -116,7 +116,7 @@ def deployment_args(workers: dict[str, p.Heartbeat], model: str, out: Path,
     pool's workers and slots, and the profiles they measured (written to ``out``), each with
     its formulas refit on the pool's live ``steps`` where there are enough
     (``stepmodel.fit_steps``). A profile is timed on an idle machine; serving, the workers
-    share it with the gateway and Redis (``bench.policies_live``: live steps 0.73-1.32× the
+    share it with the gateway and Redis (``bench.policies_live``: live steps 0.72-1.22× the
     start profile's per kind of step), and a table is only as good as the speeds it was solved with."""
     live = [hb for hb in workers.values() if hb.model == model and not hb.down]
     args: list[str] = []
