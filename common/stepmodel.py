@@ -127,7 +127,7 @@ def serving(profile: dict[str, Any], model: dict[str, float], steps: int) -> dic
     CPUs, where the profile timed the engine alone at start."""
     fit_ = {**as_fit(model), "noise_cv": float(profile.get("fit", {}).get("noise_cv", 0.0))}
     return {**profile, "fit": fit_, "learnt_steps": steps,
-            "source": f"fitted online on {steps} live steps, from {profile.get('name', 'a measured profile')}"}
+            "source": f"refit on {steps} live steps, from {profile.get('name', 'a measured profile')}"}
 
 
 def published(profile: dict[str, Any]) -> dict[str, float] | None:

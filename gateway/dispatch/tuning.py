@@ -136,6 +136,19 @@ def deployment_args(workers: dict[str, p.Heartbeat], model: str, out: Path,
     return args
 
 
+def live_steps(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> dict[str, list[tuple[int, int, int, float]]]:
+    """Per pool, the last ``LIVE_STEPS`` step records of the telemetry ``entries`` (newest
+    first, as XREVRANGE gives them), oldest first, as ``stepmodel.fit_steps`` reads them; an
+    entry this version cannot read is skipped."""
+    steps: dict[str, list[tuple[int, int, int, float]]] = {}
+    for _id, fields in reversed(entries):
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            t = p.decode_telemetry(fields)
+            steps.setdefault(t.pool, []).extend(
+                (s.prefill_tokens, s.decode_seqs, s.kv_tokens, s.ms / 1000) for s in t.steps)
+    return {pool: records[-LIVE_STEPS:] for pool, records in steps.items()}
+
+
 class Tuning:
     """The self-tuning of one model's scheduler, while this gateway schedules it."""
 
@@ -157,18 +170,16 @@ class Tuning:
         pricing = self.d.shell.driver.pricing
         return self.enabled and pricing is not None and pricing.config.policy_table is not None
 
-    async def _live_steps(self) -> dict[str, list[tuple[int, int, int, float]]]:
-        """Per pool, the last ``LIVE_STEPS`` step records its workers sent (the model's
-        telemetry stream), as ``stepmodel.fit_steps`` reads them."""
+    async def _telemetry(self) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """The model's last ``LIVE_ENTRIES`` telemetry entries, newest first."""
         entries: list[tuple[bytes, dict[bytes, bytes]]] = await self.d.client.xrevrange(  # type: ignore[assignment]
             wire.telemetry_stream(self.model), count=LIVE_ENTRIES)
-        steps: dict[str, list[tuple[int, int, int, float]]] = {}
-        for _id, fields in reversed(entries):
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                t = p.decode_telemetry(fields)
-                steps.setdefault(t.pool, []).extend(
-                    (s.prefill_tokens, s.decode_seqs, s.kv_tokens, s.ms / 1000) for s in t.steps)
-        return {pool: records[-LIVE_STEPS:] for pool, records in steps.items()}
+        return entries
+
+    def _fleet(self, out: Path, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[str]:
+        """``deployment_args`` on the live steps of ``entries`` (in a thread: decoding and a
+        few lstsq on thousands of records stay off the event loop)."""
+        return deployment_args(dict(self.d.workers), self.model, out, live_steps(entries))
 
     def in_force(self) -> PolicyTable | None:
         pricing = self.d.shell.driver.pricing
@@ -229,9 +240,7 @@ class Tuning:
                    "--table", str(folder / "running.json"), "--out", str(folder / "candidate.json"),
                    "--name", name, "--json", "--jobs", "1", "--budget", str(self.budget), "--max-queue-wait-ms",
                    str(self.d.settings.max_queue_wait_ms),
-                   # (the refit off the event loop: a few lstsq on thousands of records)
-                   *await asyncio.to_thread(deployment_args, dict(self.d.workers), self.model,
-                                            folder / "fleet.json", await self._live_steps())]
+                   *await asyncio.to_thread(self._fleet, folder / "fleet.json", await self._telemetry())]
             if cfg is not None:
                 cmd += ["--slo-ms", str(cfg.ttft_p99_slo_s * 1000.0), "--slo-tpot-ms", str(cfg.tpot_slo_s * 1000.0)]
             log.info("self-tuning of %s: re-solving on %d recorded requests (%s)", self.model, requests, reason)

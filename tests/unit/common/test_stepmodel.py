@@ -36,7 +36,7 @@ def test_the_operators_figures() -> None:
     assert figures["decode_step_ms"] == pytest.approx(1000 * decode_s(FIT, 1, 256))
 
 
-def test_a_profile_as_served_prices_steps_as_the_online_fit_does() -> None:
+def test_a_profile_as_served_prices_steps_as_the_live_fit_does() -> None:
     measured = {"name": "cpu-x", "pool": "cpu", "fit": {**FIT, "noise_cv": 0.07}, "step_model": {"step_tokens": 64}}
     learnt = {"decode_launch": 0.05, "decode_seq": 1e-3, "kv_token": 4e-7, "prefill_launch": 0.01,
               "prefill_token": 9e-4, "prefill_attention": 2e-7}

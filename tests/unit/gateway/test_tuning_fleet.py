@@ -10,7 +10,7 @@ import pytest
 
 from common import protocol as p
 from common.stepmodel import MIN_LIVE_STEPS
-from gateway.dispatch.tuning import deployment_args
+from gateway.dispatch.tuning import LIVE_STEPS, deployment_args, live_steps
 from sched_core.simulate.cli import read_fleet
 from sched_core.types import DEFAULT_PROFILES, packaged_profile
 
@@ -54,3 +54,21 @@ def test_a_re_solve_simulates_the_workers_at_the_speed_they_served(tmp_path: Pat
     else:  # too few to tell: the profile as the workers measured it
         assert prof.decode_step_s(32, 100) != pytest.approx(served, rel=0.05)
         assert "live steps" not in prof.source
+
+
+def _entry(pool: str, first: int, n: int) -> tuple[bytes, dict[bytes, bytes]]:
+    steps = tuple(p.StepRecord(i, 1, 10, 2.0) for i in range(first, first + n))
+    fields = p.encode_telemetry(p.Telemetry("w1", pool, 32, 0, 1, 0, 64, steps))
+    return b"0-0", {k.encode(): v for k, v in fields.items()}
+
+
+def test_the_live_steps_are_each_pool_s_latest_oldest_first() -> None:
+    per_entry = p.TELEMETRY_MAX_STEPS
+    newest_first = [_entry("cpu", i * per_entry, per_entry) for i in reversed(range(LIVE_STEPS // per_entry + 2))]
+    newest_first.insert(3, (b"0-0", {b"junk": b"not telemetry"}))  # (an entry this version cannot read)
+    newest_first.append(_entry("gpu", 0, 3))
+    steps = live_steps(newest_first)
+    assert len(steps["cpu"]) == LIVE_STEPS and [r[0] for r in steps["gpu"]] == [0, 1, 2]
+    prefills = [r[0] for r in steps["cpu"]]
+    assert prefills == sorted(prefills) and prefills[-1] == (LIVE_STEPS // per_entry + 2) * per_entry - 1
+    assert steps["cpu"][0][1:] == (1, 10, 0.002)  # (seqs, KV, seconds)
