@@ -73,6 +73,7 @@ from bench.traffic import (
     scaled,
 )
 from common import protocol, stepmodel, wire
+from sched_core import costmodel
 from sched_core.driver import MAX_QUEUE_WAIT_MS
 from sched_core.policies import make_policy
 from sched_core.simulate import experiment as ex
@@ -306,7 +307,7 @@ def step_check(steps: list[protocol.StepRecord], prof: CostProfile) -> StepCheck
     ``fit``: ``decode = c + d·n + e·KV``, ``prefill = a + b·T + b2·T²``, a mixed step the
     sum): per kind of step, how many, the median measured time and the median ratio measured
     ÷ profile. Then the formulas fitted on these steps as a re-solve fits them
-    (``stepmodel.fit_steps``; {} under its minimum), so the simulator can be rerun with them."""
+    (``costmodel.fit_steps``; {} under its minimum), so the simulator can be rerun with them."""
     rows: list[list[object]] = []
     kinds = {"decode only": lambda s: s.decode_seqs > 0 and not s.prefill_tokens,
              "prefill only": lambda s: s.prefill_tokens > 0 and not s.decode_seqs,
@@ -317,7 +318,7 @@ def step_check(steps: list[protocol.StepRecord], prof: CostProfile) -> StepCheck
             continue
         ratios = [s.ms / 1000 / _profile_step(prof, s) for s in mine]
         rows.append([kind, len(mine), float(np.median([s.ms for s in mine])), float(np.median(ratios))])
-    fit = stepmodel.fit_steps([(s.prefill_tokens, s.decode_seqs, s.kv_tokens, s.ms / 1000) for s in steps])
+    fit = costmodel.fit_steps([(s.prefill_tokens, s.decode_seqs, s.kv_tokens, s.ms / 1000) for s in steps])
     return StepCheck(rows, fit or {}, len(steps))
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -99,30 +98,9 @@ def as_fit(model: dict[str, float]) -> dict[str, Any]:
             "decode": {"c": model["decode_launch"], "d": model["decode_seq"], "e": model["kv_token"]}}
 
 
-#: the fewest timed live steps ``fit_steps`` fits (a few runs' worth; fewer leave a term unidentified)
-MIN_LIVE_STEPS = 200
-
-
-def fit_steps(records: Sequence[tuple[int, int, int, float]]) -> dict[str, float] | None:
-    """The five linear terms of ``TERMS`` (attention left out, 0) fitted on a worker's live
-    step records ``(prefill tokens, decoding sequences, KV tokens, seconds)``: ``nn_relative_fit``
-    of ``[decoded]·c + seqs·d + KV·e + [prefilled]·a + tokens·b`` (a mixed step the sum), every
-    record alike. None under ``MIN_LIVE_STEPS`` timed records. Unlike the scheduler's online fit
-    (forgetting, ridge toward its prior, re-anchored on drift: made to price the next steps), it
-    weighs the whole window: in two ``bench.policies_live`` runs it simulated the runs within
-    0.24 and 0.59 of live at worst, the scheduler's fit as each run ended within 0.75 and 1.45."""
-    timed = [r for r in records if r[3] > 0]
-    if len(timed) < MIN_LIVE_STEPS:
-        return None
-    x = np.array([[1.0 if seqs else 0.0, seqs, kv, 1.0 if prefill else 0.0, prefill]
-                  for prefill, seqs, kv, _ in timed], dtype=float)
-    coef, _spread = nn_relative_fit(x, np.array([r[3] for r in timed]))
-    return {**dict(zip(TERMS, (float(c) for c in coef), strict=False)), "prefill_attention": 0.0}
-
-
 def serving(profile: dict[str, Any], model: dict[str, float], steps: int) -> dict[str, Any]:
     """A worker's measured ``profile`` with its formulas replaced by ``model``, fitted on
-    ``steps`` of the workers' live steps (``fit_steps``; ``as_fit``; the measured spread kept):
+    ``steps`` of the workers' live steps (``sched_core.costmodel.fit_steps``; ``as_fit``; the measured spread kept):
     the workers as they run while serving, beside the gateway and whatever else shares their
     CPUs, where the profile timed the engine alone at start."""
     fit_ = {**as_fit(model), "noise_cv": float(profile.get("fit", {}).get("noise_cv", 0.0))}

@@ -45,6 +45,7 @@ from common.pools import POOLS
 from gateway.dispatch import traffic_log
 from gateway.dispatch.scheduling import SchedulerShell
 from gateway.settings import GatewaySettings
+from sched_core import costmodel
 from sched_core.contracts import Accuracy
 from sched_core.policies import DEFAULT_POLICY
 from sched_core.rollback import SwapWatch
@@ -115,7 +116,7 @@ def deployment_args(workers: dict[str, p.Heartbeat], model: str, out: Path,
     """``tokengate policy tune``'s deployment flags for the live workers of ``model``: each
     pool's workers and slots, and the profiles they measured (written to ``out``), each with
     its formulas refit on the pool's live ``steps`` where there are enough
-    (``stepmodel.fit_steps``). A profile is timed on an idle machine; serving, the workers
+    (``costmodel.fit_steps``). A profile is timed on an idle machine; serving, the workers
     share it with the gateway and Redis (``bench.policies_live``: live steps 0.72-1.22× the
     start profile's per kind of step), and a table is only as good as the speeds it was solved with."""
     live = [hb for hb in workers.values() if hb.model == model and not hb.down]
@@ -127,7 +128,7 @@ def deployment_args(workers: dict[str, p.Heartbeat], model: str, out: Path,
             args += [f"--{pool}-slots", str(max(hb.slots for hb in mine))]
     measured = p.by_pool([hb.profile for hb in live if hb.profile])
     for pool, records in (steps or {}).items():
-        fitted = stepmodel.fit_steps(records) if pool in measured else None
+        fitted = costmodel.fit_steps(records) if pool in measured else None
         if fitted is not None:
             measured[pool] = stepmodel.serving(measured[pool], fitted, len(records))
     if measured:
@@ -138,7 +139,7 @@ def deployment_args(workers: dict[str, p.Heartbeat], model: str, out: Path,
 
 def live_steps(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> dict[str, list[tuple[int, int, int, float]]]:
     """Per pool, the last ``LIVE_STEPS`` step records of the telemetry ``entries`` (newest
-    first, as XREVRANGE gives them), oldest first, as ``stepmodel.fit_steps`` reads them; an
+    first, as XREVRANGE gives them), oldest first, as ``costmodel.fit_steps`` reads them; an
     entry this version cannot read is skipped."""
     steps: dict[str, list[tuple[int, int, int, float]]] = {}
     for _id, fields in reversed(entries):

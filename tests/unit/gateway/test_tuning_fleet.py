@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from common import protocol as p
-from common.stepmodel import MIN_LIVE_STEPS
 from gateway.dispatch.tuning import LIVE_STEPS, deployment_args, live_steps
+from sched_core.costmodel import MIN_LIVE_STEPS
 from sched_core.simulate.cli import read_fleet
 from sched_core.types import DEFAULT_PROFILES, packaged_profile
 
