@@ -12,6 +12,7 @@ stream as it arrives. Reported:
 - ``died``: requests whose own gateway was killed under them (the connection broke: nothing
   can answer those; a client retries them elsewhere);
 - ``lost``: requests on a gateway that lived and did not end in 200, by status (0 is right);
+  ``why_lost`` gives the first such error's message for each status;
 - ``duplicated``: requests sent to the workers in more than one job (0 is right);
 - ``gap_s``: the longest time without a job sent to the workers during the load (the
   target is 2 s at most);
@@ -55,6 +56,7 @@ class Tally:
     answered: int = 0
     died: int = 0
     lost: Counter[str] = field(default_factory=Counter)
+    why_lost: dict[str, str] = field(default_factory=dict)  # status and code -> the first such refusal's message
     dispatched: Counter[str] = field(default_factory=Counter)  # request id -> jobs that carried it
     jobs: dict[str, list[str]] = field(default_factory=dict)  # request id -> the batch ids that carried it
     gap_s: float = 0.0
@@ -158,7 +160,10 @@ async def measure(fleet: Fleet, keys: dict[str, str], clients: int, duration: fl
             if r.status_code == 200:
                 tally.answered += 1
             else:
-                tally.lost[f"{r.status_code} {r.json().get('error', {}).get('code')}"] += 1
+                error = r.json().get("error", {})
+                kind = f"{r.status_code} {error.get('code')}"
+                tally.lost[kind] += 1
+                tally.why_lost.setdefault(kind, error.get("message", ""))
 
     until = time.monotonic() + duration
     watcher = asyncio.create_task(watch_jobs(client, tally, done, until))
@@ -183,7 +188,7 @@ def run(duration: float, every_s: float, gateways: int = 3, clients: int = 30) -
     return {
         "gateways": gateways, "duration_s": duration, "kills": len(tally.takeover_s),
         "answered": tally.answered, "died": tally.died, "lost": sum(tally.lost.values()),
-        "lost_by_status": dict(tally.lost),
+        "lost_by_status": dict(tally.lost), "why_lost": tally.why_lost,
         "duplicated": sum(1 for n in tally.dispatched.values() if n > 1),
         "duplicates": {rid: tally.jobs[rid] for rid, n in tally.dispatched.items() if n > 1},
         "gap_s": round(tally.gap_s, 3), "takeover_s": [round(t, 3) for t in tally.takeover_s],
