@@ -2,7 +2,7 @@
 
     python -m bench.policies_live [--policies fcfs,grid,tokengate,smdp] [--loads 0.5,0.9,1.5]
                              [--requests 60] [--start 6140] [--length-scale 32] [--max-output 32]
-                             [--slo-ttft-ms MS] [--slo-tpot-ms MS] [--aging-tokens A] [--json]
+                             [--slo-ttft-ms MS] [--slo-tpot-ms MS] [--aging-tokens A] [--repeat N] [--json]
 
 A slice of the Azure LLM code trace (``bench/traffic.py``'s reader: prompt lengths divided by
 --length-scale, random token ids, outputs capped at --max-output and forced with ignore_eos) is
@@ -38,8 +38,11 @@ one object with ``attainment_margin_90`` (tokengate minus the best other policy 
 nearest 0.9), ``goodput_ratio_150`` (tokengate ÷ fcfs at the load nearest 1.5;
 ``goodput_ratio_150_smdp`` the same for ``smdp``), ``sim_error_max`` (the start profile),
 ``sim_error_max_packaged``, ``sim_error_max_learnt``, ``sim_error_max_refit`` and
-``sim_error_max_refit_per_load``, and the SLO. Tables go to stdout, plots to
-``bench/out/policies_*.png``.
+``sim_error_max_refit_per_load``, and the SLO. With ``--repeat N`` every policy runs N rounds at
+each load (the order alternating): a table gives how far the rounds differ (``live_error_max``:
+one round taken as another's prediction, the simulator's measure) and the simulator's error
+against the rounds' mean (the JSON's ``*_vs_mean``); the summary and the plots take the means.
+Tables go to stdout, plots to ``bench/out/policies_*.png``.
 """
 
 from __future__ import annotations
@@ -216,6 +219,8 @@ def main() -> None:
     parser.add_argument("--aging-tokens", type=float, default=None,
                         help="the scheduler's aging rate (default: the gateway's, divided by --length-scale, "
                         "so the scaled prompts are ordered as the trace's own would be)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds of every policy at each load, to measure how far live runs differ")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -248,14 +253,15 @@ def main() -> None:
         for n, load in enumerate(loads):
             arrivals = scaled(rows, load * capacity)
             mark = len(live.steps)
-            for policy in policies if n % 2 == 0 else reversed(policies):  # order reversed load by load
-                with live.gateway(policy) as base:
-                    samples, span = asyncio.run(replay(base, live.keys, arrivals, args.seed))
-                if live.learnt:
-                    learnt[(policy, load)] = live.learnt
-                runs.append(figures(Run(policy, load, load * capacity, samples, span), slo))
-                print(orjson.dumps(runs[-1]).decode() if args.json else f"  {policy} at {load}x: "
-                      f"SLO {runs[-1]['slo_attainment']:.1%}, goodput {runs[-1]['goodput_rps']:.2f}/s")
+            for again in range(args.repeat):  # each round runs every policy once, before any runs again
+                for policy in policies if (n + again) % 2 == 0 else reversed(policies):  # order alternates
+                    with live.gateway(policy) as base:
+                        samples, span = asyncio.run(replay(base, live.keys, arrivals, args.seed))
+                    if live.learnt:
+                        learnt[(policy, load)] = live.learnt
+                    runs.append(figures(Run(policy, load, load * capacity, samples, span), slo) | {"round": again})
+                    print(orjson.dumps(runs[-1]).decode() if args.json else f"  {policy} at {load}x: "
+                          f"SLO {runs[-1]['slo_attainment']:.1%}, goodput {runs[-1]['goodput_rps']:.2f}/s")
             steps_at[load] = live.steps[mark:]
     print(f"live runs took {time.perf_counter() - started:.0f} s")
     check = step_check(live.steps, measured)
@@ -274,6 +280,7 @@ def main() -> None:
         for source, model in models.items()}
 
     _tables(runs, slo)
+    means = _means(runs)
     table("simulator vs live (same arrivals; the worker's start profile with the step model its run's "
           "scheduler fitted online, as a re-solve simulates it)",
           ["policy", "load", "figure", "live", "simulated", "relative error"],
@@ -285,12 +292,23 @@ def main() -> None:
     table("simulator vs live: worst relative error (TTFT p50, p99, SLO attainment) per policy and load",
           ["policy", "load", *models], [[p, x, *(_worst(runs, sims[m], p, x) for m in models)]
                                         for x in loads for p in simulated_policies])
-    _plots(runs)
-    summary = _summary(runs, capacity, time.perf_counter() - started)
+    if args.repeat > 1:
+        table(f"live vs live: the same policy, load and arrivals run {args.repeat} times; the worst relative "
+              "error (TTFT p50, p99, SLO attainment) of one round taken as the other's prediction, and the "
+              "simulator's worst error against the rounds' mean",
+              ["policy", "load", "live vs live", *models],
+              [[p, x, _noise(runs, p, x), *(_worst(means, sims[m], p, x) for m in models)]
+               for x in loads for p in simulated_policies])
+    _plots(means)
+    summary = _summary(means, capacity, time.perf_counter() - started)
     for key, source in (("sim_error_max", "start profile"), ("sim_error_max_packaged", "packaged profile"),
                         ("sim_error_max_learnt", "scheduler's online fit"), ("sim_error_max_refit",
                         "refit on every run's steps"), ("sim_error_max_refit_per_load", "refit on the load's steps")):
         summary[key] = _worst(runs, sims[source])
+        if args.repeat > 1:
+            summary[key + "_vs_mean"] = _worst(means, sims[source])
+    if args.repeat > 1:
+        summary["live_error_max"] = max(_noise(runs, p, x) for x in loads for p in simulated_policies)
     summary["slo_ttft_ms"], summary["slo_tpot_ms"] = slo.ttft_s * 1000, slo.tpot_s * 1000
     print(orjson.dumps(summary).decode() if args.json else summary)
 
@@ -349,12 +367,31 @@ def _sim_errors(runs: list[Figures], sims: Sims) -> list[list[object]]:
         sim = sims.get((str(r["policy"]), float(r["load"])))
         if sim is None:
             continue
-        for live_key, sim_key in (("ttft_p50_ms", "ttft_p50_ms"), ("ttft_p99_ms", "ttft_p99_ms"),
-                                  ("slo_attainment", "slo_attainment")):
-            real = float(r[live_key])
-            err = abs(sim[sim_key] - real) / real if real else math.inf
-            rows.append([r["policy"], r["load"], live_key, real, sim[sim_key], err])
+        for key in METRICS:
+            real = float(r[key])
+            err = abs(sim[key] - real) / real if real else math.inf
+            rows.append([r["policy"], r["load"], key, real, sim[key], err])
     return rows
+
+
+METRICS = ("ttft_p50_ms", "ttft_p99_ms", "slo_attainment")  # the figures the simulator is judged on
+
+
+def _means(runs: list[Figures]) -> list[Figures]:
+    """One row per policy and load: each number the mean over its rounds (``--repeat``)."""
+    groups: dict[tuple[str, float], list[Figures]] = {}
+    for r in runs:
+        groups.setdefault((str(r["policy"]), float(r["load"])), []).append(r)
+    return [{k: (v if isinstance(v, str) else float(np.mean([float(g[k]) for g in group])))
+             for k, v in group[0].items()} for group in groups.values()]
+
+
+def _noise(runs: list[Figures], policy: str, load: float) -> float:
+    """The largest relative error between two rounds of ``policy`` at ``load``, one taken as the
+    other's prediction (as the simulator's error is taken): what live runs alone differ by."""
+    mine = [r for r in runs if r["policy"] == policy and r["load"] == load]
+    return max((abs(float(a[k]) - float(b[k])) / float(b[k]) if float(b[k]) else math.inf
+                for a in mine for b in mine if a is not b for k in METRICS), default=math.nan)
 
 
 def _worst(runs: list[Figures], sims: Sims, policy: str | None = None, load: float | None = None) -> float:
