@@ -12,8 +12,10 @@ did not finish, the ``max_tokens`` it asked for), ``Finished`` (1 or 0) and ``Te
 
 from __future__ import annotations
 
+import asyncio
 import io
 import time
+from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
@@ -41,10 +43,19 @@ async def flush(client: aioredis.Redis, model: str, traffic: Traffic) -> int:
     return len(rows)
 
 
-async def read_csv(client: aioredis.Redis, model: str) -> str:
-    """The model's traffic stream as a trace, oldest arrival first."""
+async def read_csv(client: aioredis.Redis, model: str, last: int | None = None) -> str:
+    """The model's traffic stream as a trace, oldest arrival first; ``last``: only the latest
+    ``last`` rows written (a re-solve reads its window, not the whole stream). The rows are
+    decoded and written out in a thread: the whole stream (``TRAFFIC_WINDOW`` rows) took 40 ms
+    to decode on an AMD EPYC, time the event loop would otherwise stop serving for."""
+    stream = wire.traffic_stream(model)
+    entries = await (client.xrange(stream) if last is None else client.xrevrange(stream, count=last))
+    return await asyncio.to_thread(_csv, entries or [])
+
+
+def _csv(entries: list[tuple[Any, Any]]) -> str:
     rows = []
-    for _id, fields in await client.xrange(wire.traffic_stream(model)) or ():
+    for _id, fields in entries:
         try:
             at, prompt, generated, finished, tenant = orjson.loads((fields or {})[b"r"])
         except (KeyError, ValueError, orjson.JSONDecodeError):

@@ -227,7 +227,7 @@ class Tuning:
     async def _run(self, running: PolicyTable, reason: str) -> dict[str, Any]:
         """``tokengate policy tune`` in a child process at idle priority: its verdict and the
         candidate (``table``), or why there is none."""
-        text = await traffic_log.read_csv(self.d.client, self.model)
+        text = await traffic_log.read_csv(self.d.client, self.model, last=tn.WINDOW)
         requests = max(text.count("\n") - 1, 0)
         if requests < tn.MIN_REQUESTS:
             return {"swap": False, "why": f"{requests} requests recorded: a re-solve needs at least {tn.MIN_REQUESTS}"}

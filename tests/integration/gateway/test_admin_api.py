@@ -222,6 +222,8 @@ async def test_the_traffic_the_scheduler_saw_is_a_trace_to_tune_on(harness: Harn
     assert abs(float(rows[-1][0]) - time.time()) < 30  # wall time
     trace = parse_trace(lines)  # the simulator's and the solver's reader takes it as it is
     assert [t.prompt_tokens for t in trace] == [3, 5, 7] and trace[0].time_s == 0.0
+    latest = (await traffic_log.read_csv(harness.gw.client, harness.model, last=2)).splitlines()  # a re-solve's window
+    assert latest[0] == lines[0] and latest[1:] == lines[2:]
     assert (await harness.admin("GET", "/traffic?model=nope")).status_code == 404
 
 
