@@ -111,7 +111,7 @@ class _Pending:
     at: float  # when it was promised
     first: float | None = None  # its first token, seconds from arrival, once seen
     judged: bool = False  # its first-token bound has moved the adaptive level (kept or missed)
-    changed: bool = False  # its path's workers changed how they run while it ran (``transition``)
+    changed: bool = False  # teaches nothing: its workers changed how they run (``transition``), or it is inherited
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,13 +214,13 @@ class Contracts:
         return w is not None and len(w) >= MIN_POINT
 
     def promise(self, raw: Contract, req: Request, out_hi: int, load: float, now: float,
-                speed: float = 1.0) -> Contract:
-        """The calibrated contract for a request the core admitted with ``raw``; ``load`` is
-        its path's running and queued sequences ÷ its slots; ``speed``: the step-time model's
-        re-anchoring of the path now (see ``observe``). The total's bound assumes
-        ``out_hi`` output tokens: before the total's windows can bound it, it is the first
-        token's bound plus ``out_hi − 1`` tokens at the per-token bound (nothing on top of an
-        output length that is already its 99th percentile)."""
+                speed: float = 1.0, inherited: bool = False) -> Contract:
+        """The calibrated contract for a request the core admitted with ``raw``; ``load`` is its path's running
+        and queued sequences ÷ its slots; ``speed``: the step-time model's re-anchoring of the path now (see
+        ``observe``); ``inherited``: another scheduler promised it, or this one could not see its wait (a failover):
+        its times count from what this one never saw, so it teaches nothing (docs/scheduling.md §15). The total's bound
+        assumes ``out_hi`` output tokens: before the total's windows can bound it, the first token's bound plus
+        ``out_hi − 1`` tokens at the per-token bound (nothing on top of a length already its 99th percentile)."""
         self._overdue(now)
         self._now = now
         level = load_level(load)
@@ -243,7 +243,7 @@ class Contracts:
                      ttft_hi, tpot_hi, out_hi)
         self._pending[raw.request_id] = _Pending(raw.path, level, raw.bucket, req.tenant, wait, raw_ttft,
                                                  raw_tpot, raw.total_s, basis, c, (m_ttft, m_tpot, m_total), speed,
-                                                 now)
+                                                 now, changed=inherited)
         self._speeds[raw.path] = speed
         heapq.heappush(self._due, (now - wait + ttft_hi, raw.request_id))
         return c

@@ -185,7 +185,9 @@ class Driver:
     def arrive(self, req: Request, now: float, promised: bool = False) -> Contract | Reject | None:
         """The policy's decision; a contract comes back calibrated, or as an ``slo`` or ``wait``
         refusal. ``promised``: its client already holds a contract (another scheduler gave it,
-        then stepped down), so neither refusal applies."""
+        then stepped down or died), or this one cannot yet see its whole wait (just after a
+        take-over): neither refusal applies, and its outcome teaches the calibration nothing
+        (``Contracts.promise``'s ``inherited``)."""
         self.traffic.arrived(req.id, req.tenant, req.prompt_tokens, req.max_tokens, now)
         if self.pricing is None:  # a baseline promises nothing (and refuses nothing)
             return self.policy.arrive(req, now)
@@ -200,7 +202,7 @@ class Driver:
             return decision
         path = decision.path
         load = (self._used[path] + self.policy.queued) / max(self._cap[path], 1)
-        c = cal.promise(decision, req, out_hi, load, now, self._speed(path))
+        c = cal.promise(decision, req, out_hi, load, now, self._speed(path), inherited=promised)
         self.backlogs.add(req.id, req.tenant, req.weight, req.prompt_tokens, c.output_tokens)
         if not promised and (req.slo_ttft_s is not None or req.slo_tpot_s is not None):
             refusal = self._refusal(req, c, decision, load, now)

@@ -66,6 +66,7 @@ class Pending:
     created: float
     role: Role  # the scheduler that admitted it (this gateway's core, or the elected one's)
     contract: Contract | None = None  # None under a baseline policy (fcfs, fixed), which promises nothing
+    before: float = 0.0  # seconds from its arrival here to the scheduler's decision, its budget wait aside
     events: asyncio.Queue[p.Event] = field(default_factory=asyncio.Queue)
 
 
@@ -182,9 +183,15 @@ class Dispatcher:
         lease, the elected one's through ``wire.arrivals_stream`` otherwise (``election``)."""
         return self.leading if self.leading.leader else self.forwarding  # (queued here while it renews, ``lead``)
 
-    async def submit(self, seq: p.SeqJob, who: Origin) -> Pending | Reject:
+    async def submit(self, seq: p.SeqJob, who: Origin, received: float | None = None) -> Pending | Reject:
         """Hand a request to the scheduler: its contract (and a place to wait for its
-        events), or the rejection to answer at once."""
+        events), or the rejection to answer at once. ``received``: when it arrived here.
+
+        The scheduler predicts from its decision; what came before it (this gateway's own work,
+        a forwarded request's wait for a scheduler: a second through a failover), the budget
+        wait aside, is not its model's error: it goes off the times the scheduler learns from
+        (``first_token``, ``end``). A failover's second, learnt, read as the model 300-2,300x
+        off and was saved for the next scheduler (docs/scheduling.md §15)."""
         now = time.monotonic()
         role = self.role()
         pending = self.pending[seq.rid] = Pending(seq, who, now, role)  # a forwarded one's events may come first
@@ -200,6 +207,8 @@ class Dispatcher:
         if isinstance(decision, Reject):
             self.pending.pop(seq.rid, None)
             return decision
+        if received is not None:
+            pending.before = max(0.0, time.monotonic() - received - who.budget_wait_s)
         pending.contract = decision
         self.wake.set()
         return pending
@@ -232,6 +241,8 @@ class Dispatcher:
         scheduler keeps the calibration)."""
         pending = self.pending.pop(rid, None)
         role = pending.role if pending is not None else self.leading  # (refused: only its promise goes)
+        before = pending.before if pending is not None else 0.0
+        ttft_s, total_s = (None if t is None else max(t - before, 1e-6) for t in (ttft_s, total_s))
         return role.ended(rid, ttft_s, total_s, tokens, time.monotonic())
 
     def hand_over(self, rids: list[str]) -> None:
@@ -253,7 +264,7 @@ class Dispatcher:
         """A streamed request's first token came ``ttft_s`` after it arrived."""
         pending = self.pending.get(rid)
         if pending is not None:
-            pending.role.first_token(rid, ttft_s, time.monotonic())
+            pending.role.first_token(rid, max(ttft_s - pending.before, 1e-6), time.monotonic())
 
     async def xadd_or_warn(self, stream: str, fields: dict[bytes, bytes]) -> None:
         """One entry sent between gateways, in this turn's round trip; a failure is logged (each

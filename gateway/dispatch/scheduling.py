@@ -167,9 +167,9 @@ class SchedulerShell:
                forwarded: tuple[str, str] | None = None, promised: bool = False) -> Contract | Reject | None:
         """The scheduler's decision on a request; ``forwarded``: another gateway sent it
         (its reply stream, the request's arrival entry); ``promised``: its client already
-        holds a contract (``Driver.arrive``: no refusal). Just after a take-over, while
-        sequences the previous scheduler sent still hold slots this one cannot see end, its
-        view of the wait is not whole: nothing is refused for it either."""
+        holds a contract (``Driver.arrive``: no refusal, and nothing learnt from it). Just after
+        a take-over, while sequences the previous scheduler sent still hold slots this one cannot
+        see end (until a heartbeat says so), its view of the wait is not whole: the same holds."""
         req = Request(
             id=seq.rid,
             tenant=who.tenant,

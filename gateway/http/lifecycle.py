@@ -191,7 +191,7 @@ class RequestLife:
                 slo_tpot_s=self.slo_tpot_s,
                 max_wait_s=self.max_wait_s,
             )
-            decision = await dom.dispatcher.submit(seq, who)
+            decision = await dom.dispatcher.submit(seq, who, self.meter.received)
             if isinstance(decision, Reject):
                 raise refused(seq.rid, decision, self._bounds())
         except BaseException:

@@ -12,9 +12,11 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common import protocol as p
 from common import wire
 from gateway.dispatch import saved_model
-from gateway.dispatch.dispatcher import Dispatcher
+from gateway.dispatch.dispatcher import Dispatcher, Pending
+from gateway.dispatch.scheduling import Origin
 from gateway.settings import GatewaySettings
 from tests.integration.gateway.conftest import Harness
 
@@ -252,3 +254,24 @@ async def test_the_model_and_calibration_are_saved_and_a_new_dispatcher_starts_f
     coef = saved["step_model"]["cpu"]
     model = fresh.shell.snapshot()["paths"]["cpu"]["step_model"]  # type: ignore[index]
     assert model == pytest.approx(coef)
+
+
+async def test_what_came_before_the_scheduler_is_not_learnt_as_its_error(
+    harness: Harness,
+) -> None:
+    """A request that reached the scheduler a second after it arrived (a failover's wait for a
+    scheduler): the calibration learns from the rest (bench.failover's saved windows held
+    first-token ratios of 325-2,334 before)."""
+    d = harness.gw.domain().dispatcher
+    received = time.monotonic() - 1.0
+    pending = await d.submit(p.SeqJob("late", (1, 2, 3), p.SamplingParams(4), stream=True), Origin("t", 1000.0),
+                             received)
+    promised = d.shell.driver.promised("late")  # as the scheduler made it, from its decision
+    assert isinstance(pending, Pending) and promised is not None and 1.0 <= pending.before < 1.1
+    while not isinstance(ev := await asyncio.wait_for(pending.events.get(), 5), p.Delta):
+        assert not isinstance(ev, p.Failed), ev
+    d.first_token("late", time.monotonic() - received)  # as the client saw it
+    ratios = [v for c_, _p, _lv, _k, values in d.shell.driver.contracts.state()["ratios"] if c_ == "ttft"
+              for v in values]
+    assert ratios and max(ratios) < 0.25 / promised.ttft_s  # not the second over the raw milliseconds
+    d.end("late", None, None, 0)

@@ -534,3 +534,21 @@ def test_a_fresh_path_learns_its_first_burst_provisionally_and_drops_it_once_che
     feed(cal, CHECK_OUTCOMES, start=10, now=2.0)
     assert pooled.restored == 0 and len(pooled) == CHECK_OUTCOMES
     assert max(pooled.values) < 5.0  # the provisional 10x ratios are gone
+
+
+def test_a_promise_another_scheduler_made_is_judged_but_teaches_nothing() -> None:
+    """Taken up after a failover, a request's first token came a second after an arrival this
+    scheduler never saw (bench.failover's saved windows held ratios of 300-2,300): its outcome
+    says how the promise fared, and moves no ratio window and no level (its output length,
+    the request's own, is still learnt)."""
+    cal = Contracts(BOUNDS, default_output=10)
+    feed(cal, 20)
+    before = cal.state()["ratios"]
+    c = cal.promise(raw("taken"), req("taken", out=0), 10, 0.0, 1.0, inherited=True)
+    cal.first_token("taken", c.ttft_s + 1.0, 2.0)
+    acc = cal.observe("taken", c.ttft_s + 1.0, c.total_s + 1.0, 10, 2.0)
+    assert acc is not None and acc.ttft_inside is False  # a miss, for the metrics
+    assert cal.state()["ratios"] == before and cal._adaptive("ttft", "cpu", 2.0) == cal.coverage
+    c = cal.promise(raw("mine"), req("mine", out=0), 10, 0.0, 3.0)  # the same outcome, its own promise
+    cal.first_token("mine", c.ttft_s + 1.0, 4.0)
+    assert cal.state()["ratios"] != before and cal._adaptive("ttft", "cpu", 4.0) > cal.coverage
