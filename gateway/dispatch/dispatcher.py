@@ -69,6 +69,10 @@ class Pending:
     before: float = 0.0  # seconds from its arrival here to the scheduler's decision, its budget wait aside
     events: asyncio.Queue[p.Event] = field(default_factory=asyncio.Queue)
 
+    def scheduled(self, seconds: float) -> float:
+        """A time since its arrival here, as the scheduler counts it: from its decision."""
+        return max(seconds - self.before, 1e-6)
+
 
 class Dispatcher:
     def __init__(
@@ -241,8 +245,9 @@ class Dispatcher:
         scheduler keeps the calibration)."""
         pending = self.pending.pop(rid, None)
         role = pending.role if pending is not None else self.leading  # (refused: only its promise goes)
-        before = pending.before if pending is not None else 0.0
-        ttft_s, total_s = (None if t is None else max(t - before, 1e-6) for t in (ttft_s, total_s))
+        if pending is not None and pending.before:
+            ttft_s = None if ttft_s is None else pending.scheduled(ttft_s)
+            total_s = None if total_s is None else pending.scheduled(total_s)
         return role.ended(rid, ttft_s, total_s, tokens, time.monotonic())
 
     def hand_over(self, rids: list[str]) -> None:
@@ -264,7 +269,7 @@ class Dispatcher:
         """A streamed request's first token came ``ttft_s`` after it arrived."""
         pending = self.pending.get(rid)
         if pending is not None:
-            pending.role.first_token(rid, max(ttft_s - pending.before, 1e-6), time.monotonic())
+            pending.role.first_token(rid, pending.scheduled(ttft_s), time.monotonic())
 
     async def xadd_or_warn(self, stream: str, fields: dict[bytes, bytes]) -> None:
         """One entry sent between gateways, in this turn's round trip; a failure is logged (each
