@@ -160,6 +160,7 @@ def summarize(result: Result, slo: Slo, windows: int = 20) -> dict[str, Any]:
         "p99_ms": percentile(e2e, 99) * 1000,
         "ttft_p50_ms": percentile(ttft, 50) * 1000,
         "ttft_p99_ms": percentile(ttft, 99) * 1000,
+        "ttft_p999_ms": percentile(ttft, 99.9) * 1000,
         "throughput_rps": len(window) / span if span > 0 else 0.0,
         "tokens_per_s": served / span if span > 0 else 0.0,
         "makespan_s": makespan,

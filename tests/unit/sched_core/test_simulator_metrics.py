@@ -48,6 +48,8 @@ def test_summary_of_a_run() -> None:
     assert row["throughput_rps"] == pytest.approx(1.0)
     assert row["goodput_rps"] == pytest.approx(2 / 3)
     assert row["p50_ms"] == pytest.approx(500.0)
+    # first tokens at 0.1-0.4 s: numpy's interpolated 99th and 99.9th percentiles
+    assert row["ttft_p99_ms"] == pytest.approx(397.0) and row["ttft_p999_ms"] == pytest.approx(399.7)
     assert row["jain"] is None  # one tenant
 
 
