@@ -19,7 +19,7 @@ path's sequences running and queued, as a share of its slots, when the request a
 the windows conditional on congestion (Mondrian conformal prediction): the model errs most in
 bursts, and an unconditional window, mostly calm, bounds a burst too tightly. A cell with too
 few outcomes borrows its level's pooled window, then its path's; with too few of those, the
-bound is the point times ``PRIOR_BOUND_FACTOR``, or the largest of the latest ratios.
+bound is the point times ``PRIOR_BOUND_FACTOR`` or the largest latest ratio, stretched by the level.
 
 The windows follow the machine without double counting: their ratios are taken against the
 raw model as the step-time model prices now (it re-anchors on the workers' steps when the
@@ -45,7 +45,7 @@ from typing import Any
 
 from sched_core.drift import Z_SPAN, log_spread, median_of, shifted
 from sched_core.types import Contract, Request
-from sched_core.windows import POINT_WINDOW, Window
+from sched_core.windows import POINT_WINDOW, Window, stretch
 
 #: Before a path has enough outcomes for a conformal bound, bounds are the raw model's times
 #: this (the model is the packaged profile's: measured, but not on this deployment's load).
@@ -187,8 +187,8 @@ class Contracts:
         """(point factor, bound factor, whether the bound is a window's conformal quantile,
         the plain median ratio by the point's window) for a component on a path, load level
         and bucket: each from the most specific window that has enough outcomes for it. Before
-        any has, the bound is ``PRIOR_BOUND_FACTOR`` times the point, or the largest ratio
-        seen if that is further out."""
+        any has, the bound is ``PRIOR_BOUND_FACTOR`` times the point, or the largest ratio seen if
+        further out, stretched past level 1 as a window's largest is (a first burst's misses widen it)."""
         cells = [self._ratios.get(key) for key in
                  ((component, path, level, bucket), (component, path, level, -1), (component, path, -1, -1))]
         q = self._adaptive(component, path, now)
@@ -205,7 +205,7 @@ class Contracts:
         if bound < math.inf:
             return point, max(point, bound), True, middle
         seen = max((max(w.ordered()[-POINT_WINDOW:]) for w in cells if w is not None and len(w)), default=0.0)
-        return point, max(PRIOR_BOUND_FACTOR * point, seen), False, middle
+        return point, max(PRIOR_BOUND_FACTOR * point, seen) * stretch(q), False, middle
 
     def calibrated(self, component: str, path: str, load: float) -> bool:
         """Whether the point predictions of a component on a path at this load rest on outcomes

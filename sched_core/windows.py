@@ -75,7 +75,7 @@ class Window:
         xs = self.sorted
         n = len(xs)
         if q >= 1.0:
-            return xs[-1] * math.exp(STRETCH * (q - 1.0)) if n >= MIN_CONFORMAL else math.inf
+            return xs[-1] * stretch(q) if n >= MIN_CONFORMAL else math.inf
         k = math.ceil((n + 1) * q)
         if k > n:  # past the window's resolution: its largest ratio, as at q = 1, once it has enough
             return xs[-1] if n >= MIN_CONFORMAL else math.inf
@@ -92,6 +92,11 @@ class Window:
         kept = {order[len(order) - len(keep) + i] for i, k in enumerate(keep) if k and len(keep) <= len(order)}
         self.values = [v if i in kept else v * factor for i, v in enumerate(self.values)]
         self.stale = max(self.stale, REFRESH)
+
+
+def stretch(q: float) -> float:
+    """How far a bound set at level ``q`` reaches past the largest ratio it rests on (1 up to q = 1)."""
+    return math.exp(STRETCH * max(q - 1.0, 0.0))
 
 
 def weighted_median(xs: list[float]) -> float:

@@ -24,7 +24,7 @@ from sched_core.contracts import (
     load_level,
 )
 from sched_core.types import Contract
-from sched_core.windows import Window, weighted_median
+from sched_core.windows import STRETCH, Window, weighted_median
 
 from .support import req
 
@@ -371,6 +371,22 @@ def test_a_first_token_bound_that_runs_out_is_a_miss_before_the_request_ends() -
     # its first token, late, does not count the miss twice
     cal.first_token("late", c.ttft_p99_s * 2, c.ttft_p99_s + 0.01)
     assert cal._adaptive("ttft", "cpu", c.ttft_p99_s + 0.01) == pytest.approx(level)
+
+
+def test_a_fresh_path_whose_first_bounds_run_out_bounds_the_next_requests_further() -> None:
+    # a first burst: no outcome yet, so the bounds are the prior's; four run out unanswered
+    cal = Contracts(BOUNDS, default_output=10)
+    first = [cal.promise(raw(f"b{i}"), req(f"b{i}", out=0), 10, 2.0, 0.0) for i in range(4)]
+    assert first[0].ttft_p99_s == pytest.approx(PRIOR_BOUND_FACTOR * 0.1)
+    now = first[0].ttft_p99_s + 0.01
+    later = cal.promise(raw("next"), req("next", out=0), 10, 2.0, now)
+    # the misses raised the level past 1, and the prior bound is stretched as a window's
+    # largest ratio would be, before any window could bound (it stayed at 3x the point)
+    level = cal._adaptive("ttft", "cpu", now)
+    assert level > 1.0
+    assert later.ttft_p99_s == pytest.approx(PRIOR_BOUND_FACTOR * 0.1 * math.exp(STRETCH * (level - 1.0)))
+    assert later.ttft_p99_s > 1.5 * first[0].ttft_p99_s
+    assert later.ttft_s == pytest.approx(first[0].ttft_s)  # the point is the raw model's still
 
 
 # -- drift: windows that follow the machine ------------------------------------------------
