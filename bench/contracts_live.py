@@ -46,6 +46,7 @@ import orjson
 from bench.harness import ADMIN_TOKEN, OUT, backend, gateway_server, pct, save_plot, table
 from bench.traffic import (
     BUDGETS,
+    CAPACITY_FLAGS,
     DEFAULT_TRACE,
     SLOTS,
     Row,
@@ -203,7 +204,7 @@ def main() -> None:
             if args.busy:
                 summary |= {"busy_within_ttft": runs[1].within_ttft, "busy_within_total": runs[1].within_total}
         else:
-            with gateway_server(redis_url, flags, model_dir, procs) as (base, _proc):
+            with gateway_server(redis_url, [*flags, *CAPACITY_FLAGS], model_dir, procs) as (base, _proc):
                 keys = make_tenants(base, len(BUDGETS))
                 capacity = asyncio.run(closed_loop(base, keys, rows, args.seed, SLOTS))
                 set_slo(base, len(BUDGETS), (args.slo_ttft_ms, args.slo_tpot_ms))

@@ -65,6 +65,7 @@ import redis
 from bench.harness import ADMIN_TOKEN, OUT, backend, gateway_server, pct, table
 from bench.traffic import (
     BUDGETS,
+    CAPACITY_FLAGS,
     DEFAULT_TRACE,
     SLOTS,
     Row,
@@ -121,14 +122,14 @@ class Live:
     learnt: dict[str, float] = field(default_factory=dict)  # the last run's online step model (none: {})
 
     @contextmanager
-    def gateway(self, policy: str) -> Iterator[str]:
+    def gateway(self, policy: str, extra: tuple[str, ...] = ()) -> Iterator[str]:
         """A gateway of ``policy`` that starts as a new deployment would: what the run before
         it learnt (step model, calibration, saved under ``wire.model_key``) is dropped, as each
         simulation starts afresh; a gateway on the last run's calibration refused early and
         read TTFT p50 half the simulator's. What it learnt of the step times is kept in
         ``learnt`` when the run ends."""
         flags = ["--policy", policy, "--slo-ttft-ms", f"{self.slo.ttft_s * 1000:g}",
-                 "--slo-tpot-ms", f"{self.slo.tpot_s * 1000:g}", "--aging-tokens", f"{self.aging:g}"]
+                 "--slo-tpot-ms", f"{self.slo.tpot_s * 1000:g}", "--aging-tokens", f"{self.aging:g}", *extra]
         client = redis.Redis.from_url(self.redis_url)
         client.delete(wire.model_key(self.model))
         with gateway_server(self.redis_url, flags, self.model_dir, self.procs) as (base, _proc):
@@ -240,7 +241,7 @@ def main() -> None:
     loads = [float(x) for x in args.loads.split(",")]
     with backend("hf", slots=SLOTS, model_dir=model_dir) as (redis_url, procs):
         live = Live(redis_url, procs, model_dir, spec.name, Slo(), aging)
-        with live.gateway("fcfs") as base:  # capacity: a closed loop, every slot busy
+        with live.gateway("fcfs", CAPACITY_FLAGS) as base:  # capacity: a closed loop, every slot busy
             capacity = asyncio.run(closed_loop(base, live.keys, rows, args.seed, SLOTS))
         live.slo = slo = machine_slo(args.slo_ttft_ms, args.slo_tpot_ms, capacity)
         measured = fleet_profiles(redis_url)["cpu"]  # the worker published it before it took a job

@@ -56,7 +56,18 @@ import redis.asyncio as aioredis
 
 from bench.harness import ADMIN_TOKEN, OUT, backend, gateway_server, pct, table
 from bench.policies_live import Run, figures
-from bench.traffic import DEFAULT_TRACE, SLOTS, Row, Sample, closed_loop, load_trace, make_tenants, replay, scaled
+from bench.traffic import (
+    CAPACITY_FLAGS,
+    DEFAULT_TRACE,
+    SLOTS,
+    Row,
+    Sample,
+    closed_loop,
+    load_trace,
+    make_tenants,
+    replay,
+    scaled,
+)
 from common import wire
 from gateway.dispatch import traffic_log
 from sched_core.recorded import Seen, Traffic
@@ -132,9 +143,9 @@ def latency(samples: list[Sample]) -> dict[str, float]:
 
 @contextmanager
 def gateway(redis_url: str, model_dir: str, procs: list[subprocess.Popen[bytes]], slo: Slo,
-            policy: str = "smdp") -> Iterator[str]:
+            policy: str = "smdp", extra: tuple[str, ...] = ()) -> Iterator[str]:
     flags = ["--policy", policy, "--tune-every", "0", "--slo-ttft-ms", f"{slo.ttft_s * 1000:g}",
-             "--slo-tpot-ms", f"{slo.tpot_s * 1000:g}"]
+             "--slo-tpot-ms", f"{slo.tpot_s * 1000:g}", *extra]
     with gateway_server(redis_url, flags, model_dir, procs) as (base, _proc):
         yield base
 
@@ -266,7 +277,7 @@ def main() -> None:
     started = time.perf_counter()
     OUT.mkdir(parents=True, exist_ok=True)
     with backend("hf", slots=SLOTS, model_dir=model_dir) as (redis_url, procs):
-        with gateway(redis_url, model_dir, procs, slo, "fcfs") as base:
+        with gateway(redis_url, model_dir, procs, slo, "fcfs", CAPACITY_FLAGS) as base:
             keys = make_tenants(base, 3)
             capacity = asyncio.run(closed_loop(base, keys, mix_a, 0, SLOTS))
         print(f"measured capacity, mix A: {capacity:.2f} requests/s ({SLOTS} outstanding, fcfs)")

@@ -27,6 +27,10 @@ DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_code_2023.csv"
 BUDGETS = (4000.0, 2000.0, 1000.0)  # tokens/s of the tenants, in turn
 MODEL = "SmolLM2-135M-Instruct"
 SLOTS = 32  # the worker's slots (the default of `tokengate worker`)
+#: The flags of a gateway that measures a worker's capacity (``closed_loop``): no wait bound. With
+#: the default 5 s bound, 32 requests outstanding on one cpu worker drew 324 `503 overloaded` of
+#: 400, and the capacity counted the few that passed (1.5 to 9.0 requests/s in seven runs, once nan).
+CAPACITY_FLAGS = ("--max-queue-wait-ms", "0")
 T = TypeVar("T")
 
 
@@ -171,10 +175,13 @@ async def replay(base: str, keys: list[str], rows: list[Row], seed: int,
 async def closed_loop(base: str, keys: list[str], rows: list[Row], seed: int, clients: int) -> float:
     """Requests/s the worker sustains with ``clients`` requests always outstanding (the slice
     twice over, in order): completions counted from the ``clients``-th to the last one
-    before the first client runs dry, so neither the start nor the drain is in it."""
+    before the first client runs dry, so neither the start nor the drain is in it. On a gateway
+    started with ``CAPACITY_FLAGS``; a request that fails is an error: the completions between
+    refusals are not the worker's capacity."""
     work = rows + rows
     bodies = prompts(work, seed)
     done: list[float] = []
+    failed: list[Sample] = []
     next_row = iter(range(len(work)))
     async with client(base) as http:
 
@@ -183,7 +190,13 @@ async def closed_loop(base: str, keys: list[str], rows: list[Row], seed: int, cl
                 sample = await stream(http, keys, i, bodies[i], work[i].output)
                 if sample.ok:
                     done.append(time.perf_counter())
+                else:
+                    failed.append(sample)
 
         await asyncio.gather(*(loop() for _ in range(clients)))
+    if failed:
+        first = failed[0]
+        raise RuntimeError(f"{len(failed)} of {len(work)} requests of the capacity's closed loop failed "
+                           f"(first: {first.status} {first.error} {first.message}): no capacity to measure")
     steady = done[clients - 1 : len(done) - clients]
     return (len(steady) - 1) / (steady[-1] - steady[0]) if len(steady) > 1 else math.nan
