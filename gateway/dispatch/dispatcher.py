@@ -70,8 +70,9 @@ class Pending:
     events: asyncio.Queue[p.Event] = field(default_factory=asyncio.Queue)
 
     def scheduled(self, seconds: float) -> float:
-        """A time since its arrival here, as the scheduler counts it: from its decision."""
-        return max(seconds - self.before, 1e-6)
+        """A time since its arrival here, as the scheduler counts it: from its decision (with
+        nothing before the decision, as it came)."""
+        return max(seconds - self.before, 1e-6) if self.before else seconds
 
 
 class Dispatcher:
@@ -245,7 +246,7 @@ class Dispatcher:
         scheduler keeps the calibration)."""
         pending = self.pending.pop(rid, None)
         role = pending.role if pending is not None else self.leading  # (refused: only its promise goes)
-        if pending is not None and pending.before:
+        if pending is not None:
             ttft_s = None if ttft_s is None else pending.scheduled(ttft_s)
             total_s = None if total_s is None else pending.scheduled(total_s)
         return role.ended(rid, ttft_s, total_s, tokens, time.monotonic())
