@@ -6,7 +6,6 @@ The dispatcher owns the clock and Redis; this module turns gateway objects into
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,6 +25,7 @@ from sched_core import BatchTimings, Contract, Dispatch, Reject, Request, Schedu
 from sched_core.contracts import Accuracy
 from sched_core.driver import Driver
 from sched_core.policies import DEFAULT_POLICY, make_policy
+from sched_core.saved import learnt, restore
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,13 +219,9 @@ class SchedulerShell:
         (paths with fitted steps only) and the contracts' calibration, each with what it was
         learnt on (the identities of the path's workers, the engines' for output lengths);
         None before it learnt anything. A saved state not yet matched with workers is kept."""
-        pricing = self.driver.pricing
-        if pricing is None:
+        if self.driver.pricing is None:
             return None
-        fitted = {pool: path["step_model"] for pool, path in pricing.snapshot()["paths"].items()
-                  if path["fitted_steps"] > 0 and pool in self._identity}
-        calibration = self.driver.contracts.state()
-        calibration["ratios"] = [r for r in calibration["ratios"] if r[1] in self._identity]
+        fitted, calibration = learnt(self.driver, self._identity)
         if not fitted and not calibration["ratios"] and not calibration["outputs"]:
             return self._saved
         return {"format": STATE_FORMAT, "identity": dict(self._identity), "engines": self._engines,
@@ -252,7 +248,6 @@ class SchedulerShell:
         identity: dict[str, Any] = saved["identity"]
         found = saved.get("contracts")
         calibration: dict[str, Any] = found if isinstance(found, dict) else {}
-        config = self.driver.pricing.config if self.driver.pricing is not None else None
         for pool, now_id in self._identity.items():
             if pool in self.saved_state or pool not in identity:
                 continue
@@ -262,12 +257,7 @@ class SchedulerShell:
                              f"workers or profiles ({identity[pool]}; now {now_id}): starting from the measured "
                              "profiles")
                 continue
-            coef = saved.get("step_model", {}).get(pool)
-            if config is not None and isinstance(coef, dict):
-                with contextlib.suppress(TypeError, ValueError):
-                    self.driver.prior(pool, replace(getattr(config, pool), **coef))
-            self.driver.contracts.load({"ratios": [r for r in calibration.get("ratios", ())
-                                                   if isinstance(r, list) and len(r) == 5 and r[1] == pool]})
+            restore(self.driver, pool, saved.get("step_model", {}).get(pool), calibration)
             self.saved_state[pool] = "restored"
             notes.append(f"the {pool} path starts from its saved step-time model and calibration (same workers "
                          "and profiles)")

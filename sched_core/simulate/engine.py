@@ -31,6 +31,7 @@ from common.pools import POOLS
 from common.steps import prefill_room
 from sched_core.contracts import Accuracy
 from sched_core.driver import TICK_S, Driver, Policy
+from sched_core.saved import Learnt, learnt, restore
 from sched_core.simulate.profile import CostProfile
 from sched_core.simulate.workload import Arrival, Workload
 from sched_core.types import BatchTimings, Contract, Dispatch, Reject, Request
@@ -114,6 +115,7 @@ class Result:
     batches: int = 0
     steps: int = 0
     end: float = 0.0
+    learnt: Learnt | None = None  # what the scheduler learnt, to start another run from (None: a baseline)
 
 
 # -- workers -------------------------------------------------------------------------------
@@ -178,9 +180,10 @@ class _Step:
 class Simulation:
     """One run of ``policy`` on ``workload``; ``run()`` returns what happened to each request."""
 
-    def __init__(self, policy: Policy, workload: Workload, config: SimConfig) -> None:
+    def __init__(self, policy: Policy, workload: Workload, config: SimConfig, start: Learnt | None = None) -> None:
         self.policy = policy
         self.driver = Driver(policy, config.tick_s)
+        self.start = start  # what an earlier run learnt: this one is a restart on saved state
         self.workload = workload
         self.config = config
         self._rng = random.Random(config.seed ^ 0x5EED)
@@ -209,6 +212,10 @@ class Simulation:
         for pool in self.config.pools:
             self.driver.capacity(pool.path, pool.workers * pool.slots, 0.0, pool.workers,
                                  pool.step_tokens)
+            if self.start is not None:
+                restore(self.driver, pool.path, self.start[0].get(pool.path), self.start[1])
+        if self.start is not None:
+            self.driver.contracts.load({"outputs": self.start[1].get("outputs", ())})
         arrivals = self.workload.arrivals
         if arrivals:
             self._push(arrivals[0].time, ARRIVE, 0)
@@ -245,7 +252,8 @@ class Simulation:
                 self._tick(now)
         outcomes = [self._outcomes[a.id] for a in arrivals]
         return Result(outcomes, self._backlog, self._service, self._budget,
-                      batches=len(self._batches), steps=self._steps, end=now)
+                      batches=len(self._batches), steps=self._steps, end=now,
+                      learnt=learnt(self.driver, POOLS) if self.driver.pricing is not None else None)
 
     def _arrive(self, a: Arrival, now: float) -> None:
         slo = self.config.admission_slo
@@ -434,8 +442,9 @@ class Simulation:
         )
 
 
-def simulate(policy: Policy, workload: Workload, config: SimConfig) -> Result:
-    return Simulation(policy, workload, config).run()
+def simulate(policy: Policy, workload: Workload, config: SimConfig, start: Learnt | None = None) -> Result:
+    """``policy`` on ``workload``; from what an earlier run learnt (``Result.learnt``) if ``start``."""
+    return Simulation(policy, workload, config, start).run()
 
 
 def pools_capacity(pools: Sequence[Pool]) -> dict[str, int]:

@@ -136,10 +136,17 @@ def _report(args: argparse.Namespace, setup: ex.Setup, table: PolicyTable, rows:
         parts.append((name, *SYNTHETIC[name]))
     out: dict[str, Any] = {}
     synthetic = argparse.Namespace(**{**vars(args), "requests": args.requests or SYNTHETIC_REQUESTS})
+    # a restart's saved state is learnt on another draw of the workload: the trace's gaps
+    # shuffled, or the synthetic arrivals of the next seed
+    warm_args = argparse.Namespace(**{**vars(synthetic), "seed": args.seed + 1})
+    warm_rows = wl.shuffled_gaps(trace_rows, args.seed) if trace_rows else trace_rows
+    warm_plan = tuple(sc.warm() for sc in plan if sc.shed)
     for label, kind, lengths in parts:
         _, _, _, make = sim.workloads(synthetic, trace_rows, kind=kind, lengths_kind=lengths)
+        _, _, _, warm = (sim.workloads(synthetic, warm_rows, kind=kind) if kind == "trace" else
+                         sim.workloads(warm_args, trace_rows, kind=kind, lengths_kind=lengths))
         started = time.perf_counter()
-        base, loads = _workloads({"trace": make}, setup, plan)
+        base, loads = _workloads({"trace": make, sv.WARM: warm}, setup, (*plan, *warm_plan))
         with sv.Runner(setup, loads, args.jobs) as runner:
             result = sv.report(runner, plan, table)
         out[label] = {"fcfs_90pct_load_rps": base, **result, "seconds": time.perf_counter() - started}
@@ -267,14 +274,15 @@ def _print_report(label: str, base: float, result: dict[str, Any]) -> None:
 
     t = Table(title=f"{label}: loads are multiples of FCFS's 90%-SLO load, {base:.3g} req/s")
     for c in ("load", "SLO at admission", "policy", "SLO %", "goodput/s", "TTFT p99 ms", "TTFT p99.9 ms", "p99 ms",
-              "inside bounds %", "refused"):
+              "inside bounds %", "after a restart: inside % / goodput/s", "refused"):
         t.add_column(c, justify="left" if c == "policy" else "right")
     rows = result["rows"]
     for i, r in enumerate(rows):
-        inside = r["inside_bounds"]
+        inside, again = r["inside_bounds"], r["after_restart"]
         t.add_row(f"{r['load']:g}x", "yes" if r["slo_at_admission"] else "no", r["policy"],
                   f"{r['slo_attainment'] * 100:.1f}", f"{r['goodput_rps']:.2f}", f"{r['ttft_p99_ms']:.0f}",
-                  f"{r['ttft_p999_ms']:.0f}", f"{r['p99_ms']:.0f}", "-" if inside is None else f"{inside * 100:.1f}",
+                  f"{r['ttft_p999_ms']:.0f}", f"{r['p99_ms']:.0f}", _percent(inside),
+                  "-" if again is None else f"{_percent(again['inside_bounds'])} / {again['goodput_rps']:.2f}",
                   str(r["refused_slo"]),
                   end_section=i + 1 < len(rows) and rows[i + 1]["load"] != r["load"])
     console = Console(width=160)
@@ -284,3 +292,7 @@ def _print_report(label: str, base: float, result: dict[str, Any]) -> None:
         figures = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                             for k, v in target.items() if k != "met")
         console.print(f"[{verdict}] {name}: {figures}")
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{share * 100:.1f}"

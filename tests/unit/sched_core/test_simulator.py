@@ -10,9 +10,10 @@ import pytest
 
 import sched_core
 from sched_core import SchedulerConfig
+from sched_core.contracts import PRIOR_BOUND_FACTOR
 from sched_core.policies import FifoPolicy, FixedBatch
 from sched_core.simulate import CostProfile, Pool, SimConfig, Slo, simulate, summarize
-from sched_core.simulate.engine import Simulation
+from sched_core.simulate.engine import Outcome, Simulation
 from sched_core.simulate.experiment import POLICIES, Knob, Setup, policy_for
 from sched_core.simulate.workload import DEFAULT_TENANTS, Arrival, Tenant, Workload, poisson
 from sched_core.types import BatchTimings, Dispatch
@@ -205,3 +206,28 @@ def test_the_gateways_wait_bound_refuses_requests_without_an_slo_as_the_driver_d
         rows[wait] = (summarize(result, s.slo), {o.rejected for o in result.outcomes})
     assert rows[None][1] == {None} and rows[0.5][1] == {None, "wait"}
     assert rows[0.5][0]["ttft_p99_ms"] < rows[None][0]["ttft_p99_ms"]
+
+
+def test_a_run_restarted_on_what_an_earlier_run_learnt_bounds_its_first_requests_from_it() -> None:
+    """A restart on saved state (``Result.learnt``, what a gateway saves): the first requests
+    are bounded by the saved windows, not by the prior's multiple of the point as on a fresh
+    start, and those bounds hold what the requests then take; a baseline learns nothing."""
+    s = setup()
+    earlier = simulate(policy_for("tokengate", None, s, small_workload(5)), small_workload(5), s.sim_config())
+    assert earlier.learnt is not None
+    fitted, calibration = earlier.learnt
+    assert set(fitted) == {"cpu", "gpu"} and calibration["ratios"] and calibration["outputs"]
+    wl = small_workload(6)
+    runs = {start is None: simulate(policy_for("tokengate", None, s, wl), wl, s.sim_config(), start).outcomes[:40]
+            for start in (None, earlier.learnt)}
+
+    def reach(o: Outcome) -> float:  # the first-token bound over the point, the budget wait left out
+        c = o.contract
+        assert c is not None
+        return (c.ttft_p99_s - c.budget_wait_s) / (c.ttft_s - c.budget_wait_s)
+
+    assert min(reach(o) for o in runs[True]) == pytest.approx(PRIOR_BOUND_FACTOR)  # cold: the prior's
+    assert all(reach(o) != pytest.approx(PRIOR_BOUND_FACTOR) for o in runs[False])  # restarted: the windows'
+    inside = [o.accuracy.ttft_inside and o.accuracy.total_inside for o in runs[False] if o.accuracy is not None]
+    assert len(inside) == 40 and sum(inside) >= 39
+    assert simulate(policy_for("fcfs", None, s, wl), wl, s.sim_config()).learnt is None

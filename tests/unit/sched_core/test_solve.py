@@ -151,6 +151,13 @@ def test_policy_solve_writes_a_table_that_report_simulate_and_show_read(
     assert set(figures["report"]) == {"trace rows second-half", "poisson"}
     rows = figures["report"]["poisson"]["rows"]
     assert {r["policy"] for r in rows} == {"fcfs", "tokengate", "smdp"} and len(rows) == 3 * 3
+    # the table again on each SLO load after a restart on what a run of the next seed learnt
+    restarted = {r["load"]: r["after_restart"] for r in rows if r["after_restart"] is not None}
+    assert set(restarted) == {1.0, 3.0} and all(r["policy"] == "smdp" and r["slo_at_admission"] for r in rows
+                                                if r["after_restart"] is not None)
+    assert all(0.0 <= a["inside_bounds"] <= 1.0 and a["goodput_rps"] > 0.0 for a in restarted.values())
+    assert figures["report"]["poisson"]["targets"]["slo"]["min_inside_bounds_after_restart"] == min(
+        a["inside_bounds"] for a in restarted.values())
 
     assert main(["simulate", "--trace", str(trace), "--rows", "second-half", "--policies", "fcfs,tokengate,smdp",
                  "--table", str(out), "--rates", "4", "--json", "--no-plots", "--out", str(tmp_path / "sim"),
