@@ -53,7 +53,7 @@ import httpx
 import numpy as np
 import orjson
 
-from bench.harness import OUT, spawn, table, wait_ready
+from bench.harness import OUT, hogs, spawn, table, wait_ready
 from gateway.cli.embedded_redis import free_port
 from workers import model_store
 
@@ -219,17 +219,6 @@ async def closed_loop(base: str, key: str, asks: list[Ask], clients: int, seed: 
 
 
 # -- processes ---------------------------------------------------------------------------------
-
-
-@contextmanager
-def hogs(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
 
 
 class Serve:

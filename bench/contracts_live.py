@@ -32,18 +32,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 import orjson
 
-from bench.harness import ADMIN_TOKEN, OUT, backend, gateway_server, pct, save_plot, table
+from bench.harness import ADMIN_TOKEN, OUT, backend, gateway_server, hogs, pct, save_plot, table
 from bench.traffic import (
     BUDGETS,
     CAPACITY_FLAGS,
@@ -141,17 +137,6 @@ async def warm(base: str, keys: list[str], rows: list[Row], seed: int) -> None:
             await stream(http, keys, i, bodies[i], row.output)
 
 
-@contextmanager
-def spinner() -> Iterator[None]:
-    """Another process keeping one core busy."""
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        yield
-    finally:
-        proc.kill()
-        proc.wait()
-
-
 def run(base: str, keys: list[str], label: str, rows: list[Row], seed: int,
         slo: tuple[float, float] | None = None) -> tuple[Figures, list[Sample]]:
     before = gateway_errors(base)
@@ -197,7 +182,7 @@ def main() -> None:
                 fig, samples = run(base, keys, f"{args.speed:g}x trace", rows, args.seed)
                 runs.append(fig)
                 if args.busy:
-                    with spinner():
+                    with hogs(1):
                         runs.append(run(base, keys, f"{args.speed:g}x trace, one core busy", rows, args.seed)[0])
             summary = {"within_ttft": runs[0].within_ttft, "within_total": runs[0].within_total,
                        "mape_ttft": runs[0].mape_ttft, "mape_total": runs[0].mape_total}

@@ -369,3 +369,15 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) 
     for r in rows:
         t.add_row(*(f"{x:.3f}" if isinstance(x, float) else str(x) for x in r))
     console.print(t)
+
+
+@contextmanager
+def hogs(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``n`` other programs, each keeping one core busy (a spinning Python), while the block runs."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -42,6 +42,10 @@ nearest 0.9), ``goodput_ratio_150`` (tokengate ÷ fcfs at the load nearest 1.5;
 each load (the order alternating): a table gives how far the rounds differ (``live_error_max``:
 one round taken as another's prediction, the simulator's measure) and the simulator's error
 against the rounds' mean (the JSON's ``*_vs_mean``); the summary and the plots take the means.
+``--hogs N`` runs N other programs, each keeping a core busy (a spinning Python), from after
+the worker measured itself at start to the end of the last run: the capacity, the loads and
+every policy's runs are measured beside them (the worker's start profile is then a quiet
+machine's, which its step-time model must follow).
 Tables go to stdout, plots to ``bench/out/policies_*.png``.
 """
 
@@ -53,7 +57,7 @@ import math
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -62,7 +66,7 @@ import numpy as np
 import orjson
 import redis
 
-from bench.harness import ADMIN_TOKEN, OUT, backend, gateway_server, pct, table
+from bench.harness import ADMIN_TOKEN, OUT, backend, gateway_server, hogs, pct, table
 from bench.traffic import (
     BUDGETS,
     CAPACITY_FLAGS,
@@ -222,6 +226,9 @@ def main() -> None:
                         "so the scaled prompts are ordered as the trace's own would be)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="rounds of every policy at each load, to measure how far live runs differ")
+    parser.add_argument("--hogs", type=int, default=0,
+                        help="other programs keeping a core busy each, from after the worker measured itself "
+                        "to the last run (the capacity is measured beside them)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -239,12 +246,13 @@ def main() -> None:
 
     runs: list[Figures] = []
     loads = [float(x) for x in args.loads.split(",")]
-    with backend("hf", slots=SLOTS, model_dir=model_dir) as (redis_url, procs):
+    with backend("hf", slots=SLOTS, model_dir=model_dir) as (redis_url, procs), ExitStack() as busy:
         live = Live(redis_url, procs, model_dir, spec.name, Slo(), aging)
+        measured = start_profile(redis_url)
+        busy.enter_context(hogs(args.hogs))  # after the worker measured itself: the machine changes under it
         with live.gateway("fcfs", CAPACITY_FLAGS) as base:  # capacity: a closed loop, every slot busy
             capacity = asyncio.run(closed_loop(base, live.keys, rows, args.seed, SLOTS))
         live.slo = slo = machine_slo(args.slo_ttft_ms, args.slo_tpot_ms, capacity)
-        measured = fleet_profiles(redis_url)["cpu"]  # the worker published it before it took a job
         print(f"the worker's profile, measured at start: {measured.label}, {measured.device}")
         live.steps.clear()
         print(f"measured capacity: {capacity:.2f} requests/s ({SLOTS} requests always outstanding, fcfs); "
@@ -311,7 +319,20 @@ def main() -> None:
     if args.repeat > 1:
         summary["live_error_max"] = max(_noise(runs, p, x) for x in loads for p in simulated_policies)
     summary["slo_ttft_ms"], summary["slo_tpot_ms"] = slo.ttft_s * 1000, slo.tpot_s * 1000
+    summary["hogs"] = args.hogs
     print(orjson.dumps(summary).decode() if args.json else summary)
+
+
+def start_profile(redis_url: str, timeout_s: float = 600.0) -> CostProfile:
+    """The profile the worker measured of itself at start, once it published it (before it takes a job)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return fleet_profiles(redis_url)["cpu"]
+        except (LookupError, ValueError):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the worker published no profile in {timeout_s:g} s") from None
+            time.sleep(1.0)
 
 
 @dataclass(frozen=True, slots=True)
