@@ -42,10 +42,16 @@ nearest 0.9), ``goodput_ratio_150`` (tokengate ÷ fcfs at the load nearest 1.5;
 each load (the order alternating): a table gives how far the rounds differ (``live_error_max``:
 one round taken as another's prediction, the simulator's measure) and the simulator's error
 against the rounds' mean (the JSON's ``*_vs_mean``); the summary and the plots take the means.
-``--hogs N`` runs N other programs, each keeping a core busy (a spinning Python), from after
-the worker measured itself at start to the end of the last run: the capacity, the loads and
-every policy's runs are measured beside them (the worker's start profile is then a quiet
-machine's, which its step-time model must follow).
+
+``--restart`` (with ``--repeat``): each round after the first starts every policy's gateway
+from what that policy's gateway of the round before saved (the step-time model and
+calibration: a restart on saved state, on the same traffic); the first round starts fresh, so
+"live vs live" is then a fresh start against a restart. ``--hogs N`` runs N other programs,
+each keeping a core busy (a spinning Python), from after the worker measured itself at start
+to the end of the last run: the capacity, the loads and every policy's runs are measured
+beside them (the worker's start profile is then a quiet machine's, which its step-time model
+must follow).
+
 Tables go to stdout, plots to ``bench/out/policies_*.png``.
 """
 
@@ -124,24 +130,31 @@ class Live:
     keys: list[str] = field(default_factory=list)
     steps: list[protocol.StepRecord] = field(default_factory=list)
     learnt: dict[str, float] = field(default_factory=dict)  # the last run's online step model (none: {})
+    saved: dict[str, bytes] = field(default_factory=dict)  # per policy, what its last run's gateway saved
 
     @contextmanager
-    def gateway(self, policy: str, extra: tuple[str, ...] = ()) -> Iterator[str]:
+    def gateway(self, policy: str, extra: tuple[str, ...] = (), restart: bool = False) -> Iterator[str]:
         """A gateway of ``policy`` that starts as a new deployment would: what the run before
         it learnt (step model, calibration, saved under ``wire.model_key``) is dropped, as each
         simulation starts afresh; a gateway on the last run's calibration refused early and
-        read TTFT p50 half the simulator's. What it learnt of the step times is kept in
-        ``learnt`` when the run ends."""
+        read TTFT p50 half the simulator's. With ``restart`` it starts instead from what the
+        last gateway of the same policy saved (a restart on saved state). What it learnt of
+        the step times is kept in ``learnt`` when the run ends, what it saved in ``saved``."""
         flags = ["--policy", policy, "--slo-ttft-ms", f"{self.slo.ttft_s * 1000:g}",
                  "--slo-tpot-ms", f"{self.slo.tpot_s * 1000:g}", "--aging-tokens", f"{self.aging:g}", *extra]
         client = redis.Redis.from_url(self.redis_url)
-        client.delete(wire.model_key(self.model))
+        key = wire.model_key(self.model)
+        client.delete(key)
+        if restart and policy in self.saved:
+            client.set(key, self.saved[policy])
         with gateway_server(self.redis_url, flags, self.model_dir, self.procs) as (base, _proc):
             if not self.keys:
                 self.keys = make_tenants(base, len(BUDGETS))
             yield base
             path = httpx.get(base + "/admin/scheduler", headers=ADMIN).json().get("paths", {}).get("cpu", {})
             self.learnt = path["step_model"] if path.get("fitted_steps") else {}
+        if (state := client.get(key)) is not None:  # saved as the gateway stopped
+            self.saved[policy] = state
         for _id, fields in client.xrange(wire.telemetry_stream(self.model)):
             self.steps.extend(protocol.decode_telemetry(fields).steps)
         client.delete(wire.telemetry_stream(self.model), wire.model_key(self.model))
@@ -226,6 +239,9 @@ def main() -> None:
                         "so the scaled prompts are ordered as the trace's own would be)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="rounds of every policy at each load, to measure how far live runs differ")
+    parser.add_argument("--restart", action="store_true",
+                        help="with --repeat: rounds after the first start each policy from what its last round "
+                        "saved (a restart on saved state); the first round starts fresh")
     parser.add_argument("--hogs", type=int, default=0,
                         help="other programs keeping a core busy each, from after the worker measured itself "
                         "to the last run (the capacity is measured beside them)")
@@ -264,7 +280,7 @@ def main() -> None:
             mark = len(live.steps)
             for again in range(args.repeat):  # each round runs every policy once, before any runs again
                 for policy in policies if (n + again) % 2 == 0 else reversed(policies):  # order alternates
-                    with live.gateway(policy) as base:
+                    with live.gateway(policy, restart=args.restart and again > 0) as base:
                         samples, span = asyncio.run(replay(base, live.keys, arrivals, args.seed))
                     if live.learnt:
                         learnt[(policy, load)] = live.learnt
@@ -319,7 +335,7 @@ def main() -> None:
     if args.repeat > 1:
         summary["live_error_max"] = max(_noise(runs, p, x) for x in loads for p in simulated_policies)
     summary["slo_ttft_ms"], summary["slo_tpot_ms"] = slo.ttft_s * 1000, slo.tpot_s * 1000
-    summary["hogs"] = args.hogs
+    summary["hogs"], summary["restart"] = args.hogs, args.restart
     print(orjson.dumps(summary).decode() if args.json else summary)
 
 
