@@ -1,7 +1,7 @@
 """Latency contracts against the live gateway with the real model, on a slice of the trace.
 
     python -m bench.contracts_live [--requests 200] [--speed 0.25] [--busy] [--json]
-    python -m bench.contracts_live --overload [--loads 1,2] [--json]
+    python -m bench.contracts_live --overload [--loads 1,2] [--busy] [--json]
 
 Replays rows of the Azure LLM code trace (``bench/traffic.py``) through ``tokengate gateway``
 and one ``hf`` CPU worker of 32 slots: arrivals at ``--speed`` times the trace's rate, prompts
@@ -17,6 +17,9 @@ requests (one at a time: the gateway's first outcomes) are not counted.
 ``--busy`` replays the slice a second time on the same gateway with one core kept busy by
 another process (a spinning Python): the worker slows down under the contracts, which must
 adapt.
+
+``--overload --busy`` keeps one core busy the same way from once the worker has measured
+itself (quiet) through the capacity's closed loop and every load.
 
 ``--overload`` measures the worker's capacity first (a closed loop of 32 clients), gives the
 tenants a default SLO (``--slo-ttft-ms``, ``--slo-tpot-ms``), and replays the slice at each of
@@ -37,13 +40,14 @@ import argparse
 import asyncio
 import math
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 import orjson
 
-from bench.harness import ADMIN_TOKEN, OUT, backend, gateway_server, hogs, pct, save_plot, table
+from bench.harness import ADMIN_TOKEN, OUT, backend, gateway_server, hogs, pct, save_plot, start_profile, table
 from bench.traffic import (
     BUDGETS,
     CAPACITY_FLAGS,
@@ -158,7 +162,8 @@ def main() -> None:
     parser.add_argument("--max-output", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--busy", action="store_true", help="replay again with one core kept busy")
+    parser.add_argument("--busy", action="store_true", help="replay again with one core kept busy (with "
+                        "--overload: measure the capacity and every load with one core kept busy)")
     parser.add_argument("--overload", action="store_true", help="capacity, then 1x and 2x with tenant SLOs")
     parser.add_argument("--loads", default="1,2",
                         help="with --overload: multiples of the capacity replayed, the first the goodput's reference")
@@ -183,7 +188,7 @@ def main() -> None:
     runs: list[Figures] = []
     summary: dict[str, object] = {}
     samples: list[Sample] = []
-    with backend("hf", slots=SLOTS, model_dir=model_dir) as (redis_url, procs):
+    with backend("hf", slots=SLOTS, model_dir=model_dir) as (redis_url, procs), ExitStack() as busy:
         if not args.overload:
             with gateway_server(redis_url, flags, model_dir, procs) as (base, _proc):
                 keys = make_tenants(base, len(BUDGETS))
@@ -198,6 +203,9 @@ def main() -> None:
             if args.busy:
                 summary |= {"busy_within_ttft": runs[1].within_ttft, "busy_within_total": runs[1].within_total}
         else:
+            if args.busy:  # from once the worker measured itself (quiet) to the last load
+                start_profile(redis_url)
+                busy.enter_context(hogs(1))
             with gateway_server(redis_url, [*flags, *CAPACITY_FLAGS], model_dir, procs) as (base, _proc):
                 keys = make_tenants(base, len(BUDGETS))
                 capacity = asyncio.run(closed_loop(base, keys, rows, args.seed, SLOTS))
@@ -211,7 +219,7 @@ def main() -> None:
                     runs.append(fig)
                     print(f"refusals at {load:g}x capacity, by reason: {refusal_reasons(samples)}")
             above = [r.goodput_rps / runs[0].goodput_rps for r in runs[1:]]
-            summary = {"capacity_rps": capacity, "goodput_ratio_min": min(above, default=math.nan),
+            summary = {"capacity_rps": capacity, "busy": args.busy, "goodput_ratio_min": min(above, default=math.nan),
                        "within_both_min": min(min(r.within_ttft, r.within_total) for r in runs),
                        "refusal_p100_ms": max(r.refusal_p100_ms for r in runs)}
             summary |= {f"{load:g}x": {"goodput_rps": r.goodput_rps, "accepted": r.accepted,

@@ -20,6 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 from gateway.cli.embedded_redis import EmbeddedRedis, free_port
+from sched_core.simulate.cli import fleet_profiles
+from sched_core.simulate.profile import CostProfile
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
@@ -381,3 +383,16 @@ def hogs(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
         for p in procs:
             p.kill()
             p.wait()
+
+
+def start_profile(redis_url: str, timeout_s: float = 600.0) -> CostProfile:
+    """The profile the cpu worker measured of itself at start, once it published it (before it
+    takes a job)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return fleet_profiles(redis_url)["cpu"]
+        except (LookupError, ValueError):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the worker published no profile in {timeout_s:g} s") from None
+            time.sleep(1.0)

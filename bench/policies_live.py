@@ -72,7 +72,7 @@ import numpy as np
 import orjson
 import redis
 
-from bench.harness import ADMIN_TOKEN, OUT, backend, gateway_server, hogs, pct, table
+from bench.harness import ADMIN_TOKEN, OUT, backend, gateway_server, hogs, pct, start_profile, table
 from bench.traffic import (
     BUDGETS,
     CAPACITY_FLAGS,
@@ -91,7 +91,6 @@ from sched_core import costmodel
 from sched_core.driver import MAX_QUEUE_WAIT_MS
 from sched_core.policies import make_policy
 from sched_core.simulate import experiment as ex
-from sched_core.simulate.cli import fleet_profiles
 from sched_core.simulate.engine import Pool, simulate
 from sched_core.simulate.metrics import Slo, summarize
 from sched_core.simulate.profile import CostProfile
@@ -337,18 +336,6 @@ def main() -> None:
     summary["slo_ttft_ms"], summary["slo_tpot_ms"] = slo.ttft_s * 1000, slo.tpot_s * 1000
     summary["hogs"], summary["restart"] = args.hogs, args.restart
     print(orjson.dumps(summary).decode() if args.json else summary)
-
-
-def start_profile(redis_url: str, timeout_s: float = 600.0) -> CostProfile:
-    """The profile the worker measured of itself at start, once it published it (before it takes a job)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return fleet_profiles(redis_url)["cpu"]
-        except (LookupError, ValueError):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the worker published no profile in {timeout_s:g} s") from None
-            time.sleep(1.0)
 
 
 @dataclass(frozen=True, slots=True)
