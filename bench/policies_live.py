@@ -156,7 +156,7 @@ class Live:
             self.saved[policy] = state
         for _id, fields in client.xrange(wire.telemetry_stream(self.model)):
             self.steps.extend(protocol.decode_telemetry(fields).steps)
-        client.delete(wire.telemetry_stream(self.model), wire.model_key(self.model))
+        client.delete(wire.telemetry_stream(self.model), key)
         client.close()
 
 

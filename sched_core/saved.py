@@ -17,12 +17,12 @@ from sched_core.driver import Driver
 Learnt = tuple[dict[str, dict[str, float]], dict[str, Any]]
 
 
-def learnt(driver: Driver, paths: Collection[str]) -> Learnt:
+def learnt(driver: Driver, paths: Collection[str]) -> Learnt | None:
     """What ``driver`` learnt on ``paths`` that a restart can start from: per path its fitted
     step-time coefficients (paths with fitted steps only), and the contracts' calibration (the
-    windows of ``paths``, and the output lengths). Nothing for a baseline."""
+    windows of ``paths``, and the output lengths). None for a baseline, which learns nothing."""
     if driver.pricing is None:
-        return {}, {"ratios": [], "outputs": []}
+        return None
     fitted = {pool: path["step_model"] for pool, path in driver.pricing.snapshot()["paths"].items()
               if path["fitted_steps"] > 0 and pool in paths}
     calibration = driver.contracts.state()

@@ -219,9 +219,10 @@ class SchedulerShell:
         (paths with fitted steps only) and the contracts' calibration, each with what it was
         learnt on (the identities of the path's workers, the engines' for output lengths);
         None before it learnt anything. A saved state not yet matched with workers is kept."""
-        if self.driver.pricing is None:
+        found = learnt(self.driver, self._identity)
+        if found is None:
             return None
-        fitted, calibration = learnt(self.driver, self._identity)
+        fitted, calibration = found
         if not fitted and not calibration["ratios"] and not calibration["outputs"]:
             return self._saved
         return {"format": STATE_FORMAT, "identity": dict(self._identity), "engines": self._engines,

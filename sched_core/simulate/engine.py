@@ -253,7 +253,7 @@ class Simulation:
         outcomes = [self._outcomes[a.id] for a in arrivals]
         return Result(outcomes, self._backlog, self._service, self._budget,
                       batches=len(self._batches), steps=self._steps, end=now,
-                      learnt=learnt(self.driver, POOLS) if self.driver.pricing is not None else None)
+                      learnt=learnt(self.driver, POOLS))
 
     def _arrive(self, a: Arrival, now: float) -> None:
         slo = self.config.admission_slo
