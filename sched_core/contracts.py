@@ -208,8 +208,7 @@ class Contracts:
         return point, max(PRIOR_BOUND_FACTOR * point, seen) * stretch(q), False, middle
 
     def calibrated(self, component: str, path: str, load: float) -> bool:
-        """Whether the point predictions of a component on a path at this load rest on outcomes
-        (enough of them at its load level), not on the raw model alone or another level's."""
+        """Whether a component's points on a path at this load rest on its load level's outcomes."""
         w = self._ratios.get((component, path, load_level(load), -1))
         return w is not None and len(w) >= MIN_POINT
 
@@ -220,7 +219,8 @@ class Contracts:
         ``observe``); ``inherited``: another scheduler promised it, or this one could not see its wait (a failover):
         its times count from what this one never saw, so it teaches nothing (docs/scheduling.md §15). The total's bound
         assumes ``out_hi`` output tokens: before the total's windows can bound it, the first token's bound plus
-        ``out_hi − 1`` tokens at the per-token bound (nothing on top of a length already its 99th percentile)."""
+        ``out_hi − 1`` tokens at the per-token bound (nothing on top of a length already its 99th percentile); after,
+        never under the point's first token plus those tokens at the per-token bound it is given beside."""
         self._overdue(now)
         self._now = now
         level = load_level(load)
@@ -238,7 +238,7 @@ class Contracts:
         ttft_hi = wait + raw_ttft * b_ttft
         tpot_hi = raw_tpot * b_tpot
         total_hi = wait + basis * b_total if conformal else ttft_hi + max(out_hi - 1, 0) * tpot_hi
-        total_hi = max(total_hi, ttft_hi, total)
+        total_hi = max(total_hi, ttft_hi, total, ttft + max(out_hi - 1, 0) * tpot_hi)
         c = Contract(raw.request_id, raw.bucket, raw.path, ttft, total, total_hi, raw.tokens_ahead, wait, tpot, out,
                      ttft_hi, tpot_hi, out_hi)
         self._pending[raw.request_id] = _Pending(raw.path, level, raw.bucket, req.tenant, wait, raw_ttft,

@@ -195,6 +195,24 @@ def test_bounds_cover_fresh_outcomes_of_lognormal_error(seed: int) -> None:
     assert statistics.median(factors) < 1.6 * q99
 
 
+def test_the_total_bound_is_never_tighter_than_the_per_token_bound_beside_it() -> None:
+    """A conformal total over a window of mixed lengths is tighter than the per-token bound
+    for a long answer (a total's noise averages its tokens'); but a promise of ``tpot_p99`` a
+    token does not also promise the whole answer at a faster pace: the total's bound is at
+    least the first token's point plus ``out_hi − 1`` tokens at ``tpot_p99``."""
+    rng = random.Random(4)
+    cal = Contracts(BOUNDS, default_output=64)
+    _run(cal, rng, 600, 0.4)
+    bound = []
+    for i in range(50):
+        out = 40 + i
+        p = cal.promise(raw(f"long{i}", ttft=0.1, tpot=0.03, out=out), req(f"long{i}", out=out), out, 0.0, 30.0)
+        floor = p.ttft_s + (out - 1) * p.tpot_p99_s
+        assert p.p99_s >= floor * (1 - 1e-12)
+        bound.append(p.p99_s <= floor * (1 + 1e-12))
+    assert any(bound)  # and it is this rule that bounds them, not the window's quantile
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_coverage_recovers_after_a_shift(seed: int) -> None:
     sigma = 0.3
