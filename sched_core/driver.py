@@ -30,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from common.pools import POOLS
 from sched_core.contracts import Accuracy, Contracts
+from sched_core.overtake import Overtaking
 from sched_core.recorded import Traffic
 from sched_core.shares import Backlogs, Shares
 from sched_core.smdp import PolicyTable, weight_quantile
@@ -169,6 +170,8 @@ class Driver:
         self.contracts = Contracts(config.bucket_bounds, config.default_output_tokens)
         self.shares = Shares(config.rate_window_s)
         self.backlogs = Backlogs()
+        self.overtaking = Overtaking()
+        self._workers = dict.fromkeys(POOLS, 0)
         self.traffic = Traffic()  # every request it saw, as a trace to tune on
         self._cap = dict.fromkeys(POOLS, 0)
         self._used = dict.fromkeys(POOLS, 0)
@@ -202,6 +205,13 @@ class Driver:
             return decision
         path = decision.path
         load = (self._used[path] + self.policy.queued) / max(self._cap[path], 1)
+        stretch = self.overtaking.factor(path, decision.bucket, self._workers[path], now)
+        if stretch > 1.0:  # the shorter prompts that will arrive before its first token
+            more = (decision.ttft_s - decision.budget_wait_s) * (stretch - 1.0)
+            decision = Contract(decision.request_id, decision.bucket, path, decision.ttft_s + more,
+                                decision.total_s + more, decision.p99_s, decision.tokens_ahead, decision.budget_wait_s,
+                                decision.tpot_s, decision.output_tokens, decision.ttft_p99_s, decision.tpot_p99_s,
+                                decision.output_tokens_hi)
         c = cal.promise(decision, req, out_hi, load, now, self._speed(path), inherited=promised)
         self.backlogs.add(req.id, req.tenant, req.weight, req.prompt_tokens, c.output_tokens)
         if not promised and (req.slo_ttft_s is not None or req.slo_tpot_s is not None):
@@ -214,6 +224,7 @@ class Driver:
             if refusal is not None:
                 self.traffic.ended(req.id)
                 return refusal
+        self.overtaking.admitted(path, c.bucket, self.pricing.prefill_alone_s(path, req.prompt_tokens), now)
         self.shares.add(req.tenant, req.weight, req.prompt_tokens + c.output_tokens, now)
         return c
 
@@ -458,6 +469,7 @@ class Driver:
     def capacity(self, path: str, slots: int, now: float, workers: int = 1,
                  step_tokens: int = 0) -> None:
         self._cap[path] = slots
+        self._workers[path] = workers
         self.policy.worker_capacity(path, slots, now, workers, step_tokens)
 
     def free(self, path: str) -> int:

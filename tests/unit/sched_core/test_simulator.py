@@ -11,6 +11,7 @@ import pytest
 import sched_core
 from sched_core import SchedulerConfig
 from sched_core.contracts import PRIOR_BOUND_FACTOR
+from sched_core.overtake import Overtaking
 from sched_core.policies import FifoPolicy, FixedBatch
 from sched_core.simulate import CostProfile, Pool, SimConfig, Slo, simulate, summarize
 from sched_core.simulate.engine import Outcome, Simulation
@@ -231,3 +232,21 @@ def test_a_run_restarted_on_what_an_earlier_run_learnt_bounds_its_first_requests
     inside = [o.accuracy.ttft_inside and o.accuracy.total_inside for o in runs[False] if o.accuracy is not None]
     assert len(inside) == 40 and sum(inside) >= 39
     assert simulate(policy_for("fcfs", None, s, wl), wl, s.sim_config()).learnt is None
+
+
+def test_in_a_burst_the_first_token_bounds_count_the_shorter_prompts_that_will_overtake(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh scheduler hit by a burst (400 requests at 400 a second, ten times what the
+    workers clear): the core prices the prompts ahead of a request when it arrives, and the
+    shorter ones that arrive after it go first. Priced by Cobham's factor
+    (``sched_core.overtake``), more first tokens come inside their bounds than without it."""
+    wl = poisson(400.0, 400, uniform_lengths, tenants=DEFAULT_TENANTS, seed=5)
+
+    def inside() -> int:
+        s = setup()
+        outcomes = simulate(policy_for("tokengate", None, s, wl), wl, s.sim_config()).outcomes
+        return sum(bool(o.accuracy is not None and o.accuracy.ttft_inside) for o in outcomes)
+
+    priced = inside()
+    monkeypatch.setattr(Overtaking, "factor", lambda self, *args: 1.0)
+    assert priced >= 0.85 * len(wl.arrivals) and priced >= inside() + 0.05 * len(wl.arrivals)
