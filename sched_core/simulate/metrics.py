@@ -164,6 +164,7 @@ def summarize(result: Result, slo: Slo, windows: int = 20) -> dict[str, Any]:
         "throughput_rps": len(window) / span if span > 0 else 0.0,
         "tokens_per_s": served / span if span > 0 else 0.0,
         "makespan_s": makespan,
+        "span_s": span,  # the arrivals' span, which throughput and goodput are per second of
         "drain_tokens_per_s": work / makespan if makespan > 0 else 0.0,
         "slo_attainment": met / len(outs) if outs else 0.0,
         "goodput_rps": sum(1 for o in window if slo.met(o)) / span if span > 0 else 0.0,

@@ -16,6 +16,7 @@ taken.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -35,6 +36,9 @@ MIN_REQUESTS = 300
 MARGIN = 0.02
 #: Nor may it lose more than this share of the running table's figure in any test scenario.
 MAX_LOSS = 0.02
+#: Nor is a loss of fewer requests than this one (a scenario of 150 requests at 12x admits a
+#: handful, and one request more or less there is not a table's loss).
+MIN_LOSS_REQUESTS = 3.0
 #: Simulations the search may run (one core, a few minutes at ``WINDOW`` requests).
 BUDGET = 240
 #: The scenarios: fewer than an offline solve's (``solve.TUNE_LOADS``), for the time.
@@ -110,7 +114,9 @@ def decide(score_running: float, score_candidate: float, figures: Sequence[dict[
            margin: float = MARGIN, max_loss: float = MAX_LOSS) -> tuple[bool, str]:
     """Whether a candidate is swapped in, and why: its score on the later traffic beats the
     running table's by ``margin``, and in no test scenario is its figure (attainment or
-    goodput) below the running table's by more than ``max_loss`` of it. The second rule
+    goodput) below the running table's by more than ``max_loss`` of it and by at least
+    ``MIN_LOSS_REQUESTS`` requests (a figure's ``per_request``: the requests one unit of it is,
+    the scenario's requests or span; without it every loss counts). The second rule
     because the mean can hide a loss at the load the deployment runs at, bought with a gain
     at another: the first live test of self-tuning (docs/benchmarks.md, "The table that tunes
     itself") swapped in a table that gained 29 % of goodput at 3x and lost 11 % at 1x in the
@@ -121,10 +127,11 @@ def decide(score_running: float, score_candidate: float, figures: Sequence[dict[
         return False, (f"on the later traffic it scored {score_candidate:.3f} against the running table's "
                        f"{score_running:.3f} ({gain:+.3f}; a swap needs +{margin:g})")
     for f in figures:
-        if f["candidate"] < f["running"] * (1.0 - max_loss):
+        lost = (f["running"] - f["candidate"]) * f.get("per_request", math.inf)
+        if f["candidate"] < f["running"] * (1.0 - max_loss) and lost >= MIN_LOSS_REQUESTS:
             return False, (f"it scored +{gain:.3f} on the later traffic but lost at {f['scenario']}: "
                            f"{f['figure']} {f['candidate']:.3g} against {f['running']:.3g} (more than "
-                           f"{max_loss:.0%} below)")
+                           f"{max_loss:.0%} below" + (f", {lost:.0f} requests)" if lost < math.inf else ")"))
     return True, (f"it scored {score_candidate:.3f} against the running table's {score_running:.3f} "
                   f"on the later traffic (+{gain:.3f}, margin {margin:g}), losing nowhere by more than {max_loss:.0%}")
 
@@ -132,4 +139,5 @@ def decide(score_running: float, score_candidate: float, figures: Sequence[dict[
 def _figures(sc: sv.Scenario, running: dict[str, Any], candidate: dict[str, Any]) -> dict[str, Any]:
     key = "goodput_rps" if sc.shed else "slo_attainment"
     return {"scenario": sc.label(), "figure": key, "running": running[key], "candidate": candidate[key],
+            "per_request": running["span_s"] if sc.shed else running["requests"],
             "inside_bounds_running": sv.bound_share(running), "inside_bounds_candidate": sv.bound_share(candidate)}

@@ -85,3 +85,18 @@ def test_a_candidate_that_wins_on_average_but_loses_at_one_load_is_not_swapped_i
     swap, why = tn.decide(0.920, 0.956, lost)
     assert not swap and "lost at 1x SLO later" in why
     assert tn.decide(0.92, 0.93, even)[0] is False  # +0.01: under the margin
+
+
+def test_a_loss_of_a_request_or_two_is_not_a_loss() -> None:
+    """A scenario at 12x of a 150-request part admits a handful: one request fewer there is
+    12 % of its goodput and no evidence against the table. The figures carry the requests one
+    unit is (the span, for goodput), and a loss must be ``MIN_LOSS_REQUESTS`` of them."""
+    def fig(running: float, candidate: float, span: float) -> dict[str, object]:
+        return {"scenario": "12x SLO later", "figure": "goodput_rps", "running": running, "candidate": candidate,
+                "per_request": span}
+
+    assert tn.decide(0.2, 0.6, [fig(0.796, 0.696, 10.0)])[0]  # one request over 10 s
+    swap, why = tn.decide(0.2, 0.6, [fig(0.796, 0.496, 10.0)])  # three
+    assert not swap and "3 requests" in why
+    # the first live run's loss, over its 40 s: 15 requests
+    assert not tn.decide(0.920, 0.956, [fig(3.634, 3.247, 40.0)])[0]
