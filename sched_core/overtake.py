@@ -2,8 +2,8 @@
 
 The core prices a request's first token from the queue it finds: the prompts ahead of it now.
 Shortest prompt first, the prompts of shorter buckets that arrive while it waits go before it
-too. In a burst they are most of its wait: a fresh scheduler's first second at 12× missed its
-first-token bounds for a quarter of its requests (docs/benchmarks.md, "The first burst's
+too. In a burst they are most of its wait: in the simulator a fresh scheduler's first second of
+``agent`` at 12× missed 20 of its 87 first-token bounds (docs/benchmarks.md, "The first burst's
 bounds"). Cobham's formula for a non-preemptive priority queue prices them: a request of
 class k waits ``W = W₀ / ((1 − σ_{k−1})(1 − σ_k))``, σ_j the load of classes 1…j; the factor
 ``1 / (1 − σ_{k−1})`` is the work of the higher classes that arrives during the wait. Here
