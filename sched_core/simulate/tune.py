@@ -127,8 +127,10 @@ def decide(score_running: float, score_candidate: float, figures: Sequence[dict[
         return False, (f"on the later traffic it scored {score_candidate:.3f} against the running table's "
                        f"{score_running:.3f} ({gain:+.3f}; a swap needs +{margin:g})")
     for f in figures:
-        lost = (f["running"] - f["candidate"]) * f.get("per_request", math.inf)
-        if f["candidate"] < f["running"] * (1.0 - max_loss) and lost >= MIN_LOSS_REQUESTS:
+        if f["candidate"] >= f["running"] * (1.0 - max_loss):
+            continue
+        lost = (f["running"] - f["candidate"]) * f.get("per_request", math.inf)  # > 0: it lost
+        if lost >= MIN_LOSS_REQUESTS:
             return False, (f"it scored +{gain:.3f} on the later traffic but lost at {f['scenario']}: "
                            f"{f['figure']} {f['candidate']:.3g} against {f['running']:.3g} (more than "
                            f"{max_loss:.0%} below" + (f", {lost:.0f} requests)" if lost < math.inf else ")"))
