@@ -114,13 +114,14 @@ def backend(
     cpus: Sequence[int] = (),
     extra_worker: Sequence[str] = (),
     env: Mapping[str, str | None] | None = None,
+    redis_cpus: Sequence[int] | None = None,
 ) -> Iterator[tuple[str, list[subprocess.Popen[bytes]]]]:
-    """Redis + N workers, as separate processes (pinned to ``cpus`` if given, ``env`` laid over
-    theirs); yields (redis_url, worker processes)."""
+    """Redis + N workers, as separate processes (pinned to ``cpus`` if given, Redis to
+    ``redis_cpus`` where given apart, ``env`` laid over theirs); yields (redis_url, worker processes)."""
     OUT.mkdir(parents=True, exist_ok=True)
     with EmbeddedRedis() as redis:
-        if cpus and redis.proc is not None:
-            pin_threads(redis.proc.pid, cpus)
+        if (redis_on := cpus if redis_cpus is None else redis_cpus) and redis.proc is not None:
+            pin_threads(redis.proc.pid, redis_on)
         model = ["--model", model_dir] if model_dir else []
         procs = [
             spawn(

@@ -2,7 +2,8 @@
 
     python -m bench.policies_live [--policies fcfs,grid,tokengate,smdp] [--loads 0.5,0.9,1.5]
                              [--requests 60] [--start 6140] [--length-scale 32] [--max-output 32]
-                             [--slo-ttft-ms MS] [--slo-tpot-ms MS] [--aging-tokens A] [--repeat N] [--json]
+                             [--slo-ttft-ms MS] [--slo-tpot-ms MS] [--aging-tokens A] [--repeat N]
+                             [--restart] [--hogs N] [--pin] [--json]
 
 A slice of the Azure LLM code trace (``bench/traffic.py``'s reader: prompt lengths divided by
 --length-scale, random token ids, outputs capped at --max-output and forced with ignore_eos) is
@@ -52,6 +53,12 @@ to the end of the last run: the capacity, the loads and every policy's runs are 
 beside them (the worker's start profile is then a quiet machine's, which its step-time model
 must follow).
 
+``--pin`` gives the worker a core of its own (core 1, one torch thread, measuring itself there
+at start) and puts Redis, every gateway and this load generator on core 0, as a deployment
+keeps its gateway off its workers' machines: the worker's steps then run at the speed it
+measured, not at whatever the gateway and the load generator leave it. Without it every process
+shares every core (the figures of the runs before the option). Hogs stay unpinned.
+
 Tables go to stdout, plots to ``bench/out/policies_*.png``.
 """
 
@@ -60,6 +67,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -130,6 +138,7 @@ class Live:
     steps: list[protocol.StepRecord] = field(default_factory=list)
     learnt: dict[str, float] = field(default_factory=dict)  # the last run's online step model (none: {})
     saved: dict[str, bytes] = field(default_factory=dict)  # per policy, what its last run's gateway saved
+    cpus: tuple[int, ...] = ()  # the gateways' cores (``--pin``); () = every core
 
     @contextmanager
     def gateway(self, policy: str, extra: tuple[str, ...] = (), restart: bool = False) -> Iterator[str]:
@@ -146,7 +155,7 @@ class Live:
         client.delete(key)
         if restart and policy in self.saved:
             client.set(key, self.saved[policy])
-        with gateway_server(self.redis_url, flags, self.model_dir, self.procs) as (base, _proc):
+        with gateway_server(self.redis_url, flags, self.model_dir, self.procs, self.cpus) as (base, _proc):
             if not self.keys:
                 self.keys = make_tenants(base, len(BUDGETS))
             yield base
@@ -178,6 +187,10 @@ def figures(run: Run, slo: Slo) -> Figures:
         for q in (50, 95, 99):
             out[f"{name}_p{q}_ms"] = pct(values, q) * 1000 if values else math.nan
     return out
+
+
+#: ``--pin``: the worker's core, and the core of Redis, the gateways and the load generator.
+WORKER_CPUS, REST_CPUS = (1,), (0,)
 
 
 #: The SLO's defaults, set where this bench's worker served 3.63 requests/s (``REFERENCE_CAPACITY``,
@@ -244,9 +257,14 @@ def main() -> None:
     parser.add_argument("--hogs", type=int, default=0,
                         help="other programs keeping a core busy each, from after the worker measured itself "
                         "to the last run (the capacity is measured beside them)")
+    parser.add_argument("--pin", action="store_true",
+                        help="the worker alone on core 1 with one thread; Redis, the gateways and the load "
+                        "generator on core 0")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.pin and not {*WORKER_CPUS, *REST_CPUS} <= os.sched_getaffinity(0):
+        parser.error(f"--pin needs cores {sorted({*WORKER_CPUS, *REST_CPUS})}")
     if args.requests <= SLOTS:  # the closed loop needs completions between its start and its drain
         parser.error(f"--requests must exceed the worker's {SLOTS} slots to measure its capacity")
     model_store.offline()
@@ -261,8 +279,11 @@ def main() -> None:
 
     runs: list[Figures] = []
     loads = [float(x) for x in args.loads.split(",")]
-    with backend("hf", slots=SLOTS, model_dir=model_dir) as (redis_url, procs), ExitStack() as busy:
-        live = Live(redis_url, procs, model_dir, spec.name, Slo(), aging)
+    pin = {"cpus": WORKER_CPUS, "redis_cpus": REST_CPUS, "extra_worker": ("--threads", "1")} if args.pin else {}
+    if args.pin:
+        os.sched_setaffinity(0, set(REST_CPUS))  # the load generator, beside the gateways
+    with backend("hf", slots=SLOTS, model_dir=model_dir, **pin) as (redis_url, procs), ExitStack() as busy:
+        live = Live(redis_url, procs, model_dir, spec.name, Slo(), aging, cpus=REST_CPUS if args.pin else ())
         measured = start_profile(redis_url)
         busy.enter_context(hogs(args.hogs))  # after the worker measured itself: the machine changes under it
         with live.gateway("fcfs", CAPACITY_FLAGS) as base:  # capacity: a closed loop, every slot busy
@@ -334,7 +355,7 @@ def main() -> None:
     if args.repeat > 1:
         summary["live_error_max"] = max(_noise(runs, p, x) for x in loads for p in simulated_policies)
     summary["slo_ttft_ms"], summary["slo_tpot_ms"] = slo.ttft_s * 1000, slo.tpot_s * 1000
-    summary["hogs"], summary["restart"] = args.hogs, args.restart
+    summary["hogs"], summary["restart"], summary["pinned"] = args.hogs, args.restart, args.pin
     print(orjson.dumps(summary).decode() if args.json else summary)
 
 
