@@ -31,12 +31,14 @@ from sched_core.smdp import N_STATES as _N_STATES
 from sched_core.smdp import describe, in_force, long_bucket
 from sched_core.types import HOLD_SLACK as _HOLD_SLACK
 from sched_core.types import LN100 as _LN100
+from sched_core.types import RESCUE_AFTER as _RESCUE_AFTER
 from sched_core.types import Contract, Dispatch, Reject, Request, SchedulerConfig
 
 IMPLEMENTATION = "cython"
 
 cdef double LN100 = _LN100
 cdef double HOLD_SLACK = _HOLD_SLACK
+cdef double RESCUE_AFTER = _RESCUE_AFTER
 cdef double INF = INFINITY
 
 
@@ -463,6 +465,7 @@ cdef class Scheduler:
         cdef Tail tl = self._tail(now)
         if tl.t_cut < INF and self.cap[GPU] > 0:  # the cut moves the gpu queue's tail to the cpu
             self._tail_cut(now, tl.t_cut, out)
+        self._rescue(now, tl.t_cut, out)
         count = self._bucket_order()
         for i in range(count):
             k = self.sortbuf[i].k
@@ -1438,6 +1441,45 @@ cdef class Scheduler:
             if self.nbuf:
                 self._dispatch(CPU, k, now, out)
         return 0
+
+    cdef int _rescue(self, double now, double t_cut, list out) except -1:
+        """The late go first: a bucket's oldest request that has waited ``RESCUE_AFTER`` of the
+        TTFT SLO is dispatched alone, ahead of the order, where it still makes the SLO
+        (``reference.Scheduler._rescue``)."""
+        cdef double late = RESCUE_AFTER * self.slo
+        cdef int k, h, i, p, count = 0
+        for k in range(self.nb):
+            h = self._fifo_head(k)
+            if h >= 0 and self.reqs[h].t_in + late <= now:
+                self.sortbuf[count].p = self.reqs[h].t_in
+                self.sortbuf[count].s = self.arr[h]
+                self.sortbuf[count].k = k
+                count += 1
+        sort_small(self.sortbuf, count)
+        for i in range(count):
+            k = self.sortbuf[i].k
+            while True:
+                h = self._fifo_head(k)
+                if h < 0 or self.reqs[h].t_in + late > now:
+                    break
+                p = self._plan(k, now, t_cut)
+                if p < 0:
+                    return 0
+                if not self._eligible(self.reqs[h].tenant) or not self._makes_it(p, h, now):
+                    break
+                self.nbuf = 0
+                self._serve(h)
+                self._dispatch(p, k, now, out)
+        return 0
+
+    cdef bint _makes_it(self, int p, int h, double now) except -1:
+        """Request h, sent to path p now, gets its first token within the TTFT SLO
+        (``reference.Scheduler._makes_it``)."""
+        cdef double w = self.workers[p]
+        cdef double u = self.used[p] / w, kv = self.kv[p] / w
+        cdef double queue = self._prefill_s(p, self.pend[p] / w, u, kv)
+        cdef double pf = self._prefill_s(p, <double>self.reqs[h].prompt, u, kv)
+        return (now - self.reqs[h].t_in) + queue + pf <= self.slo
 
     cdef int _dispatch(self, int p, int k, double now, list out) except -1:
         cdef int size = self.nbuf, i, h

@@ -32,6 +32,7 @@ from sched_core.smdp import N_STATES, PolicyTable, classify, describe, in_force,
 from sched_core.types import (
     HOLD_SLACK,
     LN100,
+    RESCUE_AFTER,
     BatchTimings,
     Contract,
     Dispatch,
@@ -222,6 +223,7 @@ class Scheduler:
         t_cut, _ = self._tail(now)
         if t_cut < INF and self._cap[GPU] > 0:  # the cut moves the gpu queue's tail to the cpu
             self._tail_cut(now, t_cut, out)
+        self._rescue(now, t_cut, out)
         for k in self._bucket_order():
             while self._n[k] > 0:
                 p = self._plan(k, now, t_cut)
@@ -950,6 +952,40 @@ class Scheduler:
             self._fifo[k].extendleft(reversed(aside))
             if batch:
                 self._dispatch(CPU, k, batch, now, out)
+
+    def _rescue(self, now: float, t_cut: float, out: list[Dispatch | Reject]) -> None:
+        """The late go first: a bucket's oldest request that has waited ``RESCUE_AFTER`` of the
+        TTFT SLO is dispatched alone, ahead of the order, to the path the bucket releases to,
+        if it still gets its first token there within the SLO (after the prompts already sent
+        to the path, then its own); buckets by their oldest request's admission, each in
+        admission order. A request that can no longer make it, or whose tenant is ahead of
+        its share, is left to the order and stops its bucket's rescue; a path that holds
+        stops every rescue (docs/scheduling.md §6)."""
+        late = RESCUE_AFTER * self.config.ttft_p99_slo_s
+        firsts = []
+        for k in range(len(self._bounds)):
+            r = self._fifo_head(k)
+            if r is not None and r.t_in + late <= now:
+                firsts.append((r.t_in, r.req.arrival, k))
+        firsts.sort()
+        for _, _, k in firsts:
+            while (r := self._fifo_head(k)) is not None and r.t_in + late <= now:
+                p = self._plan(k, now, t_cut)
+                if p < 0:
+                    return
+                if not self._eligible(r.tenant) or not self._makes_it(p, r, now):
+                    break
+                batch: list[_Req] = []
+                self._serve(r, batch)
+                self._dispatch(p, k, batch, now, out)
+
+    def _makes_it(self, p: int, r: _Req, now: float) -> bool:
+        """Request r, sent to path p now, gets its first token within the TTFT SLO (after the
+        prompts already sent there, then its own)."""
+        u, kv = self._per_worker(p)
+        queue = self._prefill_s(p, self._pend[p] / self._workers[p], u, kv)
+        pf = self._prefill_s(p, float(r.req.prompt_tokens), u, kv)
+        return (now - r.t_in) + queue + pf <= self.config.ttft_p99_slo_s
 
     def _dispatch(self, p: int, k: int, batch: list[_Req], now: float,
                   out: list[Dispatch | Reject]) -> None:

@@ -26,6 +26,12 @@ LN100: float = math.log(100.0)
 #: dozen (docs/benchmarks.md, "Policies on real traffic").
 HOLD_SLACK: float = 0.5
 
+#: A queued request that has waited this share of the TTFT SLO goes ahead of the order if it
+#: still makes the SLO when it starts now (docs/scheduling.md §6, "The late go first"): the
+#: shortest-first order alone left a live slice's longest prompts waiting past the SLO at 0.9×
+#: the worker's capacity, where FCFS made every first token in time (docs/benchmarks.md).
+RESCUE_AFTER: float = 0.5
+
 
 @dataclass(frozen=True, slots=True)
 class Request:

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from sched_core import Contract, Dispatch, PathConfig, Reject
-from sched_core.types import HOLD_SLACK, LN100
+from sched_core.types import HOLD_SLACK, LN100, RESCUE_AFTER
 
 from .conftest import Factory
 from .support import batch_line, req, timings
@@ -263,6 +263,25 @@ def test_without_a_gpu_path_there_is_no_tail_cut_and_the_order_holds_for_old_req
     s.finished("first", 1, 5.0)
     (d,) = dispatches(s.tick(5.0))
     assert d.request_ids == ("short",)  # key 10 + 1000·0.5 < 1000 + 0: not the older one
+
+
+@pytest.mark.parametrize(("now", "first"), [(0.95, "short"), (1.05, "long")])
+def test_a_request_late_by_a_share_of_its_slo_goes_first_while_it_can_still_make_it(
+        make: Factory, now: float, first: str) -> None:
+    """The late go first: once the long prompt has waited RESCUE_AFTER of the 2 s TTFT SLO
+    (1 s) and still gets its first token in time if it starts now, it leaves ahead of the
+    shorter one the order prefers; before that the order decides (10 + 1000·0.5 < 1000).
+    One that can no longer make it is left to the order (the test above, at 5 s)."""
+    s = make(cpu=PathConfig(0.006, 0.0015, 0.0, 0.004, 4e-5, max_batch=8, step_tokens=1024))
+    assert RESCUE_AFTER * s.config.ttft_p99_slo_s == pytest.approx(1.0)
+    s.worker_capacity("cpu", 1, 0.0)
+    s.arrive(req("first", out=1), 0.0)
+    dispatches(s.tick(0.0))
+    s.arrive(req("long", prompt=1000, out=1), 0.0)
+    s.arrive(req("short", prompt=10, out=1, arrival=0.5), 0.5)
+    s.finished("first", 1, now)
+    (d,) = dispatches(s.tick(now))
+    assert d.request_ids == (first,)
 
 
 def test_tail_cut_is_off_when_the_cpu_cannot_honour_the_slo(make: Factory) -> None:

@@ -249,4 +249,6 @@ def test_in_a_burst_the_first_token_bounds_count_the_shorter_prompts_that_will_o
 
     priced = inside()
     monkeypatch.setattr(Overtaking, "factor", lambda self, *args: 1.0)
-    assert priced >= 0.85 * len(wl.arrivals) and priced >= inside() + 0.05 * len(wl.arrivals)
+    # 342 of 400 before the late went first (RESCUE_AFTER), 331 since: older, longer prompts that
+    # become late overtake too, and nothing prices them (docs/benchmarks.md, "The late go first")
+    assert priced >= 0.8 * len(wl.arrivals) and priced >= inside() + 0.05 * len(wl.arrivals)

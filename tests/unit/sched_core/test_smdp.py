@@ -119,7 +119,7 @@ def test_a_table_set_while_requests_wait_applies_from_the_next_decision(make: Fa
 
 def test_aging_turns_shortest_first_into_arrival_order(make: Factory) -> None:
     def order(aging: float) -> list[str]:
-        s = make(policy_table=table(aging=aging))
+        s = make(policy_table=table(aging=aging), ttft_p99_slo_s=60.0)  # none is late (RESCUE_AFTER)
         for i, prompt in enumerate((1000, 900, 800, 100)):  # longest first, 0.05 s apart
             s.arrive(req(f"r{i}", prompt=prompt, arrival=0.05 * i), 0.05 * i)
         s.worker_capacity("cpu", 1, 1.0)
