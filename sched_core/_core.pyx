@@ -1407,20 +1407,27 @@ cdef class Scheduler:
                          + lo * self._step_s(CPU, 0.0, <double>b, <double>b * (lp + 0.5 * lo)))
         return <double>(w * b) / s if s > 0.0 else INF
 
-    cdef int _tail_cut(self, double now, double t_cut, list out) except -1:
-        """Requests that waited T_cut go to the cpu path in admission order, bucket by
-        bucket (the bucket whose overdue head entered first goes first)."""
-        cdef int k, h, i, count = 0
-        cdef long long limit
-        cdef Fifo* q
+    cdef int _late_buckets(self, double now, double wait) except -1:
+        """The buckets whose oldest queued request has waited ``wait`` into sortbuf, the one
+        whose oldest entered first first; returns their count."""
+        cdef int k, h, count = 0
         for k in range(self.nb):
             h = self._fifo_head(k)
-            if h >= 0 and self.reqs[h].t_in + t_cut <= now:
+            if h >= 0 and self.reqs[h].t_in + wait <= now:
                 self.sortbuf[count].p = self.reqs[h].t_in
                 self.sortbuf[count].s = self.arr[h]
                 self.sortbuf[count].k = k
                 count += 1
         sort_small(self.sortbuf, count)
+        return count
+
+    cdef int _tail_cut(self, double now, double t_cut, list out) except -1:
+        """Requests that waited T_cut go to the cpu path in admission order, bucket by
+        bucket (the bucket whose overdue head entered first goes first)."""
+        cdef int k, h, i
+        cdef long long limit
+        cdef Fifo* q
+        cdef int count = self._late_buckets(now, t_cut)
         for i in range(count):
             k = self.sortbuf[i].k
             limit = lmin(lmin(self._free(CPU), self.maxb[CPU]), self._room(CPU, k))
@@ -1447,15 +1454,8 @@ cdef class Scheduler:
         TTFT SLO is dispatched alone, ahead of the order, where it still makes the SLO
         (``reference.Scheduler._rescue``)."""
         cdef double late = RESCUE_AFTER * self.slo
-        cdef int k, h, i, p, count = 0
-        for k in range(self.nb):
-            h = self._fifo_head(k)
-            if h >= 0 and self.reqs[h].t_in + late <= now:
-                self.sortbuf[count].p = self.reqs[h].t_in
-                self.sortbuf[count].s = self.arr[h]
-                self.sortbuf[count].k = k
-                count += 1
-        sort_small(self.sortbuf, count)
+        cdef int k, h, i, p
+        cdef int count = self._late_buckets(now, late)
         for i in range(count):
             k = self.sortbuf[i].k
             while True:

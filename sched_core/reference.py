@@ -925,16 +925,21 @@ class Scheduler:
              + lo * self._step_s(CPU, 0.0, float(b), b * (lp + 0.5 * lo)))
         return (w * b) / s if s > 0.0 else INF
 
-    def _tail_cut(self, now: float, t_cut: float, out: list[Dispatch | Reject]) -> None:
-        """Requests that waited T_cut go to the cpu path in admission order, bucket by
-        bucket (the bucket whose overdue head entered first goes first)."""
+    def _late_buckets(self, now: float, wait: float) -> list[int]:
+        """The buckets whose oldest queued request has waited ``wait``, the one whose oldest
+        entered first first (ties: arrival, then bucket)."""
         firsts = []
         for k in range(len(self._bounds)):
             r = self._fifo_head(k)
-            if r is not None and r.t_in + t_cut <= now:
+            if r is not None and r.t_in + wait <= now:
                 firsts.append((r.t_in, r.req.arrival, k))
         firsts.sort()
-        for _, _, k in firsts:
+        return [k for _, _, k in firsts]
+
+    def _tail_cut(self, now: float, t_cut: float, out: list[Dispatch | Reject]) -> None:
+        """Requests that waited T_cut go to the cpu path in admission order, bucket by
+        bucket (the bucket whose overdue head entered first goes first)."""
+        for k in self._late_buckets(now, t_cut):
             limit = min(self._free(CPU), self._max_batch[CPU], self._room(CPU, k))
             if limit <= 0 or self._saturated(CPU):
                 return
@@ -962,13 +967,7 @@ class Scheduler:
         its share, is left to the order and stops its bucket's rescue; a path that holds
         stops every rescue (docs/scheduling.md §6)."""
         late = RESCUE_AFTER * self.config.ttft_p99_slo_s
-        firsts = []
-        for k in range(len(self._bounds)):
-            r = self._fifo_head(k)
-            if r is not None and r.t_in + late <= now:
-                firsts.append((r.t_in, r.req.arrival, k))
-        firsts.sort()
-        for _, _, k in firsts:
+        for k in self._late_buckets(now, late):
             while (r := self._fifo_head(k)) is not None and r.t_in + late <= now:
                 p = self._plan(k, now, t_cut)
                 if p < 0:
