@@ -1239,10 +1239,8 @@ cdef class Scheduler:
         cdef double tokens = <double>r * (<double>self.psum[k] / <double>n)
         if self._step_s(p, 0.0, u + r, kv + tokens) <= self.tpot:
             return False
-        cdef double pf = self._prefill_s(p, tokens, u, kv)
         cdef int head = self._fifo_head(k)
-        cdef double queue = self._prefill_s(p, self.pend[p] / w, u, kv)  # prompts sent before it
-        return head >= 0 and (now - self.reqs[head].t_in) + queue + pf < HOLD_SLACK * self.slo
+        return head >= 0 and self._first_token_s(p, self.reqs[head].t_in, tokens, now) < HOLD_SLACK * self.slo
 
     cdef bint _overdue(self, int k, double now, double t_cut) except -1:
         cdef int h = self._fifo_head(k)
@@ -1327,8 +1325,7 @@ cdef class Scheduler:
         cdef double w = self.workers[other]
         cdef double u = self.used[other] / w, kv = self.kv[other] / w
         cdef double tokens = <double>size * (<double>self.psum[k] / <double>n)
-        cdef double queue = self._prefill_s(other, self.pend[other] / w, u, kv)
-        if (now - self.reqs[head].t_in) + queue + self._prefill_s(other, tokens, u, kv) > self.slo:
+        if self._first_token_s(other, self.reqs[head].t_in, tokens, now) > self.slo:
             return False
         return self._step_s(other, 0.0, u + size, kv + tokens) <= self.tpot
 
@@ -1465,21 +1462,21 @@ cdef class Scheduler:
                 p = self._plan(k, now, t_cut)
                 if p < 0:
                     return 0
-                if not self._eligible(self.reqs[h].tenant) or not self._makes_it(p, h, now):
+                if (not self._eligible(self.reqs[h].tenant)
+                        or self._first_token_s(p, self.reqs[h].t_in, <double>self.reqs[h].prompt, now) > self.slo):
                     break
                 self.nbuf = 0
                 self._serve(h)
                 self._dispatch(p, k, now, out)
         return 0
 
-    cdef bint _makes_it(self, int p, int h, double now) except -1:
-        """Request h, sent to path p now, gets its first token within the TTFT SLO
-        (``reference.Scheduler._makes_it``)."""
+    cdef double _first_token_s(self, int p, double t_in, double tokens, double now) noexcept:
+        """From admission to the first token of a request admitted at ``t_in`` with ``tokens``
+        prompt tokens, sent to path p now (``reference.Scheduler._first_token_s``)."""
         cdef double w = self.workers[p]
         cdef double u = self.used[p] / w, kv = self.kv[p] / w
         cdef double queue = self._prefill_s(p, self.pend[p] / w, u, kv)
-        cdef double pf = self._prefill_s(p, <double>self.reqs[h].prompt, u, kv)
-        return (now - self.reqs[h].t_in) + queue + pf <= self.slo
+        return (now - t_in) + queue + self._prefill_s(p, tokens, u, kv)
 
     cdef int _dispatch(self, int p, int k, double now, list out) except -1:
         cdef int size = self.nbuf, i, h

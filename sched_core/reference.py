@@ -776,10 +776,9 @@ class Scheduler:
         tokens = r * (self._psum[k] / n)
         if self._step_s(p, 0.0, u + r, kv + tokens) <= slo:
             return False
-        pf = self._prefill_s(p, tokens, u, kv)
         head = self._fifo_head(k)
-        queue = self._prefill_s(p, self._pend[p] / self._workers[p], u, kv)  # prompts sent before it
-        return head is not None and (now - head.t_in) + queue + pf < HOLD_SLACK * self.config.ttft_p99_slo_s
+        slack = HOLD_SLACK * self.config.ttft_p99_slo_s
+        return head is not None and self._first_token_s(p, head.t_in, tokens, now) < slack
 
     def _overdue(self, k: int, now: float, t_cut: float) -> bool:
         r = self._fifo_head(k)
@@ -859,8 +858,7 @@ class Scheduler:
             return False
         u, kv = self._per_worker(other)
         tokens = size * (self._psum[k] / n)
-        queue = self._prefill_s(other, self._pend[other] / self._workers[other], u, kv)
-        if (now - head.t_in) + queue + self._prefill_s(other, tokens, u, kv) > self.config.ttft_p99_slo_s:
+        if self._first_token_s(other, head.t_in, tokens, now) > self.config.ttft_p99_slo_s:
             return False
         return self._step_s(other, 0.0, u + size, kv + tokens) <= self.config.tpot_slo_s
 
@@ -972,19 +970,21 @@ class Scheduler:
                 p = self._plan(k, now, t_cut)
                 if p < 0:
                     return
-                if not self._eligible(r.tenant) or not self._makes_it(p, r, now):
+                if (not self._eligible(r.tenant) or self._first_token_s(p, r.t_in, float(r.req.prompt_tokens), now)
+                        > self.config.ttft_p99_slo_s):
                     break
                 batch: list[_Req] = []
                 self._serve(r, batch)
                 self._dispatch(p, k, batch, now, out)
 
-    def _makes_it(self, p: int, r: _Req, now: float) -> bool:
-        """Request r, sent to path p now, gets its first token within the TTFT SLO (after the
-        prompts already sent there, then its own)."""
+    def _first_token_s(self, p: int, t_in: float, tokens: float, now: float) -> float:
+        """From admission to the first token of a request admitted at ``t_in`` with ``tokens``
+        prompt tokens, sent to path p now: its wait so far, the prompts already sent there
+        (``pending_prefill``), then its own; the TPOT hold (§6), the overflow that keeps the SLO
+        (§7) and the rescue (§6) test it against the TTFT SLO."""
         u, kv = self._per_worker(p)
         queue = self._prefill_s(p, self._pend[p] / self._workers[p], u, kv)
-        pf = self._prefill_s(p, float(r.req.prompt_tokens), u, kv)
-        return (now - r.t_in) + queue + pf <= self.config.ttft_p99_slo_s
+        return (now - t_in) + queue + self._prefill_s(p, tokens, u, kv)
 
     def _dispatch(self, p: int, k: int, batch: list[_Req], now: float,
                   out: list[Dispatch | Reject]) -> None:
