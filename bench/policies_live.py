@@ -35,9 +35,10 @@ and the formulas refit on the worker's step records of every run, and of each lo
 live steps are also checked against the start profile per kind of step. Printed: the live
 figures, the simulator's relative errors with the online fit (TTFT p50, p99, SLO attainment),
 and the worst error per policy and load under each step model. With ``--json`` the last line is
-one object with ``attainment_margin_90`` (tokengate minus the best other policy at the load
-nearest 0.9), ``goodput_ratio_150`` (tokengate ÷ fcfs at the load nearest 1.5;
-``goodput_ratio_150_smdp`` the same for ``smdp``), ``sim_error_max`` (the start profile),
+one object with ``default_margin_90`` (the default policy, ``smdp``, minus the best other policy
+at the load nearest 0.9), ``default_goodput_ratio_150`` (the default ÷ fcfs at the load nearest
+1.5), ``attainment_margin_90`` (tokengate minus the best other policy but the table),
+``goodput_ratio_150`` (tokengate ÷ fcfs), ``sim_error_max`` (the start profile),
 ``sim_error_max_packaged``, ``sim_error_max_learnt``, ``sim_error_max_refit`` and
 ``sim_error_max_refit_per_load``, and the SLO. With ``--repeat N`` every policy runs N rounds at
 each load (the order alternating): a table gives how far the rounds differ (``live_error_max``:
@@ -97,7 +98,7 @@ from bench.traffic import (
 from common import protocol, stepmodel, wire
 from sched_core import costmodel
 from sched_core.driver import MAX_QUEUE_WAIT_MS
-from sched_core.policies import make_policy
+from sched_core.policies import DEFAULT_POLICY, make_policy
 from sched_core.simulate import experiment as ex
 from sched_core.simulate.engine import Pool, simulate
 from sched_core.simulate.metrics import Slo, summarize
@@ -446,19 +447,26 @@ def _worst(runs: list[Figures], sims: Sims, policy: str | None = None, load: flo
                 if policy in (None, e[0]) and load in (None, e[1])), default=math.nan)
 
 
+def _margin(runs: list[Figures], policy: str, load: float, rivals: Callable[[str], bool]) -> float:
+    """``policy``'s SLO attainment at ``load`` less the best of the ``rivals`` there."""
+    mine = [float(r["slo_attainment"]) for r in runs if r["policy"] == policy and r["load"] == load]
+    others = [float(r["slo_attainment"]) for r in runs
+              if r["policy"] != policy and rivals(str(r["policy"])) and r["load"] == load]
+    return mine[0] - max(others) if mine and others else math.nan
+
+
+def _ratio(runs: list[Figures], policy: str, load: float) -> float:
+    """``policy``'s goodput at ``load`` over FCFS's."""
+    at = {str(r["policy"]): float(r["goodput_rps"]) for r in runs if r["load"] == load}
+    return at[policy] / at["fcfs"] if policy in at and at.get("fcfs") else math.nan
+
+
 def _summary(runs: list[Figures], capacity: float, seconds: float) -> dict[str, float]:
     at90, at150 = _nearest(runs, 0.9), _nearest(runs, 1.5)
-    mine = {float(r["load"]): r for r in runs if r["policy"] == "tokengate"}
-    others = [float(r["slo_attainment"]) for r in runs if r["policy"] != "tokengate"
-              and not str(r["policy"]).startswith("smdp") and r["load"] == at90]
-    fcfs = {float(r["load"]): r for r in runs if r["policy"] == "fcfs"}
-    margin = float(mine[at90]["slo_attainment"]) - max(others) if at90 in mine and others else math.nan
-    ratio = (float(mine[at150]["goodput_rps"]) / float(fcfs[at150]["goodput_rps"])
-             if at150 in mine and at150 in fcfs and float(fcfs[at150]["goodput_rps"]) else math.nan)
-    smdp = {float(r["load"]): r for r in runs if str(r["policy"]).startswith("smdp")}
-    ratio_smdp = (float(smdp[at150]["goodput_rps"]) / float(fcfs[at150]["goodput_rps"])
-                  if at150 in smdp and at150 in fcfs and float(fcfs[at150]["goodput_rps"]) else math.nan)
-    return {"attainment_margin_90": margin, "goodput_ratio_150": ratio, "goodput_ratio_150_smdp": ratio_smdp,
+    return {"attainment_margin_90": _margin(runs, "tokengate", at90, lambda p: not p.startswith("smdp")),
+            "goodput_ratio_150": _ratio(runs, "tokengate", at150),
+            "default_margin_90": _margin(runs, DEFAULT_POLICY, at90, lambda p: True),
+            "default_goodput_ratio_150": _ratio(runs, DEFAULT_POLICY, at150),
             "capacity_rps": capacity, "seconds": seconds}
 
 
